@@ -1,0 +1,103 @@
+"""Input validation and backend resolution shared by every op.
+
+Every failure is a ``ValueError`` naming the op, the argument, what was expected and what was given.
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+IMPLS = ("naive", "torch", "triton")
+
+
+def fail(op: str, msg: str) -> None:
+    raise ValueError(f"{op}: {msg}")
+
+
+def check_tensor(op: str, name: str, x, shape: Sequence, desc: str) -> None:
+    """Check that ``x`` is a floating tensor of ``shape`` (entries may be None = any size).
+
+    ``desc`` spells the expected layout for the message, e.g. ``"[B, T, H, N]"``.
+    """
+    if not isinstance(x, torch.Tensor):
+        fail(op, f"`{name}` must be a tensor of shape {desc}, got {type(x).__name__}")
+    if not x.is_floating_point():
+        fail(op, f"`{name}` must be a floating-point tensor, got dtype {x.dtype}")
+    if x.dim() != len(shape) or any(s is not None and s != xs for s, xs in zip(shape, x.shape)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        fail(op, f"`{name}` must have shape {desc} = {want}, got {list(x.shape)}")
+
+
+def check_same(op: str, ref_name: str, ref: torch.Tensor, named: Mapping[str, torch.Tensor | None],
+               dtype: bool = True) -> None:
+    """All given tensors live on ``ref``'s device (and share its dtype when ``dtype``)."""
+    for name, x in named.items():
+        if x is None:
+            continue
+        if x.device != ref.device:
+            fail(op, f"`{name}` is on {x.device} but `{ref_name}` is on {ref.device}; all inputs must share a device")
+        if dtype and x.dtype != ref.dtype:
+            fail(op, f"`{name}` has dtype {x.dtype} but `{ref_name}` has {ref.dtype}; activations must share a dtype")
+
+
+def check_range(op: str, name: str, x: torch.Tensor, lo: float | None, hi: float | None,
+                lo_open: bool, hi_open: bool = False) -> None:
+    """Every element of ``x`` lies in the interval (or NaN-free): raises with the offending min/max."""
+    xd = x.detach()
+    if torch.isnan(xd).any():
+        fail(op, f"`{name}` contains NaN")
+    bad = torch.zeros((), dtype=torch.bool, device=x.device)
+    if lo is not None:
+        bad |= (xd <= lo).any() if lo_open else (xd < lo).any()
+    if hi is not None:
+        bad |= (xd >= hi).any() if hi_open else (xd > hi).any()
+    if bool(bad):
+        interval = ("(" if lo_open else "[") + f"{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}" + (
+            ")" if hi_open or hi is None else "]")
+        fail(op, f"`{name}` must lie in {interval}, got values in [{xd.min().item():.4g}, {xd.max().item():.4g}]")
+
+
+def check_cu_seqlens(op: str, cu_seqlens, batch: int, seq_len: int, device: torch.device) -> int:
+    """Validate packed-sequence offsets; returns the number of sequences."""
+    if cu_seqlens is None:
+        return batch
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
+        fail(op, f"`cu_seqlens` must be a 1-D integer tensor [N + 1], got {cu_seqlens!r:.80}")
+    if batch != 1:
+        fail(op, f"`cu_seqlens` requires packed inputs with batch size 1, got B = {batch}")
+    if cu_seqlens.device != device:
+        fail(op, f"`cu_seqlens` is on {cu_seqlens.device} but the inputs are on {device}")
+    cs = cu_seqlens.tolist()
+    if len(cs) < 2 or cs[0] != 0 or cs[-1] != seq_len or any(b < a for a, b in zip(cs, cs[1:])):
+        fail(op, f"`cu_seqlens` must be non-decreasing, start at 0 and end at T = {seq_len}, got {cs}")
+    return len(cs) - 1
+
+
+def resolve_impl(op: str, impl: str | None, device: torch.device, available: Mapping[str, Callable]) -> Callable:
+    """Map ``impl`` (None = "triton" on CUDA, "torch" otherwise) to the function that runs it.
+
+    Never falls back: an impl that cannot run raises, naming the alternatives.
+    """
+    if impl is None:
+        impl = "triton" if device.type == "cuda" else "torch"
+    if impl not in IMPLS:
+        fail(op, f"unknown impl={impl!r}; expected one of {list(IMPLS)} or None")
+    if impl not in available:
+        others = [k for k in available if k != impl]
+        raise NotImplementedError(
+            f"{op}: impl={impl!r} is not available for this op in this version of kalmix "
+            f"(it is the default for {device.type} tensors); pass impl= one of {others} explicitly")
+    if impl == "triton" and device.type != "cuda" and not _triton_interpreted():
+        fail(op, f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got tensors on {device}")
+    return available[impl]
+
+
+def _triton_interpreted() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp64 stays fp64; everything else is computed in fp32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32

@@ -1,0 +1,34 @@
+"""Packed variable-length sequences (``cu_seqlens``) for the PyTorch implementations."""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+
+def run_packed(core: Callable, cu_seqlens: torch.Tensor | None, acts: Sequence[torch.Tensor | None],
+               state: tuple[torch.Tensor, ...], **kwargs):
+    """Run ``core(*acts, state=state, **kwargs) -> (outs, final_state)`` per packed sequence.
+
+    ``acts`` are ``[1, T, ...]`` activations cut at ``cu_seqlens``; ``state`` holds ``[N, ...]`` tensors,
+    row i being sequence i's initial state. Outputs are concatenated back along T, final states stacked.
+    Without ``cu_seqlens`` it is a plain call.
+    """
+    if cu_seqlens is None:
+        return core(*acts, state=state, **kwargs)
+    bounds = cu_seqlens.tolist()
+    outs, finals = [], []
+    for i, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
+        s_i = tuple(t[i:i + 1] for t in state)
+        if eos == bos:
+            finals.append(s_i)
+            continue
+        o_i, f_i = core(*[None if a is None else a[:, bos:eos] for a in acts], state=s_i, **kwargs)
+        outs.append(o_i)
+        finals.append(f_i)
+    final = tuple(torch.cat(parts, dim=0) for parts in zip(*finals))
+    if not outs:
+        return core(*[None if a is None else a[:, :0] for a in acts], state=state[:1] and tuple(
+            t[:1] for t in state), **kwargs)[0], final
+    out = tuple(None if parts[0] is None else torch.cat(parts, dim=1) for parts in zip(*outs))
+    return out, final

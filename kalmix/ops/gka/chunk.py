@@ -1,0 +1,48 @@
+"""Gated KalmaNet in chunked PyTorch: chunk-start (H, U) states, every H_t applied inside the chunk without
+being formed, ‖H_t‖_F from the chunk expansion (paper §4.2.1). Differentiable by autograd."""
+from __future__ import annotations
+
+import torch
+
+from kalmix.ops.common.chebyshev import chebyshev_solve
+
+CHUNK = 64
+
+
+def gka_chunk(q, k, v, g, beta, alpha, *, state, scale, ridge, num_iters, chunk_size: int = CHUNK):
+    Hc, Uc = state                                                     # [B, H, K, K], [B, H, K, V]
+    B, T, H, K = q.shape
+    outs = []
+    for c0 in range(0, T, chunk_size):
+        sl = slice(c0, min(c0 + chunk_size, T))
+        qc, kc, vc = (x[:, sl].transpose(1, 2) for x in (q, k, v))      # [B, H, C, *]
+        gc, bc, ac = (x[:, sl].transpose(1, 2) for x in (g, beta, alpha))  # [B, H, C]
+        C = qc.shape[2]
+        lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+        G = gc.cumsum(-1)
+        gam = G.exp()                                                  # Γ_t: decay since the chunk start
+        # M[t, s] = β_s Γ_t/Γ_s for s <= t: H_t = Γ_t H_c + Σ_s M[t, s] k_s k_sᵀ (likewise U_t)
+        M = torch.exp((G[..., :, None] - G[..., None, :]).masked_fill(~lower, float("-inf"))) * bc[..., None, :]
+        if num_iters == 0:
+            qt = qc
+        else:
+            gram = kc @ kc.transpose(-1, -2)                           # [B, H, C, C]
+            kHk = ((kc @ Hc) * kc).sum(-1)                             # k_sᵀ H_c k_s
+            sq = (gam ** 2 * (Hc ** 2).sum((-2, -1))[..., None] + 2 * gam * (M @ kHk[..., None])[..., 0]
+                  + ((M @ gram ** 2) * M).sum(-1))
+            hnorm = sq.clamp_min(0).sqrt()                             # ‖H_t‖_F  [B, H, C]
+            lam = ridge * hnorm
+            if num_iters is None:
+                Ht = gam[..., None, None] * Hc[:, :, None] + torch.einsum("bhts,bhsi,bhsj->bhtij", M, kc, kc)
+                eye = torch.eye(K, dtype=q.dtype, device=q.device)
+                x = torch.linalg.solve(Ht + lam[..., None, None] * eye, qc)
+            else:
+                def matvec(X):                                         # H_t x_t for every t at once
+                    return gam[..., None] * (X @ Hc.transpose(-1, -2)) + (M * (X @ kc.transpose(-1, -2))) @ kc
+                x = chebyshev_solve(matvec, qc, lam, hnorm, num_iters)
+            qt = qc + ac[..., None] * (x - qc)
+        outs.append(scale * (gam[..., None] * (qt @ Uc) + (M * (qt @ kc.transpose(-1, -2))) @ vc))
+        w_end = (torch.exp(G[..., -1:] - G) * bc)[..., None] * kc         # β_s Γ_C/Γ_s k_s
+        Hc = gam[..., -1, None, None] * Hc + w_end.transpose(-1, -2) @ kc
+        Uc = gam[..., -1, None, None] * Uc + w_end.transpose(-1, -2) @ vc
+    return (torch.cat(outs, dim=2).transpose(1, 2),), (Hc, Uc)

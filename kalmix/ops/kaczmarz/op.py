@@ -1,0 +1,55 @@
+"""Public entry point of Kaczmarz linear attention (DESIGN §1.3)."""
+from __future__ import annotations
+
+import torch
+
+from kalmix.ops.common.checks import (check_cu_seqlens, check_range, check_same, check_tensor, compute_dtype,
+                                      resolve_impl)
+from kalmix.ops.common.varlen import run_packed
+from kalmix.ops.kaczmarz.chunk import kaczmarz_chunk
+from kalmix.ops.kaczmarz.naive import kaczmarz_naive
+
+_OP = "kaczmarz_attention"
+_IMPLS = {"naive": kaczmarz_naive, "torch": kaczmarz_chunk}
+
+
+def kaczmarz_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, eta: torch.Tensor, *,
+                       eps: float = 1e-6, scale: float | None = None, initial_state: torch.Tensor | None = None,
+                       output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
+                       impl: str | None = None):
+    """Gated delta rule whose step is the Kaczmarz projection coefficient η / (‖k‖² + eps).
+
+    Args:
+        q, k: [B, T, H, K] (k is used raw: normalising it would make this GDN); v: [B, T, H, V].
+        g: [B, T, H] log-decay (<= 0); eta: [B, T, H] relaxation in (0, 1].
+        eps: stabiliser of the step for small ‖k‖; scale: readout scale, default K ** -0.5.
+        initial_state: [B, H, K, V] (B = number of sequences with ``cu_seqlens``); default zeros.
+        cu_seqlens: [N + 1] offsets of packed sequences (B must be 1).
+        impl: "naive" | "torch" | "triton" | None (triton on CUDA, torch otherwise).
+    Returns:
+        o [B, T, H, V], final state [B, H, K, V] (fp32, fp64 for fp64 inputs) or None.
+    """
+    check_tensor(_OP, "q", q, (None, None, None, None), "[B, T, H, K]")
+    B, T, H, K = q.shape
+    check_tensor(_OP, "k", k, (B, T, H, K), "[B, T, H, K] like q")
+    check_tensor(_OP, "v", v, (B, T, H, None), "[B, T, H, V]")
+    V = v.shape[-1]
+    check_tensor(_OP, "g", g, (B, T, H), "[B, T, H]")
+    check_tensor(_OP, "eta", eta, (B, T, H), "[B, T, H]")
+    check_same(_OP, "q", q, {"k": k, "v": v, "g": g, "eta": eta})
+    check_range(_OP, "g", g, None, 0.0, lo_open=False)
+    check_range(_OP, "eta", eta, 0.0, 1.0, lo_open=True)
+    if not eps >= 0:
+        raise ValueError(f"{_OP}: `eps` must be >= 0, got {eps}")
+    n_seq = check_cu_seqlens(_OP, cu_seqlens, B, T, q.device)
+    fn = resolve_impl(_OP, impl, q.device, _IMPLS)
+    dt = compute_dtype(q)
+    if initial_state is None:
+        initial_state = q.new_zeros(n_seq, H, K, V, dtype=dt)
+    else:
+        check_tensor(_OP, "initial_state", initial_state, (n_seq, H, K, V), "[B, H, K, V] (B = number of sequences)")
+        check_same(_OP, "q", q, {"initial_state": initial_state}, dtype=False)
+    scale = K ** -0.5 if scale is None else scale
+    (o,), (S,) = run_packed(fn, cu_seqlens, [x.to(dt) for x in (q, k, v, g, eta)], (initial_state.to(dt),),
+                            eps=eps, scale=scale)
+    return o.to(q.dtype), (S if output_final_state else None)

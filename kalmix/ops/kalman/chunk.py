@@ -1,0 +1,79 @@
+"""Kalman linear attention in parallel PyTorch: a Möbius scan for the precision, an affine scan for the mean,
+and the exact adjoint (itself two reverse affine scans) as the backward. See README.md for the derivation."""
+from __future__ import annotations
+
+import torch
+
+from kalmix.ops.common.scan import affine_scan, mobius_scan
+
+
+def _forward_lanes(q, k, v, w, a, p, lam0, mu0):
+    """All per-lane quantities [B, T, H, N, D] the forward and the backward need."""
+    kk = k[..., None]                                       # [B, T, H, N, 1]
+    phi = kk ** 2 * w[:, :, :, None, :]
+    r = kk * (w * v)[:, :, :, None, :]
+    a2 = (a * a).expand_as(phi)
+    # precision: λ_t = ((1 + p φ) λ + a² φ) / (p λ + a²)
+    lam = mobius_scan(1 + p * phi, a2 * phi, p.expand_as(phi), a2, lam0)
+    lam_prev = torch.cat([lam0[:, None], lam[:, :-1]], dim=1)
+    s = a * a + p * lam_prev
+    prior = lam_prev / s                                    # never λ_t − φ_t: that cancels when φ ≫ prior
+    gain = a * prior / lam                                  # mean gain in [0, a]
+    mu = affine_scan(gain, r / lam, mu0)
+    return phi, r, lam, lam_prev, s, prior, gain, mu
+
+
+class KalmanScanFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, w, a, p, lam0, mu0, output_variance: bool):
+        *_, lam, _, _, _, _, mu = _forward_lanes(q, k, v, w, a, p, lam0, mu0)
+        o = torch.einsum("bthn,bthnd->bthd", q, mu)
+        var = torch.einsum("bthn,bthnd->bthd", q * q, 1.0 / lam) if output_variance else None
+        ctx.save_for_backward(q, k, v, w, a, p, lam0, mu0)  # the lanes are recomputed in backward
+        ctx.output_variance = output_variance
+        return o, var, lam[:, -1], mu[:, -1]
+
+    @staticmethod
+    def backward(ctx, do, dvar, dlam_T, dmu_T):
+        q, k, v, w, a, p, lam0, mu0 = ctx.saved_tensors
+        phi, r, lam, lam_prev, s, prior, gain, mu = _forward_lanes(q, k, v, w, a, p, lam0, mu0)
+        mu_prev = torch.cat([mu0[:, None], mu[:, :-1]], dim=1)
+        qq = q[..., None]
+        g_mu = qq * do[:, :, :, None, :] if do is not None else torch.zeros_like(mu)
+        g_lam = -(qq ** 2) * dvar[:, :, :, None, :] / lam ** 2 if dvar is not None else torch.zeros_like(lam)
+        if dmu_T is not None:
+            g_mu[:, -1] += dmu_T
+        if dlam_T is not None:
+            g_lam[:, -1] += dlam_T
+        # Jacobian entries of (λ, μ)_{t-1} -> (λ, μ)_t; the step t+1 entries act on step t
+        a2 = a * a
+        e = a2 / s ** 2                                     # ∂λ_t/∂λ_{t-1}
+        f = a2 * (a * mu_prev - mu) / (s ** 2 * lam)        # ∂μ_t/∂λ_{t-1}
+        nxt = lambda x: torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], dim=1)  # noqa: E731
+        G_mu = affine_scan(nxt(gain), g_mu, reverse=True)
+        G_lam = affine_scan(nxt(e), g_lam + nxt(f * G_mu), reverse=True)
+        dlam0 = e[:, 0] * G_lam[:, 0] + f[:, 0] * G_mu[:, 0]
+        dmu0 = gain[:, 0] * G_mu[:, 0]
+        g_phi = G_lam - G_mu * mu / lam
+        g_r = G_mu / lam
+        dprior_da = -2 * a * lam_prev / s ** 2
+        dprior_dp = -lam_prev ** 2 / s ** 2
+        da = G_lam * dprior_da + G_mu * (prior * mu_prev + (a * mu_prev - mu) * dprior_da) / lam
+        dp = (G_lam + G_mu * (a * mu_prev - mu) / lam) * dprior_dp
+        kk = k[..., None]
+        ww = w[:, :, :, None, :]
+        vv = v[:, :, :, None, :]
+        dk = (2 * kk * ww * g_phi + ww * vv * g_r).sum(-1)
+        dw = (kk ** 2 * g_phi + kk * vv * g_r).sum(-2)
+        dv = (kk * ww * g_r).sum(-2)
+        dq = torch.einsum("bthd,bthnd->bthn", do, mu) if do is not None else torch.zeros_like(q)
+        if dvar is not None:
+            dq = dq + 2 * q * torch.einsum("bthd,bthnd->bthn", dvar, 1.0 / lam)
+        return dq, dk, dv, dw, da.sum((0, 1)), dp.sum((0, 1)), dlam0, dmu0, None
+
+
+def kalman_chunk(q, k, v, w, decay, process_noise, *, state, output_variance):
+    """Parallel-scan forward with the exact adjoint backward; ``state`` = (precision, mean) [B, H, N, D]."""
+    o, var, lam, mu = KalmanScanFunction.apply(q, k, v, w, decay, process_noise, state[0], state[1],
+                                               output_variance)
+    return (o, var), (lam, mu)

@@ -1,0 +1,64 @@
+"""Public entry point of variational linear attention (DESIGN §1.4)."""
+from __future__ import annotations
+
+import torch
+
+from kalmix.ops.common.checks import (check_cu_seqlens, check_same, check_tensor, compute_dtype, fail,
+                                      resolve_impl)
+from kalmix.ops.common.varlen import run_packed
+from kalmix.ops.vla.chunk import vla_chunk
+from kalmix.ops.vla.naive import vla_naive
+
+_OP = "variational_linear_attention"
+_IMPLS = {"naive": vla_naive, "torch": vla_chunk}
+
+
+def variational_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, u: torch.Tensor, *,
+                                 lambda0: float = 0.1, eps: float = 1e-4,
+                                 initial_state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                                 output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
+                                 impl: str | None = None):
+    """Recursive least squares with a Sherman–Morrison-maintained inverse penalty A.
+
+    Args:
+        q, k, u: [B, T, H, K] (u: penalty directions); v: [B, T, H, V].
+        lambda0: A_0 = I / lambda0 (> 0) when no initial state is given; eps: floor of the normaliser.
+        initial_state: (S [B, H, K, V], A [B, H, K, K] symmetric positive definite, n [B, H, K]);
+            default (0, I / lambda0, 0).
+        cu_seqlens: [N + 1] offsets of packed sequences (B must be 1).
+        impl: "naive" | "torch" | "triton" | None (triton on CUDA, torch otherwise).
+    Returns:
+        o [B, T, H, V], (S, A, n) final state (fp32, fp64 for fp64 inputs) or None.
+    """
+    check_tensor(_OP, "q", q, (None, None, None, None), "[B, T, H, K]")
+    B, T, H, K = q.shape
+    check_tensor(_OP, "k", k, (B, T, H, K), "[B, T, H, K] like q")
+    check_tensor(_OP, "v", v, (B, T, H, None), "[B, T, H, V]")
+    check_tensor(_OP, "u", u, (B, T, H, K), "[B, T, H, K] like q")
+    V = v.shape[-1]
+    check_same(_OP, "q", q, {"k": k, "v": v, "u": u})
+    if not lambda0 > 0:
+        fail(_OP, f"`lambda0` must be > 0, got {lambda0}")
+    if not eps > 0:
+        fail(_OP, f"`eps` must be > 0, got {eps}")
+    n_seq = check_cu_seqlens(_OP, cu_seqlens, B, T, q.device)
+    fn = resolve_impl(_OP, impl, q.device, _IMPLS)
+    dt = compute_dtype(q)
+    if initial_state is None:
+        eye = torch.eye(K, dtype=dt, device=q.device)
+        initial_state = (q.new_zeros(n_seq, H, K, V, dtype=dt), (eye / lambda0).expand(n_seq, H, K, K),
+                         q.new_zeros(n_seq, H, K, dtype=dt))
+    else:
+        if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 3:
+            fail(_OP, "`initial_state` must be an (S [B, H, K, V], A [B, H, K, K], n [B, H, K]) triple")
+        names = ("initial_state[0] (S)", "initial_state[1] (A)", "initial_state[2] (n)")
+        for name, s, shape, desc in zip(names, initial_state, ((n_seq, H, K, V), (n_seq, H, K, K), (n_seq, H, K)),
+                                        ("[B, H, K, V]", "[B, H, K, K]", "[B, H, K]")):
+            check_tensor(_OP, name, s, shape, desc)
+            check_same(_OP, "q", q, {name: s}, dtype=False)
+        A = initial_state[1].detach()
+        if not torch.allclose(A, A.transpose(-1, -2), rtol=1e-5, atol=1e-6 * float(A.abs().max())):
+            fail(_OP, "`initial_state[1]` (A) must be symmetric positive definite")
+    (o,), final = run_packed(fn, cu_seqlens, [x.to(dt) for x in (q, k, v, u)],
+                             tuple(s.to(dt) for s in initial_state), eps=eps)
+    return o.to(q.dtype), (final if output_final_state else None)
