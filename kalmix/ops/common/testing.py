@@ -1,0 +1,107 @@
+"""Helpers shared by the test-suite and by GPU check scripts: relative errors and random op inputs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kalmix import ops
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative RMS error ‖x − ref‖ / ‖ref‖ (absolute when ref is 0), computed in fp64."""
+    x, ref = x.detach().double(), ref.detach().double()
+    den = ref.norm().item()
+    return (x - ref).norm().item() / (den if den > 0 else 1.0)
+
+
+def assert_close(name: str, x: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    assert x.shape == ref.shape, f"{name}: shape {tuple(x.shape)} != {tuple(ref.shape)}"
+    assert torch.isfinite(x).all(), f"{name}: non-finite values"
+    err = rel_err(x, ref)
+    assert err <= tol, f"{name}: relative RMS error {err:.3e} > {tol:.1e}"
+
+
+def flatten_outputs(out) -> list[torch.Tensor | None]:
+    """(o, [variance,] state) -> flat list with the state's tensors spread out."""
+    flat = []
+    for x in out:
+        if isinstance(x, (tuple, list)):
+            flat.extend(x)
+        else:
+            flat.append(x)
+    return flat
+
+
+@dataclass
+class OpCase:
+    """How to draw realistic random inputs for one op (K, V = N, D for Kalman)."""
+    name: str
+    fn: Callable
+    inputs: Callable        # (B, T, H, K, V, dtype, gen) -> list of positional tensors
+    state: Callable         # (n, H, K, V, dtype, gen) -> initial_state
+
+
+def _rand(gen, *shape, dtype):
+    return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def _unif(gen, lo, hi, *shape, dtype):
+    return (lo + (hi - lo) * torch.rand(*shape, generator=gen, dtype=torch.float64)).to(dtype)
+
+
+def _spd(gen, n, H, K, dtype, shift):
+    X = _rand(gen, n, H, K, K, dtype=torch.float64)
+    return (X @ X.transpose(-1, -2) / K + shift * torch.eye(K, dtype=torch.float64)).to(dtype)
+
+
+def _normalize(x):
+    return x / x.norm(dim=-1, keepdim=True)
+
+
+CASES = {
+    "kalman": OpCase(
+        "kalman", ops.kalman_attention,
+        lambda B, T, H, K, V, dt, g: [_normalize(_rand(g, B, T, H, K, dtype=dt)), _normalize(_rand(g, B, T, H, K, dtype=dt)),
+                                      _rand(g, B, T, H, V, dtype=dt), _unif(g, 0.1, 3.0, B, T, H, V, dtype=dt),
+                                      _unif(g, 0.5, 1.0, H, K, V, dtype=dt), _unif(g, 0.0, 0.2, H, K, V, dtype=dt)],
+        lambda n, H, K, V, dt, g: (_unif(g, 0.5, 2.0, n, H, K, V, dtype=dt), _rand(g, n, H, K, V, dtype=dt))),
+    "gka": OpCase(
+        "gka", ops.gated_kalmanet,
+        lambda B, T, H, K, V, dt, g: [_rand(g, B, T, H, K, dtype=dt), _normalize(_rand(g, B, T, H, K, dtype=dt)),
+                                      _rand(g, B, T, H, V, dtype=dt), _unif(g, -0.3, 0.0, B, T, H, dtype=dt),
+                                      _unif(g, 0.05, 1.0, B, T, H, dtype=dt), _unif(g, 0.0, 1.0, B, T, H, dtype=dt)],
+        lambda n, H, K, V, dt, g: (_spd(g, n, H, K, dt, 0.1), _rand(g, n, H, K, V, dtype=dt))),
+    "kaczmarz": OpCase(
+        "kaczmarz", ops.kaczmarz_attention,
+        lambda B, T, H, K, V, dt, g: [_normalize(_rand(g, B, T, H, K, dtype=dt)), _rand(g, B, T, H, K, dtype=dt),
+                                      _rand(g, B, T, H, V, dtype=dt), _unif(g, -0.3, 0.0, B, T, H, dtype=dt),
+                                      _unif(g, 0.05, 1.0, B, T, H, dtype=dt)],
+        lambda n, H, K, V, dt, g: _rand(g, n, H, K, V, dtype=dt)),
+    "vla": OpCase(
+        "vla", ops.variational_linear_attention,
+        lambda B, T, H, K, V, dt, g: [_rand(g, B, T, H, K, dtype=dt), _rand(g, B, T, H, K, dtype=dt),
+                                      _rand(g, B, T, H, V, dtype=dt), _rand(g, B, T, H, K, dtype=dt)],
+        lambda n, H, K, V, dt, g: (_rand(g, n, H, K, V, dtype=dt), _spd(g, n, H, K, dt, 0.5),
+                                   _unif(g, 0.0, 2.0, n, H, K, dtype=dt))),
+}
+
+
+def run_case(case: OpCase, args, state, impl: str, **kw):
+    """Call the op with every output requested; returns the flat list of outputs."""
+    extra = {"output_variance": True} if case.name == "kalman" else {}
+    out = case.fn(*args, initial_state=state, output_final_state=True, impl=impl, **extra, **kw)
+    return [x for x in flatten_outputs(out) if x is not None]
+
+
+def outputs_and_grads(case: OpCase, args, state, impl: str, seed: int = 1, **kw):
+    """Outputs and the gradients of a random linear functional of all of them w.r.t. every input."""
+    args = [a.detach().requires_grad_() for a in args]
+    state_t = tuple(state) if isinstance(state, tuple) else (state,)
+    state_t = tuple(s.detach().requires_grad_() for s in state_t)
+    outs = run_case(case, args, state_t if isinstance(state, tuple) else state_t[0], impl, **kw)
+    gen = torch.Generator().manual_seed(seed)
+    loss = sum((o * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o)).sum() for o in outs)
+    grads = torch.autograd.grad(loss, [*args, *state_t])
+    return [o.detach() for o in outs], list(grads)

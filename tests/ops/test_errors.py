@@ -1,0 +1,95 @@
+"""Bad input is a ValueError that names the argument, what was expected and what was given."""
+import pytest
+import torch
+
+from kalmix import ops
+from kalmix.ops.common.testing import CASES
+
+
+def draw(name, B=2, T=8, H=2, K=4, V=3, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(0)
+    return CASES[name].inputs(B, T, H, K, V, dtype, gen)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_unknown_impl(name):
+    with pytest.raises(ValueError, match=r"unknown impl='fast'"):
+        CASES[name].fn(*draw(name), impl="fast")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_impl_not_available_is_an_error_not_a_fallback(name):
+    with pytest.raises((NotImplementedError, ValueError), match="triton"):
+        CASES[name].fn(*draw(name), impl="triton")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_wrong_rank_and_size(name):
+    args = draw(name)
+    with pytest.raises(ValueError, match=r"`q` must have shape"):
+        CASES[name].fn(args[0][0], *args[1:])
+    bad = list(args)
+    bad[2] = bad[2][:, :5]
+    with pytest.raises(ValueError, match=r"`v` must have shape .*got \[2, 5, 2, 3\]"):
+        CASES[name].fn(*bad)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_mismatched_dtype_and_device(name):
+    args = draw(name)
+    bad = list(args)
+    bad[1] = bad[1].double()
+    with pytest.raises(ValueError, match=r"`k` has dtype torch.float64"):
+        CASES[name].fn(*bad)
+    bad = list(args)
+    bad[2] = torch.empty(bad[2].shape, device="meta")
+    with pytest.raises(ValueError, match=r"`v` is on meta"):
+        CASES[name].fn(*bad)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_cu_seqlens_must_end_at_T(name):
+    args = draw(name, B=1)
+    with pytest.raises(ValueError, match=r"`cu_seqlens` must .*end at T = 8, got \[0, 3, 7\]"):
+        CASES[name].fn(*args, cu_seqlens=torch.tensor([0, 3, 7]))
+    with pytest.raises(ValueError, match=r"batch size 1, got B = 2"):
+        CASES[name].fn(*draw(name), cu_seqlens=torch.tensor([0, 3, 8]))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_initial_state_shape(name):
+    args = draw(name)
+    state = CASES[name].state(3, 2, 4, 3, torch.float32, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"initial_state.*must have shape"):
+        CASES[name].fn(*args, initial_state=state)
+
+
+def test_kalman_ranges():
+    q, k, v, w, a, p = draw("kalman")
+    with pytest.raises(ValueError, match=r"`v_precision` must lie in \(0.0, inf\)"):
+        ops.kalman_attention(q, k, v, w.clone().index_fill_(1, torch.tensor([2]), 0.0), a, p)
+    with pytest.raises(ValueError, match=r"`decay` must lie in \(0.0, 1.0\]"):
+        ops.kalman_attention(q, k, v, w, a + 1.0, p)
+    with pytest.raises(ValueError, match=r"`decay` must lie in \(0.0, 1.0\]"):
+        ops.kalman_attention(q, k, v, w, torch.zeros_like(a), p)
+    with pytest.raises(ValueError, match=r"`process_noise` must lie in \[0.0, inf\)"):
+        ops.kalman_attention(q, k, v, w, a, p - 1.0)
+    with pytest.raises(ValueError, match=r"`decay` must have shape \[H, N, D\]"):
+        ops.kalman_attention(q, k, v, w, a[0], p)
+
+
+def test_gate_ranges():
+    q, k, v, g, eta = draw("kaczmarz")
+    with pytest.raises(ValueError, match=r"`g` must lie in"):
+        ops.kaczmarz_attention(q, k, v, -g + 0.1, eta)
+    with pytest.raises(ValueError, match=r"`eta` must lie in \(0.0, 1.0\]"):
+        ops.kaczmarz_attention(q, k, v, g, eta + 1.0)
+    q, k, v, g, beta, alpha = draw("gka")
+    with pytest.raises(ValueError, match=r"`beta` must lie in \[0.0, inf\)"):
+        ops.gated_kalmanet(q, k, v, g, -beta)
+    with pytest.raises(ValueError, match=r"`num_iters` must be None"):
+        ops.gated_kalmanet(q, k, v, num_iters=-1)
+    with pytest.raises(ValueError, match=r"`ridge` must be > 0"):
+        ops.gated_kalmanet(q, k, v, ridge=0.0)
+    with pytest.raises(ValueError, match=r"`lambda0` must be > 0"):
+        ops.variational_linear_attention(*draw("vla"), lambda0=0.0)
