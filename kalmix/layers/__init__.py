@@ -1,0 +1,18 @@
+"""Drop-in mixer layers with fla's ``forward(hidden_states, attention_mask, past_key_values, use_cache)``."""
+from kalmix.layers.attention import SoftmaxAttention
+from kalmix.layers.gka import GatedKalmaNet
+from kalmix.layers.kaczmarz import GatedDeltaNet, KaczmarzAttention
+from kalmix.layers.kalman import KalmanAttention
+from kalmix.layers.vla import VariationalLinearAttention
+
+MIXERS = {
+    "kalman": KalmanAttention,
+    "gka": GatedKalmaNet,
+    "kaczmarz": KaczmarzAttention,
+    "vla": VariationalLinearAttention,
+    "gdn": GatedDeltaNet,
+    "attention": SoftmaxAttention,
+}
+
+__all__ = ["KalmanAttention", "GatedKalmaNet", "KaczmarzAttention", "VariationalLinearAttention", "GatedDeltaNet",
+           "SoftmaxAttention", "MIXERS"]

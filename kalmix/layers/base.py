@@ -1,0 +1,67 @@
+"""The plumbing every kalmix layer shares: fla's forward signature, padding masks, the recurrent cache."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from kalmix.layers.common import Packer, check_hidden, layer_cache, new_cache
+
+
+class MixerLayer(nn.Module):
+    """Subclasses implement ``project`` (hidden -> op inputs), ``mix`` (the op) and ``readout`` (op output -> hidden).
+
+    ``forward(hidden_states, attention_mask=None, past_key_values=None, use_cache=False)`` returns
+    ``(o [B, T, d_model], None, past_key_values)`` like fla's layers. ``attention_mask`` [B, T] (1 = token,
+    0 = padding; left or right padding) runs the padded batch as packed sequences, so padding never touches
+    a state. With ``use_cache`` the final recurrent and convolution states go into an fla ``Cache`` (created
+    when None is given); a following call continues from them, and single-token calls run the op's
+    recurrent step (impl="naive", the same function the reference loops over).
+    """
+
+    d_model: int
+    layer_idx: int
+    impl: str | None
+
+    def project(self, x: torch.Tensor, conv_state):
+        """x [B, T, d_model] -> (list of op inputs [B, T, ...], readout context, new conv state)."""
+        raise NotImplementedError
+
+    def mix(self, inputs, initial_state, output_final_state, cu_seqlens, impl, **kwargs):
+        """Run the op: -> (o [B, T, H, V], extra output or None, final state)."""
+        raise NotImplementedError
+
+    def readout(self, o: torch.Tensor, extra, ctx, **kwargs):
+        """(o, extra, ctx) -> (out [B, T, d_model], second return value)."""
+        raise NotImplementedError
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                past_key_values=None, use_cache: bool = False, **kwargs):
+        name = type(self).__name__
+        B, T = hidden_states.shape[:2]
+        if attention_mask is not None and T == 1 and attention_mask.dim() == 2:
+            attention_mask = attention_mask[:, -1:]                     # decoding: the mask grows with the context
+        check_hidden(name, hidden_states, self.d_model, attention_mask)
+        last = layer_cache(past_key_values, self.layer_idx)
+        conv_state = last["conv_state"] if last else None
+        rec_state = last["recurrent_state"] if last else None
+        x = hidden_states
+        packer = None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            x = x * attention_mask[..., None].to(x.dtype)             # padding enters the convolutions as zeros
+            packer = Packer(attention_mask)
+        inputs, ctx, conv_state = self.project(x, conv_state)
+        cu_seqlens = None
+        if packer is not None:
+            inputs = [packer.pack(a) if a.dim() >= 3 else a for a in inputs]
+            cu_seqlens = packer.cu_seqlens
+        impl = "naive" if T == 1 else self.impl
+        o, extra, state = self.mix(inputs, rec_state, use_cache, cu_seqlens, impl, **kwargs)
+        if packer is not None:
+            o = packer.unpack(o)
+            extra = None if extra is None else packer.unpack(extra)
+        if use_cache:
+            if past_key_values is None:
+                past_key_values = new_cache()
+            past_key_values.update(recurrent_state=state, conv_state=conv_state, layer_idx=self.layer_idx, offset=T)
+        out, second = self.readout(o, extra, ctx, **kwargs)
+        return out, second, past_key_values

@@ -1,0 +1,121 @@
+"""Pieces the layers share: causal short convolution with a decode cache, gated RMSNorm, Mamba-2 decay gate,
+padding masks to packed sequences, and fla-compatible cache access."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """bf16/fp16 -> fp32; fp32 and fp64 stay as they are."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+class ShortConv(nn.Module):
+    """Causal depthwise 1-D convolution over time (+ SiLU), with the last ``kernel - 1`` inputs as decode state.
+
+    Input and output [B, T, C]; ``state`` [B, C, kernel - 1] holds the inputs that precede ``x``.
+    """
+
+    def __init__(self, channels: int, kernel_size: int = 4, bias: bool = False, activation: bool = True):
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.activation = activation
+        self.weight = nn.Parameter(torch.empty(channels, kernel_size))
+        self.bias = nn.Parameter(torch.zeros(channels)) if bias else None
+        bound = 1.0 / math.sqrt(kernel_size)
+        nn.init.uniform_(self.weight, -bound, bound)
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None):
+        """Returns (y [B, T, C], new state [B, C, kernel - 1])."""
+        B, T, C = x.shape
+        xt = x.transpose(1, 2)                                           # [B, C, T]
+        if state is None:
+            state = xt.new_zeros(B, C, self.kernel_size - 1)
+        full = torch.cat([state.to(xt.dtype), xt], dim=-1)              # [B, C, K - 1 + T]
+        y = F.conv1d(full, self.weight[:, None, :], self.bias, groups=C)  # [B, C, T]
+        y = y.transpose(1, 2)
+        if self.activation:
+            y = F.silu(y)
+        return y, full[..., -(self.kernel_size - 1):]
+
+    def state_size(self) -> int:
+        return self.weight.shape[0] * (self.kernel_size - 1)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over the last dimension times a SiLU gate: ``norm(x) * weight * silu(z)``."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        xf = upcast(x)
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * upcast(self.weight)
+        return (y * F.silu(upcast(z))).to(x.dtype)
+
+
+class DecayGate(nn.Module):
+    """Mamba-2 style data-dependent log decay g = −exp(A_log) · softplus(W x + dt_bias), one per head.
+
+    Init: A ~ U(1, 16), dt log-uniform in [dt_min, dt_max] (stored through the inverse softplus).
+    """
+
+    def __init__(self, d_model: int, num_heads: int, dt_min: float = 1e-3, dt_max: float = 0.1):
+        super().__init__()
+        self.proj = nn.Linear(d_model, num_heads, bias=False)
+        self.A_log = nn.Parameter(torch.empty(num_heads).uniform_(1, 16).log())
+        dt = torch.exp(torch.rand(num_heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+        dt = dt.clamp_min(1e-4)
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
+        self.A_log._no_weight_decay = True
+        self.dt_bias._no_weight_decay = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, d_model] -> g [B, T, H] (at least fp32, <= 0)."""
+        return -upcast(self.A_log).exp() * F.softplus(upcast(self.proj(x)) + upcast(self.dt_bias))
+
+
+def check_hidden(name: str, x: torch.Tensor, d_model: int, attention_mask: torch.Tensor | None) -> None:
+    if x.dim() != 3 or x.shape[-1] != d_model:
+        raise ValueError(f"{name}: `hidden_states` must be [B, T, {d_model}], got {list(x.shape)}")
+    if attention_mask is not None and attention_mask.shape != x.shape[:2]:
+        raise ValueError(f"{name}: `attention_mask` must be [B, T] = {list(x.shape[:2])} (1 = token, 0 = padding), "
+                         f"got {list(attention_mask.shape)}")
+
+
+class Packer:
+    """Turns a [B, T] padding mask into packed [1, total, ...] tensors with ``cu_seqlens`` and back."""
+
+    def __init__(self, attention_mask: torch.Tensor):
+        mask = attention_mask.bool()
+        self.shape = mask.shape
+        self.indices = mask.flatten().nonzero()[:, 0]
+        lengths = mask.sum(1)
+        self.cu_seqlens = F.pad(lengths.cumsum(0), (1, 0))
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(0, 1)[self.indices][None]
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.new_zeros(self.shape[0] * self.shape[1], *x.shape[2:])
+        out[self.indices] = x[0]
+        return out.view(*self.shape, *x.shape[2:])
+
+
+def layer_cache(past_key_values, layer_idx: int) -> dict | None:
+    """This layer's entry of an fla ``Cache`` (or None when there is none yet)."""
+    if past_key_values is not None and len(past_key_values) > layer_idx:
+        return past_key_values[layer_idx]
+    return None
+
+
+def new_cache():
+    """An empty fla ``Cache``; kalmix layers store their states in it the way fla's layers do."""
+    from fla.models.utils import Cache
+    return Cache()

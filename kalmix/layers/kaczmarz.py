@@ -1,0 +1,79 @@
+"""Kaczmarz linear attention layer (the Gated DeltaNet template, Kaczmarz LA paper §3) and the Gated DeltaNet
+baseline it is one normalisation away from."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kalmix.layers.base import MixerLayer
+from kalmix.layers.common import DecayGate, GatedRMSNorm, ShortConv
+from kalmix.ops import kaczmarz_attention
+
+
+class KaczmarzAttention(MixerLayer):
+    """q, k, v projections + short conv (4, SiLU); q L2-normalised, k raw; η = sigmoid, Mamba-2 decay;
+    S_t = γS + η/(‖k‖² + eps) · k (v − γSᵀk)ᵀ; o = Sᵀq / √K; per-head gated RMSNorm; out projection.
+
+    Args:
+        d_model: width; num_heads: H; head_k_dim: K; expand_v: V = expand_v · K; eps: of the Kaczmarz step.
+    """
+
+    normalize_keys = False
+
+    def __init__(self, d_model: int, num_heads: int = 4, head_k_dim: int | None = None, expand_v: float = 1.0,
+                 conv_size: int = 4, eps: float = 1e-6, norm_eps: float = 1e-5, layer_idx: int = 0,
+                 impl: str | None = None):
+        super().__init__()
+        self.d_model, self.layer_idx, self.impl = d_model, layer_idx, impl
+        self.num_heads = num_heads
+        self.head_k_dim = head_k_dim or d_model // num_heads
+        self.head_v_dim = int(self.head_k_dim * expand_v)
+        self.eps = 0.0 if self.normalize_keys else eps
+        kw, vw = num_heads * self.head_k_dim, num_heads * self.head_v_dim
+        self.q_proj, self.k_proj = nn.Linear(d_model, kw, bias=False), nn.Linear(d_model, kw, bias=False)
+        self.v_proj = nn.Linear(d_model, vw, bias=False)
+        self.q_conv, self.k_conv, self.v_conv = ShortConv(kw, conv_size), ShortConv(kw, conv_size), ShortConv(
+            vw, conv_size)
+        self.b_proj = nn.Linear(d_model, num_heads, bias=True)
+        self.decay = DecayGate(d_model, num_heads)
+        self.g_proj = nn.Linear(d_model, vw, bias=False)
+        self.o_norm = GatedRMSNorm(self.head_v_dim, eps=norm_eps)
+        self.o_proj = nn.Linear(vw, d_model, bias=False)
+
+    def project(self, x, conv_state):
+        B, T, _ = x.shape
+        H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
+        cq, ck, cv = conv_state if conv_state is not None else (None, None, None)
+        q, cq = self.q_conv(self.q_proj(x), cq)
+        k, ck = self.k_conv(self.k_proj(x), ck)
+        v, cv = self.v_conv(self.v_proj(x), cv)
+        q = F.normalize(q.view(B, T, H, K), dim=-1, eps=1e-6)
+        k = k.view(B, T, H, K)
+        if self.normalize_keys:
+            k = F.normalize(k, dim=-1, eps=1e-6)
+        eta = torch.sigmoid(self.b_proj(x))
+        g = self.decay(x).to(q.dtype)
+        return [q, k, v.view(B, T, H, V), g, eta], self.g_proj(x), (cq, ck, cv)
+
+    def mix(self, inputs, initial_state, output_final_state, cu_seqlens, impl, **kwargs):
+        o, state = kaczmarz_attention(*inputs, eps=self.eps, initial_state=initial_state,
+                                      output_final_state=output_final_state, cu_seqlens=cu_seqlens, impl=impl)
+        return o, None, state
+
+    def readout(self, o, extra, gate, **kwargs):
+        B, T = gate.shape[:2]
+        o = self.o_norm(o, gate.view(B, T, self.num_heads, self.head_v_dim))
+        return self.o_proj(o.reshape(B, T, -1)), None
+
+    def state_size(self) -> int:
+        """Elements carried per sequence while decoding: S [H, K, V] plus the conv buffers."""
+        return (self.num_heads * self.head_k_dim * self.head_v_dim + self.q_conv.state_size()
+                + self.k_conv.state_size() + self.v_conv.state_size())
+
+
+class GatedDeltaNet(KaczmarzAttention):
+    """Gated DeltaNet baseline on kalmix's own CPU/GPU path: unit keys and eps = 0 turn the Kaczmarz step
+    η/(‖k‖² + eps) into GDN's learned β = η exactly."""
+
+    normalize_keys = True

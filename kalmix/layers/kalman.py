@@ -1,0 +1,95 @@
+"""Kalman linear attention layer (Kalman LA paper §4.4 and App. A; gaps filled from the authors' released code)."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kalmix.layers.base import MixerLayer
+from kalmix.layers.common import ShortConv, upcast
+from kalmix.ops import kalman_attention
+
+
+class KalmanAttention(MixerLayer):
+    """Mamba-style block around an exact diagonal Kalman filter.
+
+    in_proj -> (x, gate); x -> causal conv(4) + SiLU; sensor projection of x -> value v, value precision
+    Λv = 1 / (softplus(s) + 1e-4), and unit-norm k, q per head (shared by the head's channels, like Mamba-1's
+    B and C). The prior is an Ornstein–Uhlenbeck process with learned a > 0, Δ and p per (head, slot, channel):
+    ā = exp(−aΔ), p̄ = p² / (2a) · (1 − exp(−2aΔ)). Output (μ readout + skip · x) · SiLU(gate) -> out_proj.
+
+    ``forward(..., output_variance=True)`` returns the posterior variance propagated through the gate and the
+    output projection as the second value (channels treated as independent: var · SiLU(gate)², then W_out²).
+
+    Args:
+        d_model: model width; expand: channels M = expand · d_model; d_state: N; num_heads: H (M = H · D).
+    """
+
+    def __init__(self, d_model: int, expand: int = 2, d_state: int = 16, num_heads: int = 1, conv_size: int = 4,
+                 dt_min: float = 1e-3, dt_max: float = 0.1, p_init: float = 0.01, layer_idx: int = 0,
+                 impl: str | None = None):
+        super().__init__()
+        self.d_model, self.layer_idx, self.impl = d_model, layer_idx, impl
+        self.d_inner = expand * d_model
+        if self.d_inner % num_heads:
+            raise ValueError(f"KalmanAttention: expand * d_model = {self.d_inner} must be divisible by "
+                             f"num_heads = {num_heads}")
+        self.num_heads, self.d_state, self.head_dim = num_heads, d_state, self.d_inner // num_heads
+        M, H, N, D = self.d_inner, num_heads, d_state, self.head_dim
+        self.in_proj = nn.Linear(d_model, 2 * M, bias=False)
+        self.conv = ShortConv(M, conv_size, bias=True)
+        self.sensor_proj = nn.Linear(M, 2 * M + 2 * H * N, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(H, N, D))                # a = 1 at init (released code)
+        dt = torch.exp(torch.rand(H, N, D) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+        dt = dt.clamp_min(1e-4)
+        self.dt_raw = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^{-1}(Δ)
+        self.p = nn.Parameter(torch.full((H, N, D), p_init))
+        self.skip = nn.Parameter(torch.tensor(-1.0))
+        self.out_proj = nn.Linear(M, d_model, bias=False)
+        for prm in (self.A_log, self.dt_raw, self.p, self.skip):
+            prm._no_weight_decay = True
+
+    def dynamics(self):
+        """(decay ā, process noise p̄), both [H, N, D] fp32, from the OU discretisation."""
+        a = upcast(self.A_log).exp()
+        dt = F.softplus(upcast(self.dt_raw))
+        decay = torch.exp(-a * dt)
+        noise = upcast(self.p) ** 2 / (2 * a) * -torch.expm1(-2 * a * dt)
+        return decay, noise
+
+    def project(self, x, conv_state):
+        B, T, _ = x.shape
+        H, N, D = self.num_heads, self.d_state, self.head_dim
+        z, gate = self.in_proj(x).chunk(2, dim=-1)
+        z, conv_state = self.conv(z, conv_state)
+        v, s, k, q = self.sensor_proj(z).split([self.d_inner, self.d_inner, H * N, H * N], dim=-1)
+        k = F.normalize(k.view(B, T, H, N), dim=-1)
+        q = F.normalize(q.view(B, T, H, N), dim=-1)
+        w = 1.0 / (F.softplus(upcast(s)) + 1e-4)
+        return [q, k, v.view(B, T, H, D), w.view(B, T, H, D).to(v.dtype)], (z, gate), conv_state
+
+    def mix(self, inputs, initial_state, output_final_state, cu_seqlens, impl, output_variance: bool = False,
+            **kwargs):
+        decay, noise = self.dynamics()
+        # the filter runs in fp32 whatever the activations are (the op upcasts; precisions reach ~1e6)
+        q, k, v, w = (upcast(t) for t in inputs)
+        o, var, state = kalman_attention(q, k, v, w, decay, noise, initial_state=initial_state,
+                                         output_final_state=output_final_state, output_variance=output_variance,
+                                         cu_seqlens=cu_seqlens, impl=impl)
+        return o, var, state
+
+    def readout(self, o, var, ctx, output_variance: bool = False, **kwargs):
+        z, gate = ctx
+        B, T = z.shape[:2]
+        y = (o.reshape(B, T, self.d_inner) + self.skip * upcast(z)) * F.silu(upcast(gate))
+        out = self.out_proj(y.to(z.dtype))
+        if not output_variance:
+            return out, None
+        var_y = var.reshape(B, T, self.d_inner) * F.silu(upcast(gate)) ** 2
+        return out, F.linear(var_y, upcast(self.out_proj.weight) ** 2)
+
+    def state_size(self) -> int:
+        """Elements carried per sequence while decoding: precision and mean [H, N, D], plus the conv buffer."""
+        return 2 * self.num_heads * self.d_state * self.head_dim + self.conv.state_size()

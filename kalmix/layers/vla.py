@@ -1,0 +1,53 @@
+"""Variational linear attention layer (VLA paper §3 and Alg. 1)."""
+from __future__ import annotations
+
+import torch.nn as nn
+
+from kalmix.layers.base import MixerLayer
+from kalmix.ops import variational_linear_attention
+
+
+class VariationalLinearAttention(MixerLayer):
+    """q, k, v projections; penalty directions u = W_u k (a learned map of each head's raw key, shared by heads);
+    the recursive-least-squares mixer of DESIGN §1.4; out projection. No convolution, gate or norm (the paper has
+    none).
+
+    ``lambda0`` defaults to 0.1 · head_dim: the paper's Alg. 1 scales u to norm 1/√head_dim with λ0 = 0.1, and
+    since only the direction of A_t k̂_t matters that equals unit u with λ0 = 0.1 · head_dim.
+
+    Args:
+        d_model: width; num_heads: H; head_dim: K = V.
+    """
+
+    def __init__(self, d_model: int, num_heads: int = 4, head_dim: int | None = None, lambda0: float | None = None,
+                 eps: float = 1e-4, layer_idx: int = 0, impl: str | None = None):
+        super().__init__()
+        self.d_model, self.layer_idx, self.impl = d_model, layer_idx, impl
+        self.num_heads = num_heads
+        self.head_dim = head_dim or d_model // num_heads
+        self.lambda0 = 0.1 * self.head_dim if lambda0 is None else lambda0
+        self.eps = eps
+        width = num_heads * self.head_dim
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(d_model, width, bias=False) for _ in range(3))
+        self.u_proj = nn.Linear(self.head_dim, self.head_dim, bias=False)
+        self.o_proj = nn.Linear(width, d_model, bias=False)
+
+    def project(self, x, conv_state):
+        B, T, _ = x.shape
+        shape = (B, T, self.num_heads, self.head_dim)
+        q, k, v = self.q_proj(x).view(shape), self.k_proj(x).view(shape), self.v_proj(x).view(shape)
+        return [q, k, v, self.u_proj(k)], None, None
+
+    def mix(self, inputs, initial_state, output_final_state, cu_seqlens, impl, **kwargs):
+        o, state = variational_linear_attention(*inputs, lambda0=self.lambda0, eps=self.eps,
+                                                initial_state=initial_state, output_final_state=output_final_state,
+                                                cu_seqlens=cu_seqlens, impl=impl)
+        return o, None, state
+
+    def readout(self, o, extra, ctx, **kwargs):
+        return self.o_proj(o.flatten(2)), None
+
+    def state_size(self) -> int:
+        """Elements carried per sequence while decoding: S [H, K, V], A [H, K, K], n [H, K]."""
+        H, D = self.num_heads, self.head_dim
+        return H * (2 * D * D + D)
