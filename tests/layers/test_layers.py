@@ -83,7 +83,7 @@ def test_kalman_variance_through_output_projection():
     decay, noise = layer.dynamics()
     _, _, (lam, mu) = kalman_attention(q, k, v, w, decay, noise, output_final_state=True)
     gen = torch.Generator().manual_seed(0)
-    draws = mu + torch.randn(20000, *mu.shape[1:], generator=gen, dtype=mu.dtype) / lam.sqrt()  # [S, H, N, D]
+    draws = mu[0] + torch.randn(20000, *mu.shape[1:], generator=gen, dtype=mu.dtype) / lam[0].sqrt()  # [S, H, N, D]
     y = torch.einsum("hn,shnd->shd", q[0, -1], draws).reshape(20000, -1)
     y = (y + layer.skip * z[0, -1]) * torch.nn.functional.silu(gate[0, -1])
     samples = layer.out_proj(y)
