@@ -1,62 +1,89 @@
-"""Log-depth (Hillis–Steele) scans along the time axis, used inside custom autograd Functions.
+"""Chunked parallel scans along the time axis (dim 1), used inside custom autograd Functions.
 
-Each pass combines every position with the one ``off`` steps earlier, ``off = 1, 2, 4, ...``: ⌈log2 T⌉
-elementwise passes, no Python loop over tokens.
+Three phases: a log-depth (Hillis–Steele) scan inside every chunk of ``chunk`` steps at once, a short loop over
+chunks carrying the state across chunk boundaries, and one pass applying each chunk's incoming state. No
+Python loop over tokens.
 """
 from __future__ import annotations
 
 import torch
 
-
-def _shifted(x: torch.Tensor, off: int, dim: int, fill: float) -> torch.Tensor:
-    """x delayed by ``off`` steps along ``dim``; the first ``off`` positions hold ``fill``."""
-    T = x.shape[dim]
-    head = torch.full_like(x.narrow(dim, 0, min(off, T)), fill)
-    return torch.cat([head, x.narrow(dim, 0, T - min(off, T))], dim=dim)
+CHUNK = 32
 
 
-def affine_scan(c: torch.Tensor, b: torch.Tensor, x0: torch.Tensor | None = None, dim: int = 1,
-                reverse: bool = False) -> torch.Tensor:
-    """Solve ``x_t = c_t * x_{t-1} + b_t`` for all t (``x_0 = x0``, default 0), elementwise.
+def _chunked(x: torch.Tensor, chunk: int, fill: float) -> torch.Tensor:
+    """[B, T, ...] -> [B, T/chunk, chunk, ...], padding the tail with ``fill`` (the identity element)."""
+    B, T = x.shape[:2]
+    pad = -T % chunk
+    if pad:
+        x = torch.cat([x, x.new_full((B, pad, *x.shape[2:]), fill)], dim=1)
+    return x.reshape(B, -1, chunk, *x.shape[2:])
+
+
+def _hillis_steele(pairs, combine, dim: int = 2):
+    """In-chunk inclusive prefix of ``combine(later, earlier)`` over tuples of tensors, in log2(chunk) passes."""
+    C = pairs[0].shape[dim]
+    off = 1
+    while off < C:
+        later = tuple(p.narrow(dim, off, C - off) for p in pairs)
+        earlier = tuple(p.narrow(dim, 0, C - off) for p in pairs)
+        new = combine(later, earlier)
+        pairs = tuple(torch.cat([p.narrow(dim, 0, off), n], dim=dim) for p, n in zip(pairs, new))
+        off *= 2
+    return pairs
+
+
+def _affine_combine(later, earlier):
+    (c2, b2), (c1, b1) = later, earlier
+    return c2 * c1, c2 * b1 + b2
+
+
+def affine_scan(c: torch.Tensor, b: torch.Tensor, x0: torch.Tensor | None = None, reverse: bool = False,
+                chunk: int = CHUNK) -> torch.Tensor:
+    """Solve ``x_t = c_t * x_{t-1} + b_t`` along dim 1 for all t (``x_0 = x0``, default 0), elementwise.
 
     With ``reverse=True`` it runs from the end: ``x_t = c_t * x_{t+1} + b_t`` with ``x_{T+1} = x0``.
-    ``c`` and ``b`` broadcast to the same shape; ``x0`` has that shape without ``dim``.
+    ``c`` and ``b`` broadcast to [B, T, ...]; ``x0`` is [B, ...].
     """
     c, b = torch.broadcast_tensors(c, b)
     if reverse:
-        c, b = c.flip(dim), b.flip(dim)
-    T = c.shape[dim]
-    off = 1
-    while off < T:
-        # prefix (C, B) at t composes with the prefix ending off steps earlier: (c_t C', c_t B' + b_t)
-        b = b + c * _shifted(b, off, dim, 0.0)
-        c = c * _shifted(c, off, dim, 1.0)
-        off *= 2
-    x = b if x0 is None else b + c * x0.unsqueeze(dim)
-    return x.flip(dim) if reverse else x
+        c, b = c.flip(1), b.flip(1)
+    T = c.shape[1]
+    C, Bc = _hillis_steele((_chunked(c, chunk, 1.0), _chunked(b, chunk, 0.0)), _affine_combine)
+    x = torch.zeros_like(b[:, 0]) if x0 is None else x0.expand_as(b[:, 0])
+    starts = []
+    for j in range(C.shape[1]):                      # carry across chunks
+        starts.append(x)
+        x = C[:, j, -1] * x + Bc[:, j, -1]
+    out = (C * torch.stack(starts, 1).unsqueeze(2) + Bc).flatten(1, 2)[:, :T]
+    return out.flip(1) if reverse else out
 
 
-def mobius_scan(m11, m12, m21, m22, x0: torch.Tensor, dim: int = 1) -> torch.Tensor:
-    """Iterate the Möbius maps ``x_t = (m11 x_{t-1} + m12) / (m21 x_{t-1} + m22)`` from ``x0``, for all t.
+def _mobius_combine(later, earlier):
+    (p11, p12, p21, p22), (q11, q12, q21, q22) = later, earlier
+    n11 = p11 * q11 + p12 * q21
+    n12 = p11 * q12 + p12 * q22
+    n21 = p21 * q11 + p22 * q21
+    n22 = p21 * q12 + p22 * q22
+    inv = 1.0 / (n11 + n22)                          # the map is scale-free: keep trace 1 so nothing overflows
+    return n11 * inv, n12 * inv, n21 * inv, n22 * inv
 
-    The 2×2 prefix products are renormalised by their trace after every combine (the map is scale-free),
-    which keeps them finite; with non-negative entries nothing cancels.
+
+def mobius_scan(m11, m12, m21, m22, x0: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    """Iterate the Möbius maps ``x_t = (m11 x_{t-1} + m12) / (m21 x_{t-1} + m22)`` along dim 1 from ``x0``.
+
+    The 2×2 prefix products are renormalised by their trace after every combine; with non-negative entries
+    nothing cancels. Entries broadcast to [B, T, ...]; ``x0`` is [B, ...].
     """
     m11, m12, m21, m22 = torch.broadcast_tensors(m11, m12, m21, m22)
-    tr = m11 + m22
-    p11, p12, p21, p22 = m11 / tr, m12 / tr, m21 / tr, m22 / tr
-    T = p11.shape[dim]
-    off = 1
-    while off < T:
-        q11, q12 = _shifted(p11, off, dim, 1.0), _shifted(p12, off, dim, 0.0)
-        q21, q22 = _shifted(p21, off, dim, 0.0), _shifted(p22, off, dim, 1.0)
-        # P_t <- P_t @ P_{t-off}  (later maps act last, i.e. on the left)
-        n11 = p11 * q11 + p12 * q21
-        n12 = p11 * q12 + p12 * q22
-        n21 = p21 * q11 + p22 * q21
-        n22 = p21 * q12 + p22 * q22
-        tr = n11 + n22
-        p11, p12, p21, p22 = n11 / tr, n12 / tr, n21 / tr, n22 / tr
-        off *= 2
-    x0 = x0.unsqueeze(dim)
-    return (p11 * x0 + p12) / (p21 * x0 + p22)
+    T = m11.shape[1]
+    inv = 1.0 / (m11 + m22)
+    P = tuple(_chunked(m * inv, chunk, fill) for m, fill in zip((m11, m12, m21, m22), (1.0, 0.0, 0.0, 1.0)))
+    p11, p12, p21, p22 = _hillis_steele(P, _mobius_combine)
+    x = x0.expand_as(m11[:, 0])
+    starts = []
+    for j in range(p11.shape[1]):                    # carry across chunks
+        starts.append(x)
+        x = (p11[:, j, -1] * x + p12[:, j, -1]) / (p21[:, j, -1] * x + p22[:, j, -1])
+    xs = torch.stack(starts, 1).unsqueeze(2)
+    return ((p11 * xs + p12) / (p21 * xs + p22)).flatten(1, 2)[:, :T]

@@ -7,36 +7,40 @@ import torch
 from kalmix.ops.common.scan import affine_scan, mobius_scan
 
 
-def _forward_lanes(q, k, v, w, a, p, lam0, mu0):
-    """All per-lane quantities [B, T, H, N, D] the forward and the backward need."""
-    kk = k[..., None]                                       # [B, T, H, N, 1]
-    phi = kk ** 2 * w[:, :, :, None, :]
-    r = kk * (w * v)[:, :, :, None, :]
-    a2 = (a * a).expand_as(phi)
-    # precision: λ_t = ((1 + p φ) λ + a² φ) / (p λ + a²)
-    lam = mobius_scan(1 + p * phi, a2 * phi, p.expand_as(phi), a2, lam0)
+def _gains(a, p, lam0, lam):
+    """Per-lane predict quantities [B, T, H, N, D] from the precision path."""
     lam_prev = torch.cat([lam0[:, None], lam[:, :-1]], dim=1)
     s = a * a + p * lam_prev
     prior = lam_prev / s                                    # never λ_t − φ_t: that cancels when φ ≫ prior
     gain = a * prior / lam                                  # mean gain in [0, a]
-    mu = affine_scan(gain, r / lam, mu0)
-    return phi, r, lam, lam_prev, s, prior, gain, mu
+    return lam_prev, s, prior, gain
+
+
+def _filter(q, k, v, w, a, p, lam0, mu0):
+    """Precision λ and mean μ [B, T, H, N, D] of every lane."""
+    kk = k[..., None]                                       # [B, T, H, N, 1]
+    phi = kk ** 2 * w[:, :, :, None, :]
+    a2 = (a * a).expand_as(phi)
+    # λ_t = ((1 + p φ) λ + a² φ) / (p λ + a²)
+    lam = mobius_scan(1 + p * phi, a2 * phi, p.expand_as(phi), a2, lam0)
+    _, _, _, gain = _gains(a, p, lam0, lam)
+    mu = affine_scan(gain, kk * (w * v)[:, :, :, None, :] / lam, mu0)
+    return lam, mu
 
 
 class KalmanScanFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, w, a, p, lam0, mu0, output_variance: bool):
-        *_, lam, _, _, _, _, mu = _forward_lanes(q, k, v, w, a, p, lam0, mu0)
+        lam, mu = _filter(q, k, v, w, a, p, lam0, mu0)
         o = torch.einsum("bthn,bthnd->bthd", q, mu)
         var = torch.einsum("bthn,bthnd->bthd", q * q, 1.0 / lam) if output_variance else None
-        ctx.save_for_backward(q, k, v, w, a, p, lam0, mu0)  # the lanes are recomputed in backward
-        ctx.output_variance = output_variance
+        ctx.save_for_backward(q, k, v, w, a, p, lam0, mu0, lam, mu)  # the two scans; the rest is recomputed
         return o, var, lam[:, -1], mu[:, -1]
 
     @staticmethod
     def backward(ctx, do, dvar, dlam_T, dmu_T):
-        q, k, v, w, a, p, lam0, mu0 = ctx.saved_tensors
-        phi, r, lam, lam_prev, s, prior, gain, mu = _forward_lanes(q, k, v, w, a, p, lam0, mu0)
+        q, k, v, w, a, p, lam0, mu0, lam, mu = ctx.saved_tensors
+        lam_prev, s, prior, gain = _gains(a, p, lam0, lam)
         mu_prev = torch.cat([mu0[:, None], mu[:, :-1]], dim=1)
         qq = q[..., None]
         g_mu = qq * do[:, :, :, None, :] if do is not None else torch.zeros_like(mu)

@@ -1,0 +1,1 @@
+"""Benchmarks: task training harnesses and (later) speed measurements."""

@@ -1,0 +1,59 @@
+"""Multi-query associative recall (Zoology, Arora et al. 2023), generated the way Zoology does it."""
+from __future__ import annotations
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class MQARConfig(BaseModel):
+    """MQAR: D key–value pairs ``k1 v1 k2 v2 …`` up front, then the D keys again as queries at even offsets.
+
+    Keys come from [1, V/2), values from [V/2, V), 0 is filler (uniform random tokens with
+    ``random_non_queries``). Query gap slot i is drawn with probability ∝ (i + 1)^(power_a − 1) without
+    replacement (strongly favouring early slots). The label at a query is its key's value; −100 elsewhere.
+    Sequences are built with length T + 1 and shifted by one (inputs [:-1], labels [1:]).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    vocab_size: int = Field(gt=0)
+    seq_len: int = Field(gt=0)
+    num_kv_pairs: int = Field(gt=0)
+    num_examples: int = Field(gt=0)
+    power_a: float = Field(0.01, gt=0)
+    random_non_queries: bool = False
+
+    @model_validator(mode="after")
+    def _zoology_constraints(self):
+        if self.seq_len % 2:
+            raise ValueError(f"seq_len must be even, got {self.seq_len}")
+        if self.vocab_size <= self.seq_len:
+            raise ValueError(f"vocab_size must exceed seq_len (Zoology), got {self.vocab_size} <= {self.seq_len}")
+        if 4 * self.num_kv_pairs > self.seq_len:
+            raise ValueError(f"need 4 * num_kv_pairs <= seq_len, got 4 * {self.num_kv_pairs} > {self.seq_len}")
+        if self.num_kv_pairs > self.vocab_size // 2 - 1:
+            raise ValueError(f"num_kv_pairs must be <= vocab_size // 2 - 1 distinct keys, got {self.num_kv_pairs}")
+        return self
+
+    def build(self, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns inputs, labels: LongTensors [num_examples, seq_len]; labels −100 where not scored."""
+        gen = torch.Generator().manual_seed(seed)
+        n, T, D, V = self.num_examples, self.seq_len, self.num_kv_pairs, self.vocab_size
+        half = V // 2
+        keys = torch.rand(n, half - 1, generator=gen).argsort(1)[:, :D] + 1          # distinct keys per example
+        values = torch.rand(n, V - half, generator=gen).argsort(1)[:, :D] + half     # distinct values
+        context = 2 * D
+        kvs = torch.stack([keys, values], dim=2).reshape(n, context)
+        space = (T - context) // 2
+        p = self.power_a * torch.arange(1, space + 1, dtype=torch.float64) ** (self.power_a - 1)
+        gaps = torch.multinomial((p / p.sum()).expand(n, space), D, replacement=False, generator=gen)
+        queries = torch.zeros(n, T - context + 1, dtype=torch.long)
+        queries.scatter_(1, 2 * gaps, keys)
+        seqs = torch.cat([kvs, queries], dim=1)                                       # [n, T + 1]
+        labels = torch.full((n, T + 1), -100, dtype=torch.long)
+        labels.scatter_(1, 2 * gaps + context + 1, values)
+        inputs, labels = seqs[:, :-1].clone(), labels[:, 1:].clone()
+        if self.random_non_queries:
+            filler = inputs == 0
+            inputs[filler] = torch.randint(V, (int(filler.sum()),), generator=gen)
+        return inputs, labels
