@@ -101,3 +101,19 @@ def test_low_precision_inputs_compute_in_fp32(name, dtype):
     # bf16 rounds the inputs themselves, so compare with the reference on the rounded inputs
     ref = run_case(case, [a.double() for a in args], state64, "naive") if dtype != torch.float32 else ref
     assert_close(f"{name} {dtype} output", out[0].double(), ref[0], tol)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", list(CASES))
+def test_impl_matches_naive_with_default_state(name, impl):
+    case = CASES[name]
+    args, _ = draw(case, 2, 100, 2, 5, 7, seed=5)
+    res = {}
+    for which in ("naive", impl):
+        xs = [a.detach().requires_grad_() for a in args]
+        out = [x for x in run_case(case, xs, None, which)]
+        gen = torch.Generator().manual_seed(0)
+        loss = sum((o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum() for o in out)
+        res[which] = out + list(torch.autograd.grad(loss, xs))
+    for i, (x, r) in enumerate(zip(res[impl], res["naive"])):
+        assert_close(f"{name}/{impl} tensor {i}", x, r, TOL64)

@@ -24,6 +24,7 @@ def chebyshev_solve(matvec: Callable[[torch.Tensor], torch.Tensor], b: torch.Ten
     omega = torch.full_like(rho2, 2.0)
     for _ in range(num_iters):
         omega = 4.0 / (4.0 - rho2 * omega)
-        x_new = x - c * omega * (matvec(x) + lam * x - b) + (omega - 1.0) * (x - x_prev)
-        x_prev, x = x, x_new
+        # ξ ← ξ − cω((H + λI)ξ − b) + (ω − 1)(ξ − ξ_prev), per-token coefficients folded first
+        step = c * omega
+        x_prev, x = x, (omega - step * lam) * x - step * (matvec(x) - b) - (omega - 1.0) * x_prev
     return x

@@ -9,9 +9,11 @@ from kalmix.ops.common.chebyshev import chebyshev_solve
 CHUNK = 64
 
 
-def gka_chunk(q, k, v, g, beta, alpha, *, state, scale, ridge, num_iters, chunk_size: int = CHUNK):
+def gka_chunk(q, k, v, g, beta, alpha, *, state, scale, ridge, num_iters, initial_state_is_zero: bool = False,
+              chunk_size: int = CHUNK):
     Hc, Uc = state                                                     # [B, H, K, K], [B, H, K, V]
     B, T, H, K = q.shape
+    start_is_zero = initial_state_is_zero                              # skip the H_c terms while H_c = 0
     outs = []
     for c0 in range(0, T, chunk_size):
         sl = slice(c0, min(c0 + chunk_size, T))
@@ -27,9 +29,10 @@ def gka_chunk(q, k, v, g, beta, alpha, *, state, scale, ridge, num_iters, chunk_
             qt = qc
         else:
             gram = kc @ kc.transpose(-1, -2)                           # [B, H, C, C]
-            kHk = ((kc @ Hc) * kc).sum(-1)                             # k_sᵀ H_c k_s
-            sq = (gam ** 2 * (Hc ** 2).sum((-2, -1))[..., None] + 2 * gam * (M @ kHk[..., None])[..., 0]
-                  + ((M @ gram ** 2) * M).sum(-1))
+            sq = ((M @ gram ** 2) * M).sum(-1)                         # ‖Σ_s M[t, s] k_s k_sᵀ‖_F²
+            if not start_is_zero:
+                kHk = ((kc @ Hc) * kc).sum(-1)                         # k_sᵀ H_c k_s
+                sq = sq + gam ** 2 * (Hc ** 2).sum((-2, -1))[..., None] + 2 * gam * (M @ kHk[..., None])[..., 0]
             hnorm = sq.clamp_min(0).sqrt()                             # ‖H_t‖_F  [B, H, C]
             lam = ridge * hnorm
             if num_iters is None:
@@ -38,11 +41,13 @@ def gka_chunk(q, k, v, g, beta, alpha, *, state, scale, ridge, num_iters, chunk_
                 x = torch.linalg.solve(Ht + lam[..., None, None] * eye, qc)
             else:
                 def matvec(X):                                         # H_t x_t for every t at once
-                    return gam[..., None] * (X @ Hc.transpose(-1, -2)) + (M * (X @ kc.transpose(-1, -2))) @ kc
+                    within = (M * (X @ kc.transpose(-1, -2))) @ kc
+                    return within if start_is_zero else gam[..., None] * (X @ Hc.transpose(-1, -2)) + within
                 x = chebyshev_solve(matvec, qc, lam, hnorm, num_iters)
             qt = qc + ac[..., None] * (x - qc)
         outs.append(scale * (gam[..., None] * (qt @ Uc) + (M * (qt @ kc.transpose(-1, -2))) @ vc))
         w_end = (torch.exp(G[..., -1:] - G) * bc)[..., None] * kc         # β_s Γ_C/Γ_s k_s
         Hc = gam[..., -1, None, None] * Hc + w_end.transpose(-1, -2) @ kc
+        start_is_zero = False
         Uc = gam[..., -1, None, None] * Uc + w_end.transpose(-1, -2) @ vc
     return (torch.cat(outs, dim=2).transpose(1, 2),), (Hc, Uc)

@@ -54,6 +54,7 @@ def gated_kalmanet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     n_seq = check_cu_seqlens(_OP, cu_seqlens, B, T, q.device)
     fn = resolve_impl(_OP, impl, q.device, _IMPLS)
     dt = compute_dtype(q)
+    hints = {"initial_state_is_zero": initial_state is None} if fn is gka_chunk else {}
     if initial_state is None:
         initial_state = (q.new_zeros(n_seq, H, K, K, dtype=dt), q.new_zeros(n_seq, H, K, V, dtype=dt))
     else:
@@ -68,5 +69,6 @@ def gated_kalmanet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     alpha = q.new_ones(B, T, H) if alpha is None else alpha
     scale = K ** -0.5 if scale is None else scale
     (o,), final = run_packed(fn, cu_seqlens, [x.to(dt) for x in (q, k, v, g, beta, alpha)],
-                             tuple(s.to(dt) for s in initial_state), scale=scale, ridge=ridge, num_iters=num_iters)
+                             tuple(s.to(dt) for s in initial_state), scale=scale, ridge=ridge, num_iters=num_iters,
+                             **hints)
     return o.to(q.dtype), (final if output_final_state else None)
