@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-CHUNK = 32
+CHUNK = 8
 
 
 def _chunked(x: torch.Tensor, chunk: int, fill: float) -> torch.Tensor:

@@ -38,17 +38,15 @@ class KalmanScanFunction(torch.autograd.Function):
         return o, var, lam[:, -1], mu[:, -1]
 
     @staticmethod
-    def backward(ctx, do, dvar, dlam_T, dmu_T):
+    def backward(ctx, do, dvar, dlam_T, dmu_T):          # unused outputs arrive as zeros (dvar: None if not computed)
         q, k, v, w, a, p, lam0, mu0, lam, mu = ctx.saved_tensors
         lam_prev, s, prior, gain = _gains(a, p, lam0, lam)
         mu_prev = torch.cat([mu0[:, None], mu[:, :-1]], dim=1)
         qq = q[..., None]
-        g_mu = qq * do[:, :, :, None, :] if do is not None else torch.zeros_like(mu)
+        g_mu = qq * do[:, :, :, None, :]
         g_lam = -(qq ** 2) * dvar[:, :, :, None, :] / lam ** 2 if dvar is not None else torch.zeros_like(lam)
-        if dmu_T is not None:
-            g_mu[:, -1] += dmu_T
-        if dlam_T is not None:
-            g_lam[:, -1] += dlam_T
+        g_mu[:, -1] += dmu_T
+        g_lam[:, -1] += dlam_T
         # Jacobian entries of (λ, μ)_{t-1} -> (λ, μ)_t; the step t+1 entries act on step t
         a2 = a * a
         e = a2 / s ** 2                                     # ∂λ_t/∂λ_{t-1}
@@ -70,7 +68,7 @@ class KalmanScanFunction(torch.autograd.Function):
         dk = (2 * kk * ww * g_phi + ww * vv * g_r).sum(-1)
         dw = (kk ** 2 * g_phi + kk * vv * g_r).sum(-2)
         dv = (kk * ww * g_r).sum(-2)
-        dq = torch.einsum("bthd,bthnd->bthn", do, mu) if do is not None else torch.zeros_like(q)
+        dq = torch.einsum("bthd,bthnd->bthn", do, mu)
         if dvar is not None:
             dq = dq + 2 * q * torch.einsum("bthd,bthnd->bthn", dvar, 1.0 / lam)
         return dq, dk, dv, dw, da.sum((0, 1)), dp.sum((0, 1)), dlam0, dmu0, None
