@@ -2,7 +2,7 @@
 
 Three phases: a log-depth (Hillis–Steele) scan inside every chunk of ``chunk`` steps at once, a short loop over
 chunks carrying the state across chunk boundaries, and one pass applying each chunk's incoming state. No
-Python loop over tokens.
+Python loop over tokens. Small chunks keep the number of full-size passes low (log2(chunk) + 1).
 """
 from __future__ import annotations
 
@@ -12,25 +12,26 @@ CHUNK = 8
 
 
 def _chunked(x: torch.Tensor, chunk: int, fill: float) -> torch.Tensor:
-    """[B, T, ...] -> [B, T/chunk, chunk, ...], padding the tail with ``fill`` (the identity element)."""
+    """A fresh [B, T/chunk, chunk, ...] copy of x [B, T, ...], the tail padded with ``fill`` (the identity)."""
     B, T = x.shape[:2]
-    pad = -T % chunk
-    if pad:
-        x = torch.cat([x, x.new_full((B, pad, *x.shape[2:]), fill)], dim=1)
-    return x.reshape(B, -1, chunk, *x.shape[2:])
+    out = x.new_full((B, -(-T // chunk) * chunk, *x.shape[2:]), fill)
+    out[:, :T] = x
+    return out.view(B, -1, chunk, *x.shape[2:])
 
 
-def _hillis_steele(pairs, combine, dim: int = 2):
-    """In-chunk inclusive prefix of ``combine(later, earlier)`` over tuples of tensors, in log2(chunk) passes."""
-    C = pairs[0].shape[dim]
+def _hillis_steele(parts, combine, reverse: bool):
+    """In place: inclusive prefix (suffix when ``reverse``) of ``combine(later, earlier)`` along dim 2."""
+    C = parts[0].shape[2]
     off = 1
     while off < C:
-        later = tuple(p.narrow(dim, off, C - off) for p in pairs)
-        earlier = tuple(p.narrow(dim, 0, C - off) for p in pairs)
-        new = combine(later, earlier)
-        pairs = tuple(torch.cat([p.narrow(dim, 0, off), n], dim=dim) for p, n in zip(pairs, new))
+        head = tuple(p.narrow(2, 0, C - off) for p in parts)
+        tail = tuple(p.narrow(2, off, C - off) for p in parts)
+        target, source = (head, tail) if reverse else (tail, head)
+        new = combine(target, source)                # computed from the old values before any write
+        for t, n in zip(target, new):
+            t.copy_(n)
         off *= 2
-    return pairs
+    return parts
 
 
 def _affine_combine(later, earlier):
@@ -46,17 +47,15 @@ def affine_scan(c: torch.Tensor, b: torch.Tensor, x0: torch.Tensor | None = None
     ``c`` and ``b`` broadcast to [B, T, ...]; ``x0`` is [B, ...].
     """
     c, b = torch.broadcast_tensors(c, b)
-    if reverse:
-        c, b = c.flip(1), b.flip(1)
     T = c.shape[1]
-    C, Bc = _hillis_steele((_chunked(c, chunk, 1.0), _chunked(b, chunk, 0.0)), _affine_combine)
+    C, Bc = _hillis_steele((_chunked(c, chunk, 1.0), _chunked(b, chunk, 0.0)), _affine_combine, reverse)
     x = torch.zeros_like(b[:, 0]) if x0 is None else x0.expand_as(b[:, 0])
-    starts = []
-    for j in range(C.shape[1]):                      # carry across chunks
-        starts.append(x)
-        x = C[:, j, -1] * x + Bc[:, j, -1]
-    out = (C * torch.stack(starts, 1).unsqueeze(2) + Bc).flatten(1, 2)[:, :T]
-    return out.flip(1) if reverse else out
+    starts = [None] * C.shape[1]
+    last = 0 if reverse else -1
+    for j in (reversed(range(C.shape[1])) if reverse else range(C.shape[1])):   # carry across chunks
+        starts[j] = x
+        x = C[:, j, last] * x + Bc[:, j, last]
+    return C.mul_(torch.stack(starts, 1).unsqueeze(2)).add_(Bc).flatten(1, 2)[:, :T]
 
 
 def _mobius_combine(later, earlier):
@@ -79,7 +78,7 @@ def mobius_scan(m11, m12, m21, m22, x0: torch.Tensor, chunk: int = CHUNK) -> tor
     T = m11.shape[1]
     inv = 1.0 / (m11 + m22)
     P = tuple(_chunked(m * inv, chunk, fill) for m, fill in zip((m11, m12, m21, m22), (1.0, 0.0, 0.0, 1.0)))
-    p11, p12, p21, p22 = _hillis_steele(P, _mobius_combine)
+    p11, p12, p21, p22 = _hillis_steele(P, _mobius_combine, reverse=False)
     x = x0.expand_as(m11[:, 0])
     starts = []
     for j in range(p11.shape[1]):                    # carry across chunks
