@@ -47,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = MQARBenchConfig.model_validate(values, strict=False)
     except ValidationError as e:
         parser.error(str(e))
-    run(cfg, args.out)
+    try:
+        run(cfg, args.out)
+    except NotImplementedError as e:   # e.g. the default impl of a device that has no kernels yet
+        parser.error(str(e))
     return 0
 
 

@@ -6,12 +6,12 @@ from kalmix.layers.kalman import KalmanAttention
 from kalmix.layers.vla import VariationalLinearAttention
 
 MIXERS = {
-    "kalman": KalmanAttention,
-    "gka": GatedKalmaNet,
-    "kaczmarz": KaczmarzAttention,
-    "vla": VariationalLinearAttention,
-    "gdn": GatedDeltaNet,
     "attention": SoftmaxAttention,
+    "gdn": GatedDeltaNet,
+    "kaczmarz": KaczmarzAttention,
+    "gka": GatedKalmaNet,
+    "vla": VariationalLinearAttention,
+    "kalman": KalmanAttention,
 }
 
 __all__ = ["KalmanAttention", "GatedKalmaNet", "KaczmarzAttention", "VariationalLinearAttention", "GatedDeltaNet",

@@ -4,13 +4,18 @@ from __future__ import annotations
 import torch.nn as nn
 
 from kalmix.layers.base import MixerLayer
+from kalmix.layers.common import ShortConv
 from kalmix.ops import variational_linear_attention
 
 
 class VariationalLinearAttention(MixerLayer):
     """q, k, v projections; penalty directions u = W_u k (a learned map of each head's raw key, shared by heads);
-    the recursive-least-squares mixer of DESIGN §1.4; out projection. No convolution, gate or norm (the paper has
-    none).
+    the recursive-least-squares mixer of DESIGN §1.4; out projection. No gate or norm (the paper has none).
+
+    The paper's backbone is silent on positions. By default q, k, v pass through the same causal short
+    convolution (4, SiLU) every other kalmix layer has, which gives the layer the local token order that MQAR's
+    key -> value binding needs (without it the 2-layer model stays at chance in our runs); ``conv_size=0``
+    gives the paper's bare projections.
 
     ``lambda0`` defaults to 0.1 · head_dim: the paper's Alg. 1 scales u to norm 1/√head_dim with λ0 = 0.1, and
     since only the direction of A_t k̂_t matters that equals unit u with λ0 = 0.1 · head_dim.
@@ -20,7 +25,7 @@ class VariationalLinearAttention(MixerLayer):
     """
 
     def __init__(self, d_model: int, num_heads: int = 4, head_dim: int | None = None, lambda0: float | None = None,
-                 eps: float = 1e-4, layer_idx: int = 0, impl: str | None = None):
+                 eps: float = 1e-4, conv_size: int = 4, layer_idx: int = 0, impl: str | None = None):
         super().__init__()
         self.d_model, self.layer_idx, self.impl = d_model, layer_idx, impl
         self.num_heads = num_heads
@@ -29,14 +34,20 @@ class VariationalLinearAttention(MixerLayer):
         self.eps = eps
         width = num_heads * self.head_dim
         self.q_proj, self.k_proj, self.v_proj = (nn.Linear(d_model, width, bias=False) for _ in range(3))
+        self.convs = nn.ModuleList(ShortConv(width, conv_size) for _ in range(3)) if conv_size else None
         self.u_proj = nn.Linear(self.head_dim, self.head_dim, bias=False)
         self.o_proj = nn.Linear(width, d_model, bias=False)
 
     def project(self, x, conv_state):
         B, T, _ = x.shape
         shape = (B, T, self.num_heads, self.head_dim)
-        q, k, v = self.q_proj(x).view(shape), self.k_proj(x).view(shape), self.v_proj(x).view(shape)
-        return [q, k, v, self.u_proj(k)], None, None
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.convs is not None:
+            states = conv_state if conv_state is not None else (None, None, None)
+            (q, cq), (k, ck), (v, cv) = (conv(t, st) for conv, t, st in zip(self.convs, (q, k, v), states))
+            conv_state = (cq, ck, cv)
+        q, k, v = q.view(shape), k.view(shape), v.view(shape)
+        return [q, k, v, self.u_proj(k)], None, conv_state
 
     def mix(self, inputs, initial_state, output_final_state, cu_seqlens, impl, **kwargs):
         o, state = variational_linear_attention(*inputs, lambda0=self.lambda0, eps=self.eps,
@@ -48,6 +59,7 @@ class VariationalLinearAttention(MixerLayer):
         return self.o_proj(o.flatten(2)), None
 
     def state_size(self) -> int:
-        """Elements carried per sequence while decoding: S [H, K, V], A [H, K, K], n [H, K]."""
+        """Elements carried per sequence while decoding: S [H, K, V], A [H, K, K], n [H, K], conv buffers."""
         H, D = self.num_heads, self.head_dim
-        return H * (2 * D * D + D)
+        conv = sum(c.state_size() for c in self.convs) if self.convs is not None else 0
+        return H * (2 * D * D + D) + conv

@@ -93,3 +93,10 @@ def test_gate_ranges():
         ops.gated_kalmanet(q, k, v, ridge=0.0)
     with pytest.raises(ValueError, match=r"`lambda0` must be > 0"):
         ops.variational_linear_attention(*draw("vla"), lambda0=0.0)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_empty_sequence_is_rejected(name):
+    args = [a[:, :0] if a.dim() >= 3 else a for a in draw(name)]
+    with pytest.raises(ValueError, match=r"must not be empty"):
+        CASES[name].fn(*args)

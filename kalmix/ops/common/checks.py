@@ -4,6 +4,7 @@ Every failure is a ``ValueError`` naming the op, the argument, what was expected
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -27,6 +28,8 @@ def check_tensor(op: str, name: str, x, shape: Sequence, desc: str) -> None:
     if x.dim() != len(shape) or any(s is not None and s != xs for s, xs in zip(shape, x.shape)):
         want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
         fail(op, f"`{name}` must have shape {desc} = {want}, got {list(x.shape)}")
+    if 0 in x.shape:
+        fail(op, f"`{name}` must not be empty, got shape {list(x.shape)}")
 
 
 def check_same(op: str, ref_name: str, ref: torch.Tensor, named: Mapping[str, torch.Tensor | None],
@@ -88,14 +91,9 @@ def resolve_impl(op: str, impl: str | None, device: torch.device, available: Map
         raise NotImplementedError(
             f"{op}: impl={impl!r} is not available for this op in this version of kalmix "
             f"(it is the default for {device.type} tensors); pass impl= one of {others} explicitly")
-    if impl == "triton" and device.type != "cuda" and not _triton_interpreted():
+    if impl == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         fail(op, f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got tensors on {device}")
     return available[impl]
-
-
-def _triton_interpreted() -> bool:
-    import os
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-CHUNK = 8
+CHUNK = 4
 
 
 def _chunked(x: torch.Tensor, chunk: int, fill: float) -> torch.Tensor:

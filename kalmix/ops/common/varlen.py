@@ -11,8 +11,9 @@ def run_packed(core: Callable, cu_seqlens: torch.Tensor | None, acts: Sequence[t
     """Run ``core(*acts, state=state, **kwargs) -> (outs, final_state)`` per packed sequence.
 
     ``acts`` are ``[1, T, ...]`` activations cut at ``cu_seqlens``; ``state`` holds ``[N, ...]`` tensors,
-    row i being sequence i's initial state. Outputs are concatenated back along T, final states stacked.
-    Without ``cu_seqlens`` it is a plain call.
+    row i being sequence i's initial state. Outputs are concatenated back along T, final states stacked; an
+    empty sequence keeps its initial state. Without ``cu_seqlens`` it is a plain call (T >= 1 is checked by the
+    ops, so at least one sequence is non-empty).
     """
     if cu_seqlens is None:
         return core(*acts, state=state, **kwargs)
@@ -27,8 +28,5 @@ def run_packed(core: Callable, cu_seqlens: torch.Tensor | None, acts: Sequence[t
         outs.append(o_i)
         finals.append(f_i)
     final = tuple(torch.cat(parts, dim=0) for parts in zip(*finals))
-    if not outs:
-        return core(*[None if a is None else a[:, :0] for a in acts], state=state[:1] and tuple(
-            t[:1] for t in state), **kwargs)[0], final
     out = tuple(None if parts[0] is None else torch.cat(parts, dim=1) for parts in zip(*outs))
     return out, final

@@ -17,30 +17,29 @@ def _gains(a, p, lam0, lam):
 
 
 def _filter(q, k, v, w, a, p, lam0, mu0):
-    """Precision λ and mean μ [B, T, H, N, D] of every lane."""
+    """Precision λ, mean μ and the predict quantities of ``_gains``, all [B, T, H, N, D], of every lane."""
     kk = k[..., None]                                       # [B, T, H, N, 1]
     phi = kk ** 2 * w[:, :, :, None, :]
     a2 = (a * a).expand_as(phi)
     # λ_t = ((1 + p φ) λ + a² φ) / (p λ + a²)
     lam = mobius_scan(1 + p * phi, a2 * phi, p.expand_as(phi), a2, lam0)
-    _, _, _, gain = _gains(a, p, lam0, lam)
+    lam_prev, s, prior, gain = _gains(a, p, lam0, lam)
     mu = affine_scan(gain, kk * (w * v)[:, :, :, None, :] / lam, mu0)
-    return lam, mu
+    return lam, mu, (lam_prev, s, prior, gain)
 
 
 class KalmanScanFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, w, a, p, lam0, mu0, output_variance: bool):
-        lam, mu = _filter(q, k, v, w, a, p, lam0, mu0)
+        lam, mu, gains = _filter(q, k, v, w, a, p, lam0, mu0)
         o = torch.einsum("bthn,bthnd->bthd", q, mu)
         var = torch.einsum("bthn,bthnd->bthd", q * q, 1.0 / lam) if output_variance else None
-        ctx.save_for_backward(q, k, v, w, a, p, lam0, mu0, lam, mu)  # the two scans; the rest is recomputed
+        ctx.save_for_backward(q, k, v, w, a, p, lam0, mu0, lam, mu, *gains)
         return o, var, lam[:, -1], mu[:, -1]
 
     @staticmethod
     def backward(ctx, do, dvar, dlam_T, dmu_T):          # unused outputs arrive as zeros (dvar: None if not computed)
-        q, k, v, w, a, p, lam0, mu0, lam, mu = ctx.saved_tensors
-        lam_prev, s, prior, gain = _gains(a, p, lam0, lam)
+        q, k, v, w, a, p, lam0, mu0, lam, mu, lam_prev, s, prior, gain = ctx.saved_tensors
         mu_prev = torch.cat([mu0[:, None], mu[:, :-1]], dim=1)
         qq = q[..., None]
         g_mu = qq * do[:, :, :, None, :]
