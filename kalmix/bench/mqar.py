@@ -160,6 +160,7 @@ def format_table(rows: list[dict], cfg: MQARBenchConfig) -> str:
     for r in rows:
         lines.append(f"{r['mixer']:<10} {r['params']:>8d} {r['state_size']:>8d} {100 * r['accuracy']:>8.2f}% "
                      f"{r['train_tokens_per_s']:>12.0f} {r['wall_time_s']:>7.1f}")
-    lines.append("state: recurrent-state elements per sequence per layer (attention: its KV cache at T)")
+    lines.append("state: recurrent-state elements per sequence per layer, short-conv buffers not counted "
+                 "(attention: its KV cache at T)")
     return "\n".join(lines)
 

@@ -42,9 +42,6 @@ class ShortConv(nn.Module):
             y = F.silu(y)
         return y, full[..., -(self.kernel_size - 1):]
 
-    def state_size(self) -> int:
-        return self.weight.shape[0] * (self.kernel_size - 1)
-
 
 class GatedRMSNorm(nn.Module):
     """RMSNorm over the last dimension times a SiLU gate: ``norm(x) * weight * silu(z)``."""

@@ -62,5 +62,5 @@ class GatedKalmaNet(MixerLayer):
         return self.o_proj(o.reshape(B, T, -1)), None
 
     def state_size(self) -> int:
-        """Elements carried per sequence while decoding: H [H, D, D] and U [H, D, D], plus three conv buffers."""
-        return 2 * self.num_heads * self.head_dim ** 2 + 3 * self.q_conv.state_size()
+        """Recurrent-state elements per sequence: H [H, D, D] and U [H, D, D] (conv buffers not counted)."""
+        return 2 * self.num_heads * self.head_dim ** 2

@@ -67,9 +67,8 @@ class KaczmarzAttention(MixerLayer):
         return self.o_proj(o.reshape(B, T, -1)), None
 
     def state_size(self) -> int:
-        """Elements carried per sequence while decoding: S [H, K, V] plus the conv buffers."""
-        return (self.num_heads * self.head_k_dim * self.head_v_dim + self.q_conv.state_size()
-                + self.k_conv.state_size() + self.v_conv.state_size())
+        """Recurrent-state elements per sequence: S [H, K, V] (conv buffers not counted)."""
+        return self.num_heads * self.head_k_dim * self.head_v_dim
 
 
 class GatedDeltaNet(KaczmarzAttention):

@@ -91,5 +91,6 @@ class KalmanAttention(MixerLayer):
         return out, F.linear(var_y, upcast(self.out_proj.weight) ** 2)
 
     def state_size(self) -> int:
-        """Elements carried per sequence while decoding: precision and mean [H, N, D], plus the conv buffer."""
-        return 2 * self.num_heads * self.d_state * self.head_dim + self.conv.state_size()
+        """Recurrent-state elements per sequence: precision and mean [H, N, D] (the paper's 2·M·N; the short-conv
+        buffer of kernel − 1 inputs per channel comes on top while decoding)."""
+        return 2 * self.num_heads * self.d_state * self.head_dim

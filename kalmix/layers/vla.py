@@ -59,7 +59,6 @@ class VariationalLinearAttention(MixerLayer):
         return self.o_proj(o.flatten(2)), None
 
     def state_size(self) -> int:
-        """Elements carried per sequence while decoding: S [H, K, V], A [H, K, K], n [H, K], conv buffers."""
+        """Recurrent-state elements per sequence: S [H, K, V], A [H, K, K], n [H, K] (conv buffers not counted)."""
         H, D = self.num_heads, self.head_dim
-        conv = sum(c.state_size() for c in self.convs) if self.convs is not None else 0
-        return H * (2 * D * D + D) + conv
+        return H * (2 * D * D + D)

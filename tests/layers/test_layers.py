@@ -59,14 +59,11 @@ def test_padding_mask_equals_unpadded_sequences(name):
 
 
 @pytest.mark.parametrize("name", [n for n in SMALL if n != "attention"])
-def test_state_size_counts_the_cached_state(name):
+def test_state_size_counts_the_cached_recurrent_state(name):
     layer = make(name)
     _, _, cache = layer(torch.randn(1, 5, 24, dtype=torch.float64), use_cache=True)
-    entry = cache[0]
-    tensors = [*(entry["recurrent_state"] if isinstance(entry["recurrent_state"], tuple)
-                 else [entry["recurrent_state"]])]
-    conv = entry["conv_state"]
-    tensors += [] if conv is None else list(conv) if isinstance(conv, tuple) else [conv]
+    state = cache[0]["recurrent_state"]
+    tensors = state if isinstance(state, tuple) else (state,)
     assert sum(t.numel() for t in tensors) == layer.state_size()
 
 
