@@ -66,7 +66,7 @@ def test_chebyshev_error_bound():
     r = (math.sqrt(kappa) - 1) / (math.sqrt(kappa) + 1)
     anorm = lambda e: torch.sqrt(e @ A @ e).item()  # noqa: E731
     for n in (1, 5, 10, 30):
-        x = chebyshev_solve(lambda y: H @ y, b, lam, hn, n)
+        x = chebyshev_solve(lambda y: H @ y, b, hn, 0.02, n)
         assert anorm(x - xs) <= 2 * r ** n * anorm(xs) * (1 + 1e-9), n
 
 

@@ -11,11 +11,17 @@ import torch
 CHUNK = 4
 
 
-def _chunked(x: torch.Tensor, chunk: int, fill: float) -> torch.Tensor:
-    """A fresh [B, T/chunk, chunk, ...] copy of x [B, T, ...], the tail padded with ``fill`` (the identity)."""
+def _chunked(x: torch.Tensor, chunk: int, fill: float, copy: bool = True) -> torch.Tensor:
+    """x [B, T, ...] as [B, T/chunk, chunk, ...], the tail padded with ``fill`` (the identity element).
+
+    The scans work in place: a copy is made unless ``copy=False`` says x is a contiguous temporary of the caller.
+    """
     B, T = x.shape[:2]
-    out = x.new_full((B, -(-T // chunk) * chunk, *x.shape[2:]), fill)
+    if T % chunk == 0 and not copy and x.is_contiguous():
+        return x.view(B, -1, chunk, *x.shape[2:])
+    out = torch.empty((B, -(-T // chunk) * chunk, *x.shape[2:]), dtype=x.dtype, device=x.device)
     out[:, :T] = x
+    out[:, T:] = fill
     return out.view(B, -1, chunk, *x.shape[2:])
 
 
@@ -77,7 +83,7 @@ def mobius_scan(m11, m12, m21, m22, x0: torch.Tensor, chunk: int = CHUNK) -> tor
     m11, m12, m21, m22 = torch.broadcast_tensors(m11, m12, m21, m22)
     T = m11.shape[1]
     inv = 1.0 / (m11 + m22)
-    P = tuple(_chunked(m * inv, chunk, fill) for m, fill in zip((m11, m12, m21, m22), (1.0, 0.0, 0.0, 1.0)))
+    P = tuple(_chunked(m * inv, chunk, fill, copy=False) for m, fill in zip((m11, m12, m21, m22), (1.0, 0.0, 0.0, 1.0)))
     p11, p12, p21, p22 = _hillis_steele(P, _mobius_combine, reverse=False)
     x = x0.expand_as(m11[:, 0])
     starts = []

@@ -34,16 +34,15 @@ def gka_chunk(q, k, v, g, beta, alpha, *, state, scale, ridge, num_iters, initia
                 kHk = ((kc @ Hc) * kc).sum(-1)                         # k_sᵀ H_c k_s
                 sq = sq + gam ** 2 * (Hc ** 2).sum((-2, -1))[..., None] + 2 * gam * (M @ kHk[..., None])[..., 0]
             hnorm = sq.clamp_min(0).sqrt()                             # ‖H_t‖_F  [B, H, C]
-            lam = ridge * hnorm
             if num_iters is None:
                 Ht = gam[..., None, None] * Hc[:, :, None] + torch.einsum("bhts,bhsi,bhsj->bhtij", M, kc, kc)
                 eye = torch.eye(K, dtype=q.dtype, device=q.device)
-                x = torch.linalg.solve(Ht + lam[..., None, None] * eye, qc)
+                x = torch.linalg.solve(Ht + (ridge * hnorm)[..., None, None] * eye, qc)
             else:
                 def matvec(X):                                         # H_t x_t for every t at once
                     within = (M * (X @ kc.transpose(-1, -2))) @ kc
                     return within if start_is_zero else gam[..., None] * (X @ Hc.transpose(-1, -2)) + within
-                x = chebyshev_solve(matvec, qc, lam, hnorm, num_iters)
+                x = chebyshev_solve(matvec, qc, hnorm, ridge, num_iters)
             qt = qc + ac[..., None] * (x - qc)
         outs.append(scale * (gam[..., None] * (qt @ Uc) + (M * (qt @ kc.transpose(-1, -2))) @ vc))
         w_end = (torch.exp(G[..., -1:] - G) * bc)[..., None] * kc         # β_s Γ_C/Γ_s k_s

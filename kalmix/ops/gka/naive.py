@@ -9,11 +9,10 @@ from kalmix.ops.common.chebyshev import chebyshev_solve
 def ridge_solve(Hs: torch.Tensor, q: torch.Tensor, ridge: float, num_iters: int | None) -> torch.Tensor:
     """x = (H + ridge·‖H‖_F I)^{-1} q for H [..., K, K], q [..., K]: exact (None) or Chebyshev."""
     hnorm = torch.linalg.matrix_norm(Hs)
-    lam = ridge * hnorm
     if num_iters is None:
         eye = torch.eye(Hs.shape[-1], dtype=Hs.dtype, device=Hs.device)
-        return torch.linalg.solve(Hs + lam[..., None, None] * eye, q)
-    return chebyshev_solve(lambda x: (Hs @ x[..., None])[..., 0], q, lam, hnorm, num_iters)
+        return torch.linalg.solve(Hs + (ridge * hnorm)[..., None, None] * eye, q)
+    return chebyshev_solve(lambda x: (Hs @ x[..., None])[..., 0], q, hnorm, ridge, num_iters)
 
 
 def gka_step(q, k, v, g, beta, alpha, Hs, Us, *, scale: float, ridge: float, num_iters: int | None):

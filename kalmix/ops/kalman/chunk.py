@@ -43,34 +43,36 @@ class KalmanScanFunction(torch.autograd.Function):
         mu_prev = torch.cat([mu0[:, None], mu[:, :-1]], dim=1)
         qq = q[..., None]
         g_mu = qq * do[:, :, :, None, :]
-        g_lam = -(qq ** 2) * dvar[:, :, :, None, :] / lam ** 2 if dvar is not None else torch.zeros_like(lam)
+        inv_lam = 1.0 / lam
+        g_lam = -(qq ** 2) * dvar[:, :, :, None, :] * inv_lam ** 2 if dvar is not None else torch.zeros_like(lam)
         g_mu[:, -1] += dmu_T
         g_lam[:, -1] += dlam_T
-        # Jacobian entries of (λ, μ)_{t-1} -> (λ, μ)_t; the step t+1 entries act on step t
-        a2 = a * a
-        e = a2 / s ** 2                                     # ∂λ_t/∂λ_{t-1}
-        f = a2 * (a * mu_prev - mu) / (s ** 2 * lam)        # ∂μ_t/∂λ_{t-1}
+        # Jacobian of (λ, μ)_{t-1} -> (λ, μ)_t: ∂λ/∂λ = ā²/s², ∂μ/∂μ = gain, ∂μ/∂λ = ā²(ā μ_{t-1} − μ_t)/(s² λ_t);
+        # the entries of step t+1 act on step t
+        a2_inv_s2 = a * a / s ** 2
+        dmu = a * mu_prev - mu
         nxt = lambda x: torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], dim=1)  # noqa: E731
         G_mu = affine_scan(nxt(gain), g_mu, reverse=True)
-        G_lam = affine_scan(nxt(e), g_lam + nxt(f * G_mu), reverse=True)
-        dlam0 = e[:, 0] * G_lam[:, 0] + f[:, 0] * G_mu[:, 0]
+        g_r = G_mu * inv_lam                                # ∂L/∂r
+        cross = a2_inv_s2 * dmu * g_r                       # (∂μ_t/∂λ_{t-1}) Gμ_t
+        G_lam = affine_scan(nxt(a2_inv_s2), g_lam + nxt(cross), reverse=True)
+        dlam0 = a2_inv_s2[:, 0] * G_lam[:, 0] + cross[:, 0]
         dmu0 = gain[:, 0] * G_mu[:, 0]
-        g_phi = G_lam - G_mu * mu / lam
-        g_r = G_mu / lam
+        g_phi = G_lam - g_r * mu                            # ∂L/∂φ
+        # ā and p̄ enter only through the prior ℓ = λ_{t-1}/s (and ā μ_{t-1} in the mean)
         dprior_da = -2 * a * lam_prev / s ** 2
-        dprior_dp = -lam_prev ** 2 / s ** 2
-        da = G_lam * dprior_da + G_mu * (prior * mu_prev + (a * mu_prev - mu) * dprior_da) / lam
-        dp = (G_lam + G_mu * (a * mu_prev - mu) / lam) * dprior_dp
-        kk = k[..., None]
-        ww = w[:, :, :, None, :]
-        vv = v[:, :, :, None, :]
-        dk = (2 * kk * ww * g_phi + ww * vv * g_r).sum(-1)
-        dw = (kk ** 2 * g_phi + kk * vv * g_r).sum(-2)
-        dv = (kk * ww * g_r).sum(-2)
+        through_prior = G_lam + g_r * dmu
+        da = (dprior_da * through_prior + g_r * prior * mu_prev).sum((0, 1))
+        dp = (dprior_da * lam_prev * through_prior).sum((0, 1)) / (2 * a)   # ∂ℓ/∂p̄ = ∂ℓ/∂ā · λ_{t-1}/(2ā)
+        # φ = k² Λv, r = k Λv v: reduce over the lane axis with einsum instead of materialising products
+        dk = 2 * k * torch.einsum("bthnd,bthd->bthn", g_phi, w) + torch.einsum("bthnd,bthd->bthn", g_r, w * v)
+        g_r_k = torch.einsum("bthnd,bthn->bthd", g_r, k)
+        dw = torch.einsum("bthnd,bthn->bthd", g_phi, k * k) + v * g_r_k
+        dv = w * g_r_k
         dq = torch.einsum("bthd,bthnd->bthn", do, mu)
         if dvar is not None:
-            dq = dq + 2 * q * torch.einsum("bthd,bthnd->bthn", dvar, 1.0 / lam)
-        return dq, dk, dv, dw, da.sum((0, 1)), dp.sum((0, 1)), dlam0, dmu0, None
+            dq = dq + 2 * q * torch.einsum("bthd,bthnd->bthn", dvar, inv_lam)
+        return dq, dk, dv, dw, da, dp, dlam0, dmu0, None
 
 
 def kalman_chunk(q, k, v, w, decay, process_noise, *, state, output_variance):
