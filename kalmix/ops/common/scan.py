@@ -65,30 +65,28 @@ def affine_scan(c: torch.Tensor, b: torch.Tensor, x0: torch.Tensor | None = None
 
 
 def _mobius_combine(later, earlier):
-    (p11, p12, p21, p22), (q11, q12, q21, q22) = later, earlier
-    n11 = p11 * q11 + p12 * q21
-    n12 = p11 * q12 + p12 * q22
-    n21 = p21 * q11 + p22 * q21
-    n22 = p21 * q12 + p22 * q22
-    inv = 1.0 / (n11 + n22)                          # the map is scale-free: keep trace 1 so nothing overflows
-    return n11 * inv, n12 * inv, n21 * inv, n22 * inv
+    # 2x2 products with the (2, 2) entry kept at 1: [[p11, p12], [p21, 1]] @ [[q11, q12], [q21, 1]], rescaled
+    (p11, p12, p21), (q11, q12, q21) = later, earlier
+    inv = 1.0 / (p21 * q12 + 1.0)                    # >= 1 before inversion: entries are non-negative
+    return (p11 * q11 + p12 * q21) * inv, (p11 * q12 + p12) * inv, (p21 * q11 + q21) * inv
 
 
 def mobius_scan(m11, m12, m21, m22, x0: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     """Iterate the Möbius maps ``x_t = (m11 x_{t-1} + m12) / (m21 x_{t-1} + m22)`` along dim 1 from ``x0``.
 
-    The 2×2 prefix products are renormalised by their trace after every combine; with non-negative entries
-    nothing cancels. Entries broadcast to [B, T, ...]; ``x0`` is [B, ...].
+    Needs non-negative entries and m22 > 0. The map is scale-free, so the 2×2 prefix products are kept with
+    their (2, 2) entry at 1 (they are divided by it after every combine, which also keeps them finite); with
+    non-negative entries nothing cancels. Entries broadcast to [B, T, ...]; ``x0`` is [B, ...].
     """
     m11, m12, m21, m22 = torch.broadcast_tensors(m11, m12, m21, m22)
     T = m11.shape[1]
-    inv = 1.0 / (m11 + m22)
-    P = tuple(_chunked(m * inv, chunk, fill, copy=False) for m, fill in zip((m11, m12, m21, m22), (1.0, 0.0, 0.0, 1.0)))
-    p11, p12, p21, p22 = _hillis_steele(P, _mobius_combine, reverse=False)
+    inv = 1.0 / m22
+    P = tuple(_chunked(m * inv, chunk, fill, copy=False) for m, fill in zip((m11, m12, m21), (1.0, 0.0, 0.0)))
+    p11, p12, p21 = _hillis_steele(P, _mobius_combine, reverse=False)
     x = x0.expand_as(m11[:, 0])
     starts = []
     for j in range(p11.shape[1]):                    # carry across chunks
         starts.append(x)
-        x = (p11[:, j, -1] * x + p12[:, j, -1]) / (p21[:, j, -1] * x + p22[:, j, -1])
+        x = (p11[:, j, -1] * x + p12[:, j, -1]) / (p21[:, j, -1] * x + 1.0)
     xs = torch.stack(starts, 1).unsqueeze(2)
-    return ((p11 * xs + p12) / (p21 * xs + p22)).flatten(1, 2)[:, :T]
+    return ((p11 * xs + p12) / (p21 * xs + 1.0)).flatten(1, 2)[:, :T]

@@ -7,23 +7,17 @@ import torch
 from kalmix.ops.common.scan import affine_scan, mobius_scan
 
 
-def _gains(a, p, lam0, lam):
-    """Per-lane predict quantities [B, T, H, N, D] from the precision path."""
-    lam_prev = torch.cat([lam0[:, None], lam[:, :-1]], dim=1)
-    s = a * a + p * lam_prev
-    prior = lam_prev / s                                    # never λ_t − φ_t: that cancels when φ ≫ prior
-    gain = a * prior / lam                                  # mean gain in [0, a]
-    return lam_prev, s, prior, gain
-
-
 def _filter(q, k, v, w, a, p, lam0, mu0):
-    """Precision λ, mean μ and the predict quantities of ``_gains``, all [B, T, H, N, D], of every lane."""
+    """Every lane's precision λ, mean μ and predict quantities (λ_{t-1}, s, prior, gain), all [B, T, H, N, D]."""
     kk = k[..., None]                                       # [B, T, H, N, 1]
     phi = kk ** 2 * w[:, :, :, None, :]
     a2 = (a * a).expand_as(phi)
     # λ_t = ((1 + p φ) λ + a² φ) / (p λ + a²)
     lam = mobius_scan(1 + p * phi, a2 * phi, p.expand_as(phi), a2, lam0)
-    lam_prev, s, prior, gain = _gains(a, p, lam0, lam)
+    lam_prev = torch.cat([lam0[:, None], lam[:, :-1]], dim=1)
+    s = a * a + p * lam_prev
+    prior = lam_prev / s                                    # never λ_t − φ_t: that cancels when φ ≫ prior
+    gain = a * prior / lam                                  # mean gain in [0, a]
     mu = affine_scan(gain, kk * (w * v)[:, :, :, None, :] / lam, mu0)
     return lam, mu, (lam_prev, s, prior, gain)
 
