@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(cfg, args.out)
     except NotImplementedError as e:   # e.g. the default impl of a device that has no kernels yet
-        parser.error(str(e))
+        parser.error(f"{e} (on the command line: --impl torch)")
     return 0
 
 
