@@ -43,6 +43,24 @@ class ShortConv(nn.Module):
         return y, full[..., -(self.kernel_size - 1):]
 
 
+def project_and_convolve(x: torch.Tensor, projs, convs, conv_state):
+    """Each Linear of ``projs`` applied to x [B, T, d], then its ShortConv of ``convs`` continuing from
+    ``conv_state`` (a tuple of per-conv states, or None). Returns (list of [B, T, *], new state tuple)."""
+    states = conv_state if conv_state is not None else (None,) * len(projs)
+    outs, new_states = [], []
+    for proj, conv, state in zip(projs, convs, states):
+        y, state = conv(proj(x), state)
+        outs.append(y)
+        new_states.append(state)
+    return outs, tuple(new_states)
+
+
+def gated_norm_out(o: torch.Tensor, gate: torch.Tensor, norm: nn.Module, o_proj: nn.Linear) -> torch.Tensor:
+    """Per-head gated RMSNorm of o [B, T, H, V] with gate [B, T, H·V], then the output projection."""
+    B, T, H, V = o.shape
+    return o_proj(norm(o, gate.view(B, T, H, V)).reshape(B, T, H * V))
+
+
 class GatedRMSNorm(nn.Module):
     """RMSNorm over the last dimension times a SiLU gate: ``norm(x) * weight * silu(z)``."""
 

@@ -6,7 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kalmix.layers.base import MixerLayer
-from kalmix.layers.common import DecayGate, GatedRMSNorm, ShortConv
+from kalmix.layers.common import DecayGate, GatedRMSNorm, ShortConv, gated_norm_out, project_and_convolve
 from kalmix.ops import gated_kalmanet
 
 
@@ -40,16 +40,14 @@ class GatedKalmaNet(MixerLayer):
     def project(self, x, conv_state):
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
-        cq, ck, cv = conv_state if conv_state is not None else (None, None, None)
-        q, cq = self.q_conv(self.q_proj(x), cq)
-        k, ck = self.k_conv(self.k_proj(x), ck)
-        v, cv = self.v_conv(self.v_proj(x), cv)
+        (q, k, v), conv_state = project_and_convolve(x, (self.q_proj, self.k_proj, self.v_proj),
+                                                     (self.q_conv, self.k_conv, self.v_conv), conv_state)
         q = F.normalize(q.view(B, T, H, D), dim=-1, eps=1e-6)
         k = F.normalize(k.view(B, T, H, D), dim=-1, eps=1e-6)
         beta = torch.sigmoid(self.b_proj(x))
         alpha = torch.sigmoid(self.a_proj(x))
         g = self.decay(x).to(q.dtype)
-        return [q, k, v.view(B, T, H, D), g, beta, alpha], self.g_proj(x), (cq, ck, cv)
+        return [q, k, v.view(B, T, H, D), g, beta, alpha], self.g_proj(x), conv_state
 
     def mix(self, inputs, initial_state, output_final_state, cu_seqlens, impl, **kwargs):
         o, state = gated_kalmanet(*inputs, ridge=self.ridge, num_iters=self.num_iters, initial_state=initial_state,
@@ -57,9 +55,7 @@ class GatedKalmaNet(MixerLayer):
         return o, None, state
 
     def readout(self, o, extra, gate, **kwargs):
-        B, T = gate.shape[:2]
-        o = self.o_norm(o, gate.view(B, T, self.num_heads, self.head_dim))
-        return self.o_proj(o.reshape(B, T, -1)), None
+        return gated_norm_out(o, gate, self.o_norm, self.o_proj), None
 
     def state_size(self) -> int:
         """Recurrent-state elements per sequence: H [H, D, D] and U [H, D, D] (conv buffers not counted)."""

@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kalmix.layers.base import MixerLayer
-from kalmix.layers.common import DecayGate, GatedRMSNorm, ShortConv
+from kalmix.layers.common import DecayGate, GatedRMSNorm, ShortConv, gated_norm_out, project_and_convolve
 from kalmix.ops import kaczmarz_attention
 
 
@@ -44,17 +44,15 @@ class KaczmarzAttention(MixerLayer):
     def project(self, x, conv_state):
         B, T, _ = x.shape
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
-        cq, ck, cv = conv_state if conv_state is not None else (None, None, None)
-        q, cq = self.q_conv(self.q_proj(x), cq)
-        k, ck = self.k_conv(self.k_proj(x), ck)
-        v, cv = self.v_conv(self.v_proj(x), cv)
+        (q, k, v), conv_state = project_and_convolve(x, (self.q_proj, self.k_proj, self.v_proj),
+                                                     (self.q_conv, self.k_conv, self.v_conv), conv_state)
         q = F.normalize(q.view(B, T, H, K), dim=-1, eps=1e-6)
         k = k.view(B, T, H, K)
         if self.normalize_keys:
             k = F.normalize(k, dim=-1, eps=1e-6)
         eta = torch.sigmoid(self.b_proj(x))
         g = self.decay(x).to(q.dtype)
-        return [q, k, v.view(B, T, H, V), g, eta], self.g_proj(x), (cq, ck, cv)
+        return [q, k, v.view(B, T, H, V), g, eta], self.g_proj(x), conv_state
 
     def mix(self, inputs, initial_state, output_final_state, cu_seqlens, impl, **kwargs):
         o, state = kaczmarz_attention(*inputs, eps=self.eps, initial_state=initial_state,
@@ -62,9 +60,7 @@ class KaczmarzAttention(MixerLayer):
         return o, None, state
 
     def readout(self, o, extra, gate, **kwargs):
-        B, T = gate.shape[:2]
-        o = self.o_norm(o, gate.view(B, T, self.num_heads, self.head_v_dim))
-        return self.o_proj(o.reshape(B, T, -1)), None
+        return gated_norm_out(o, gate, self.o_norm, self.o_proj), None
 
     def state_size(self) -> int:
         """Recurrent-state elements per sequence: S [H, K, V] (conv buffers not counted)."""

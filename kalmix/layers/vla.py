@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from kalmix.layers.base import MixerLayer
-from kalmix.layers.common import ShortConv
+from kalmix.layers.common import ShortConv, project_and_convolve
 from kalmix.ops import variational_linear_attention
 
 
@@ -41,11 +41,11 @@ class VariationalLinearAttention(MixerLayer):
     def project(self, x, conv_state):
         B, T, _ = x.shape
         shape = (B, T, self.num_heads, self.head_dim)
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        projs = (self.q_proj, self.k_proj, self.v_proj)
         if self.convs is not None:
-            states = conv_state if conv_state is not None else (None, None, None)
-            (q, cq), (k, ck), (v, cv) = (conv(t, st) for conv, t, st in zip(self.convs, (q, k, v), states))
-            conv_state = (cq, ck, cv)
+            (q, k, v), conv_state = project_and_convolve(x, projs, self.convs, conv_state)
+        else:
+            q, k, v = (proj(x) for proj in projs)
         q, k, v = q.view(shape), k.view(shape), v.view(shape)
         return [q, k, v, self.u_proj(k)], None, conv_state
 
