@@ -64,8 +64,9 @@ CASES = {
     "kalman": OpCase(
         "kalman", ops.kalman_attention,
         lambda B, T, H, K, V, dt, g: [_normalize(_rand(g, B, T, H, K, dtype=dt)),
-                                      _normalize(_rand(g, B, T, H, K, dtype=dt)), _rand(g, B, T, H, V, dtype=dt), _unif(g, 0.1, 3.0, B, T, H, V, dtype=dt),
-                                      _unif(g, 0.5, 1.0, H, K, V, dtype=dt), _unif(g, 0.0, 0.2, H, K, V, dtype=dt)],
+                                      _normalize(_rand(g, B, T, H, K, dtype=dt)), _rand(g, B, T, H, V, dtype=dt),
+                                      _unif(g, 0.1, 3.0, B, T, H, V, dtype=dt), _unif(g, 0.5, 1.0, H, K, V, dtype=dt),
+                                      _unif(g, 0.0, 0.2, H, K, V, dtype=dt)],
         lambda n, H, K, V, dt, g: (_unif(g, 0.5, 2.0, n, H, K, V, dtype=dt), _rand(g, n, H, K, V, dtype=dt))),
     "gka": OpCase(
         "gka", ops.gated_kalmanet,
