@@ -40,7 +40,10 @@ def main(argv: list[str] | None = None) -> int:
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_config_flags(mqar, MQARBenchConfig)
     mqar.add_argument("--out", default="runs/mqar.jsonl", help="JSONL file the results are appended to")
+    _add_speed_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "speed":
+        return _run_speed(args)
     values = {k: v for k, v in vars(args).items() if k in MQARBenchConfig.model_fields}
     values = {k: (None if v in ("None", "none") else v) for k, v in values.items()}
     try:
@@ -51,6 +54,49 @@ def main(argv: list[str] | None = None) -> int:
         run(cfg, args.out)
     except NotImplementedError as e:   # e.g. the default impl of a device that has no kernels yet
         parser.error(f"{e} (on the command line: --impl torch)")
+    return 0
+
+
+def _add_speed_parser(sub) -> None:
+    from kalmix.bench.speed import SpeedConfig
+    d = SpeedConfig()
+    sp = sub.add_parser("speed", help="time every op and layer against fla and SDPA anchors (GPU; CPU for tiny "
+                        "shapes)", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                        description="Times kalmix ops (every available impl) and layers next to fla's chunk_delta_rule,"
+                        " chunk_gated_delta_rule, chunk_simple_gla, chunk_gla and GatedDeltaNet layer (CUDA only) and "
+                        "SDPA causal attention, in forward, forward+backward and decode modes, at a fixed token "
+                        "budget per call. Writes speed.csv and PNG plots to --out and prints a table.")
+    sp.add_argument("--device", default=d.device, help="torch device (cuda, or cpu for tiny smoke runs)")
+    sp.add_argument("--out", default=d.out, help="output folder for speed.csv and the plots")
+    sp.add_argument("--modes", nargs="+", default=list(d.modes), choices=["fwd", "fwdbwd", "decode"],
+                    help="what to time")
+    sp.add_argument("--seq-lens", nargs="+", type=int, default=list(d.seq_lens), help="sequence lengths T")
+    sp.add_argument("--tokens", type=int, default=d.tokens, help="tokens per call: B = tokens // T")
+    sp.add_argument("--dtypes", nargs="+", default=list(d.dtypes), choices=["bf16", "fp16", "fp32"],
+                    help="activation dtypes")
+    sp.add_argument("--heads", type=int, default=d.heads, help="heads of the matrix-state mixers and anchors")
+    sp.add_argument("--head-dim", type=int, default=d.head_dim, help="K = V of the matrix-state mixers and anchors")
+    sp.add_argument("--d-model", type=int, default=d.d_model, help="layer width (Kalman op: D = 2 * d-model)")
+    sp.add_argument("--d-state", type=int, default=d.d_state, help="Kalman state slots N")
+    sp.add_argument("--decode-contexts", nargs="+", type=int, default=list(d.decode_contexts),
+                    help="context lengths of the decode comparison (KV cache length of attention)")
+    sp.add_argument("--ops", nargs="*", default=[], help="only targets whose name contains one of these")
+    sp.add_argument("--impls", nargs="*", default=[], help="only these impls (naive, torch, triton, fla, ...)")
+    sp.add_argument("--naive-max-len", type=int, default=d.naive_max_len,
+                    help="skip the token-loop impls above this T (they take seconds per call)")
+    sp.add_argument("--warmup", type=int, default=d.warmup, help="do_bench warm-up (ms)")
+    sp.add_argument("--rep", type=int, default=d.rep, help="do_bench repetition time (ms)")
+    sp.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+
+
+def _run_speed(args) -> int:
+    from kalmix.bench.speed import SpeedConfig, run as run_speed
+    cfg = SpeedConfig(device=args.device, out=args.out, modes=tuple(args.modes), seq_lens=tuple(args.seq_lens),
+                      tokens=args.tokens, dtypes=tuple(args.dtypes), heads=args.heads, head_dim=args.head_dim,
+                      d_model=args.d_model, d_state=args.d_state, decode_contexts=tuple(args.decode_contexts),
+                      ops=tuple(args.ops), impls=tuple(args.impls), naive_max_len=args.naive_max_len,
+                      warmup=args.warmup, rep=args.rep, plots=not args.no_plots)
+    run_speed(cfg)
     return 0
 
 

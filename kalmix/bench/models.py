@@ -1,0 +1,75 @@
+"""Bytes-moved and FLOP models of every timed op: the floors a measured time is compared with.
+
+Bytes are the compulsory HBM traffic: every input read once and every output written once per pass.
+Forward: inputs + outputs. Forward+backward: forward, then the inputs again, the output gradient, and one
+gradient per input (``fwd + 2 * inputs + outputs``). States are not counted (none are requested).
+
+FLOPs count multiply and add separately (2 per MAC). Chunked matrix-state rules use chunk C = 64:
+  gated linear attention (simple_gla, gla):  2·BHT·(2KV + C(K + V))
+  delta rules (delta, gated delta, Kaczmarz): 2·BHT·(3KV + C(K + V) + CK)        (+ the C×C triangular solve)
+  Gated KalmaNet: the GLA readout + num_iters · 2·BHT·(2CK + K²) Chebyshev mat-vecs + the chunk norms 2·BHT·CK
+  variational LA: the delta rule + the A path 2·BHT·(2CK + 2K² + C²/3)
+  Kalman: elementwise, ~12 FLOPs per lane-token (lanes = B·T·H·N·D) forward, ~40 forward+backward
+  causal SDPA: 2·B·H·T²·D forward (QKᵀ and PV over the lower triangle); backward 2.5× that
+Forward+backward FLOPs of the matrix-state rules are taken as 3× forward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CHUNK = 64
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Activations [B, T, H, K] / [B, T, H, V] (Kalman: K = N state slots, V = D channels)."""
+    B: int
+    T: int
+    H: int
+    K: int
+    V: int
+
+
+def io_bytes(inputs: int, outputs: int, mode: str) -> int:
+    """Compulsory traffic for ``inputs``/``outputs`` bytes: fwd reads and writes once; fwd+bwd adds the backward."""
+    if mode == "fwd":
+        return inputs + outputs
+    if mode == "fwdbwd":
+        return 3 * inputs + 2 * outputs
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def op_bytes(op: str, s: Shape, elt: int, mode: str) -> int:
+    """Bytes floor of one call of ``op`` at shape ``s`` with ``elt``-byte activations."""
+    btH = s.B * s.T * s.H
+    gates = {"kalman": 0, "gka": 3, "kaczmarz": 2, "vla": 0, "delta": 1, "gated_delta": 2, "simple_gla": 1,
+             "gla": s.K, "sdpa": 0}[op]
+    n_k = 3 if op == "vla" else 2                              # q, k (and u for VLA)
+    v_in = 2 if op == "kalman" else 1                          # Kalman reads v and its precision
+    inputs = elt * btH * (n_k * s.K + v_in * s.V + gates)
+    if op == "kalman":
+        inputs += 4 * 2 * s.H * s.K * s.V                     # fp32 decay and process noise
+    return io_bytes(inputs, elt * btH * s.V, mode)
+
+
+def op_flops(op: str, s: Shape, mode: str, num_iters: int = 30) -> float:
+    """FLOPs of one call of ``op`` at shape ``s`` (see the module docstring for the model)."""
+    bht = s.B * s.H * s.T
+    C, K, V = CHUNK, s.K, s.V
+    if op == "kalman":
+        return (12 if mode == "fwd" else 40) * bht * K * V
+    if op == "sdpa":
+        fwd = 2.0 * s.B * s.H * s.T * s.T * K
+        return fwd if mode == "fwd" else 3.5 * fwd
+    gla = 2.0 * bht * (2 * K * V + C * (K + V))
+    delta = 2.0 * bht * (3 * K * V + C * (K + V) + C * K)
+    fwd = {
+        "simple_gla": gla,
+        "gla": gla,
+        "delta": delta,
+        "gated_delta": delta,
+        "kaczmarz": delta,
+        "gka": gla + num_iters * 2.0 * bht * (2 * C * K + K * K) + 2.0 * bht * C * K,
+        "vla": delta + 2.0 * bht * (2 * C * K + 2 * K * K + C * C / 3),
+    }[op]
+    return fwd if mode == "fwd" else 3 * fwd

@@ -1,0 +1,460 @@
+"""`kalmix speed`: time every kalmix op and layer next to the field's anchors, with the bytes/FLOPs floors.
+
+Rows are long-format: one per (thing timed, mode, dtype, T). Each row carries the median and p20/p80 time
+(``triton.testing.do_bench`` on CUDA; a plain timer loop on CPU), the peak memory of one call, achieved GB/s
+and TFLOP/s under the models of ``kalmix.bench.models``, and their fraction of the machine ceilings measured in
+the same run (copy bandwidth, bf16 matmul rate).
+"""
+from __future__ import annotations
+
+import csv
+import math
+import os
+import platform
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kalmix import ops
+from kalmix.bench.models import Shape, op_bytes, op_flops
+from kalmix.layers import MIXERS
+
+MODES = ("fwd", "fwdbwd", "decode")
+
+
+@dataclass
+class Target:
+    """One thing to time. ``build(shape, dtype, device) -> (fn, leaves)``: fn() returns the output to
+    backpropagate; leaves are the tensors whose gradients are reset between repetitions."""
+    name: str
+    impl: str
+    kind: str                    # "op", "anchor" or "layer"
+    model: str | None            # key of the bytes/FLOPs model (ops and anchors)
+    family: str                  # "matrix" (H heads of K x V states) or "kalman" (diagonal N x D lanes)
+    build: Callable
+
+
+def _rand(shape, dtype, device, scale=1.0):
+    return (torch.randn(shape, device=device) * scale).to(dtype)
+
+
+def _unit(shape, dtype, device):
+    return F.normalize(torch.randn(shape, device=device), dim=-1).to(dtype)
+
+
+def _leaves(*xs):
+    return [x.requires_grad_() for x in xs]
+
+
+def _kalman_op(impl):
+    def build(s: Shape, dt, dev):
+        q, k = _unit((s.B, s.T, s.H, s.K), dt, dev), _unit((s.B, s.T, s.H, s.K), dt, dev)
+        v = _rand((s.B, s.T, s.H, s.V), dt, dev)
+        w = (10 ** (4 * torch.rand(s.B, s.T, s.H, s.V, device=dev) - 2)).to(dt)
+        a = 0.9 + 0.099 * torch.rand(s.H, s.K, s.V, device=dev)
+        p = 10 ** (-7 + torch.rand(s.H, s.K, s.V, device=dev))
+        leaves = _leaves(q, k, v, w, a, p)
+        return (lambda: ops.kalman_attention(*leaves, impl=impl)[0]), leaves
+    return build
+
+
+def _gka_op(impl):
+    def build(s: Shape, dt, dev):
+        q, k, v = _unit((s.B, s.T, s.H, s.K), dt, dev), _unit((s.B, s.T, s.H, s.K), dt, dev), _rand(
+            (s.B, s.T, s.H, s.V), dt, dev)
+        g = (-0.1 * torch.rand(s.B, s.T, s.H, device=dev)).to(dt)
+        beta, alpha = torch.rand(s.B, s.T, s.H, device=dev).to(dt), torch.rand(s.B, s.T, s.H, device=dev).to(dt)
+        leaves = _leaves(q, k, v, g, beta, alpha)
+        return (lambda: ops.gated_kalmanet(*leaves, impl=impl)[0]), leaves
+    return build
+
+
+def _kaczmarz_op(impl):
+    def build(s: Shape, dt, dev):
+        q, k, v = _unit((s.B, s.T, s.H, s.K), dt, dev), _rand((s.B, s.T, s.H, s.K), dt, dev), _rand(
+            (s.B, s.T, s.H, s.V), dt, dev)
+        g = (-0.1 * torch.rand(s.B, s.T, s.H, device=dev)).to(dt)
+        eta = (0.05 + 0.95 * torch.rand(s.B, s.T, s.H, device=dev)).to(dt)
+        leaves = _leaves(q, k, v, g, eta)
+        return (lambda: ops.kaczmarz_attention(*leaves, impl=impl)[0]), leaves
+    return build
+
+
+def _vla_op(impl):
+    def build(s: Shape, dt, dev):
+        q, k, u = (_rand((s.B, s.T, s.H, s.K), dt, dev) for _ in range(3))
+        v = _rand((s.B, s.T, s.H, s.V), dt, dev)
+        leaves = _leaves(q, k, v, u)
+        return (lambda: ops.variational_linear_attention(*leaves, impl=impl)[0]), leaves
+    return build
+
+
+def _fla_anchor(fn_name):
+    def build(s: Shape, dt, dev):
+        import fla.ops as fla_ops
+        fn = getattr(fla_ops, fn_name)
+        q, k = _unit((s.B, s.T, s.H, s.K), dt, dev), _unit((s.B, s.T, s.H, s.K), dt, dev)
+        v = _rand((s.B, s.T, s.H, s.V), dt, dev)
+        g = F.logsigmoid(torch.randn(s.B, s.T, s.H, device=dev) + 3).to(dt)
+        beta = torch.rand(s.B, s.T, s.H, device=dev).to(dt)
+        if fn_name == "chunk_delta_rule":
+            leaves = _leaves(q, k, v, beta)
+        elif fn_name == "chunk_gated_delta_rule":
+            leaves = _leaves(q, k, v, g, beta)
+        elif fn_name == "chunk_simple_gla":
+            leaves = _leaves(q, k, v, g)
+        else:
+            leaves = _leaves(q, k, v, F.logsigmoid(torch.randn(s.B, s.T, s.H, s.K, device=dev) + 3).to(dt))
+        return (lambda: fn(*leaves)[0]), leaves
+    return build
+
+
+def _sdpa(s: Shape, dt, dev):
+    q, k, v = (_rand((s.B, s.H, s.T, s.K), dt, dev) for _ in range(3))
+    leaves = _leaves(q, k, v)
+
+    def fn():
+        if dev.type == "cuda":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(*leaves, is_causal=True)
+        return F.scaled_dot_product_attention(*leaves, is_causal=True)
+    return fn, leaves
+
+
+def layer_kwargs(name: str, d_model: int, heads: int, head_dim: int, d_state: int) -> dict:
+    """Constructor arguments of the timed layers: matrix-state mixers with ``heads`` x ``head_dim``; Kalman with
+    expand 2, H = 1 and ``d_state`` slots (the paper's layer)."""
+    if name == "kalman":
+        return dict(expand=2, d_state=d_state, num_heads=1)
+    if name in ("kaczmarz", "gdn"):
+        return dict(num_heads=heads, head_k_dim=head_dim)
+    return dict(num_heads=heads, head_dim=head_dim) if name in ("gka", "vla") else dict(num_heads=heads)
+
+
+def _layer(name, impl, d_model, heads, head_dim, d_state):
+    def build(s: Shape, dt, dev):
+        kw = layer_kwargs(name, d_model, heads, head_dim, d_state)
+        if name == "fla_gdn":
+            from fla.layers import GatedDeltaNet as FlaGDN
+            layer = FlaGDN(hidden_size=d_model, num_heads=heads, head_dim=head_dim, expand_v=1, layer_idx=0)
+        elif name == "attention":
+            layer = MIXERS[name](d_model, **kw)
+        else:
+            layer = MIXERS[name](d_model, impl=impl, **kw)
+        layer = layer.to(dev, dt)
+        x = _rand((s.B, s.T, d_model), dt, dev).requires_grad_()
+        return (lambda: layer(x)[0]), [x, *layer.parameters()]
+    return build
+
+
+def targets(ops_filter, impls_filter, d_model, heads, head_dim, d_state, device) -> list[Target]:
+    """Everything ``kalmix speed`` can time on this device (fla's kernels only on CUDA)."""
+    out = []
+    op_builders = {"kalman_attention": ("kalman", "kalman", _kalman_op), "gated_kalmanet": ("gka", "matrix", _gka_op),
+                   "kaczmarz_attention": ("kaczmarz", "matrix", _kaczmarz_op),
+                   "variational_linear_attention": ("vla", "matrix", _vla_op)}
+    for op_name, (model, family, maker) in op_builders.items():
+        for impl in ops.AVAILABLE_IMPLS[op_name]:
+            out.append(Target(op_name, impl, "op", model, family, maker(impl)))
+    if device.type == "cuda":
+        for fn_name, model in (("chunk_delta_rule", "delta"), ("chunk_gated_delta_rule", "gated_delta"),
+                               ("chunk_simple_gla", "simple_gla"), ("chunk_gla", "gla")):
+            out.append(Target(f"fla.{fn_name}", "fla", "anchor", model, "matrix", _fla_anchor(fn_name)))
+    out.append(Target("sdpa_causal", "flash" if device.type == "cuda" else "sdpa", "anchor", "sdpa", "matrix", _sdpa))
+    for name in MIXERS:
+        impls = ["-"] if name == "attention" else [i for i in ops.AVAILABLE_IMPLS[
+            {"kalman": "kalman_attention", "gka": "gated_kalmanet", "kaczmarz": "kaczmarz_attention",
+             "gdn": "kaczmarz_attention", "vla": "variational_linear_attention"}[name]] if i != "naive"]
+        for impl in impls:
+            out.append(Target(f"layer.{name}", impl, "layer", None, "kalman" if name == "kalman" else "matrix",
+                              _layer(name, None if impl == "-" else impl, d_model, heads, head_dim, d_state)))
+    if device.type == "cuda":
+        out.append(Target("layer.fla_gdn", "fla", "layer", None, "matrix",
+                          _layer("fla_gdn", None, d_model, heads, head_dim, d_state)))
+    return [t for t in out if (not ops_filter or any(f in t.name for f in ops_filter))
+            and (not impls_filter or t.impl in impls_filter)]
+
+
+def time_call(fn: Callable, leaves, device: torch.device, warmup: int, rep: int) -> tuple[float, float, float]:
+    """(p20, p50, p80) milliseconds of fn()."""
+    if device.type == "cuda":
+        import triton.testing
+        return tuple(triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=leaves,
+                                             quantiles=[0.2, 0.5, 0.8]))
+    fn()
+    times = []
+    for _ in range(max(3, rep // 100)):
+        for x in leaves:
+            x.grad = None
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
+    q = torch.tensor(times).quantile(torch.tensor([0.2, 0.5, 0.8], dtype=torch.float64).float())
+    return tuple(q.tolist())
+
+
+def peak_mib(fn: Callable, device: torch.device) -> float:
+    if device.type != "cuda":
+        return float("nan")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+
+
+def ceilings(device: torch.device, warmup: int, rep: int) -> dict:
+    """Copy bandwidth (GB/s, read + write) and bf16 (CPU: fp32) matmul rate (TFLOP/s) measured now."""
+    n = (1 << 28) if device.type == "cuda" else (1 << 22)
+    src = torch.empty(n, dtype=torch.float32, device=device).normal_()
+    dst = torch.empty_like(src)
+    _, copy_ms, _ = time_call(lambda: dst.copy_(src), [], device, warmup, rep)
+    m = 8192 if device.type == "cuda" else 512
+    mdt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = torch.randn(m, m, device=device, dtype=mdt), torch.randn(m, m, device=device, dtype=mdt)
+    _, mm_ms, _ = time_call(lambda: a @ b, [], device, warmup, rep)
+    return {"copy_GBps": 2 * 4 * n / copy_ms / 1e6, "matmul_TFLOPs": 2 * m ** 3 / mm_ms / 1e9}
+
+
+def versions() -> dict:
+    info = {"torch": torch.__version__, "device_name": torch.cuda.get_device_name() if torch.cuda.is_available()
+            else platform.processor() or platform.machine()}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    try:
+        from importlib.metadata import version
+        info["fla"] = version("flash-linear-attention")
+    except Exception:  # noqa: BLE001 (metadata missing is not an error here)
+        info["fla"] = None
+    try:
+        info["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                     cwd=os.path.dirname(__file__), timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        info["git"] = None
+    return info
+
+
+def _is_refusal(err: Exception) -> bool:
+    """fla's refusal of gated-chunk backward on Hopper with triton < 3.7.1 (and similar explicit refusals)."""
+    msg = str(err).lower()
+    return isinstance(err, (NotImplementedError, RuntimeError, AssertionError)) and any(
+        w in msg for w in ("not supported", "not implemented", "refuse", "triton", "hopper", "640"))
+
+
+@dataclass
+class SpeedConfig:
+    device: str = "cuda"
+    out: str = "runs/speed"
+    modes: tuple = ("fwd", "fwdbwd", "decode")
+    seq_lens: tuple = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+    tokens: int = 32768
+    dtypes: tuple = ("bf16",)
+    heads: int = 8
+    head_dim: int = 128
+    d_model: int = 1024
+    d_state: int = 16
+    decode_contexts: tuple = (1024, 4096, 16384, 65536)
+    ops: tuple = ()
+    impls: tuple = ()
+    naive_max_len: int = 2048
+    warmup: int = 25
+    rep: int = 100
+    plots: bool = True
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _shape(t: Target, cfg: SpeedConfig, B: int, T: int) -> Shape:
+    if t.family == "kalman":
+        return Shape(B, T, 1, cfg.d_state, 2 * cfg.d_model)
+    return Shape(B, T, cfg.heads, cfg.head_dim, cfg.head_dim)
+
+
+def _measure(call, leaves, device, cfg):
+    """Run once (to surface refusals and OOM), then time; returns (p20, p50, p80, peak MiB, status)."""
+    nan = float("nan")
+    try:
+        call()
+    except torch.cuda.OutOfMemoryError:
+        return nan, nan, nan, nan, "OOM"
+    except Exception as err:  # noqa: BLE001 (an anchor's explicit refusal is reported, anything else re-raised)
+        if _is_refusal(err):
+            return nan, nan, nan, nan, "n/a (refused)"
+        raise
+    peak = peak_mib(call, device)
+    p20, p50, p80 = time_call(call, leaves, device, cfg.warmup, cfg.rep)
+    return p20, p50, p80, peak, "ok"
+
+
+def _row(t: Target, mode, dtype_name, s: Shape, timing, ceil, meta, elt) -> dict:
+    p20, p50, p80, peak, status = timing
+    gbps = tflops = float("nan")
+    if t.model is not None and status == "ok":
+        gbps = op_bytes(t.model, s, elt, mode) / p50 / 1e6
+        tflops = op_flops(t.model, s, mode) / p50 / 1e9
+    return {"op": t.name, "impl": t.impl, "kind": t.kind, "mode": mode, "dtype": dtype_name, "B": s.B, "T": s.T,
+            "H": s.H, "K": s.K, "V": s.V, "tokens": s.B * s.T, "ms_p20": p20, "ms_p50": p50, "ms_p80": p80,
+            "peak_MiB": peak, "GBps": gbps, "TFLOPs": tflops, "frac_copy_bw": gbps / ceil["copy_GBps"],
+            "frac_matmul": tflops / ceil["matmul_TFLOPs"], "status": status, **meta,
+            "copy_GBps_measured": ceil["copy_GBps"], "matmul_TFLOPs_measured": ceil["matmul_TFLOPs"]}
+
+
+def _decode_rows(cfg, device, dtype_name, ceil, meta) -> list[dict]:
+    """Per-token latency of one recurrent step (B = 1) against attention with a KV cache of each context."""
+    dt = DTYPES[dtype_name]
+    rows = []
+    with torch.no_grad():
+        for name in MIXERS:
+            kw = layer_kwargs(name, cfg.d_model, cfg.heads, cfg.head_dim, cfg.d_state)
+            layer = (MIXERS[name](cfg.d_model, **kw) if name == "attention" else
+                     MIXERS[name](cfg.d_model, impl="torch", **kw)).to(device, dt)
+            x1 = _rand((1, 1, cfg.d_model), dt, device)
+            timing = None
+            for L in cfg.decode_contexts:
+                if name == "attention" or timing is None:   # a recurrent step does not depend on the context
+                    prompt = L if name == "attention" else 16
+                    _, _, cache = layer(_rand((1, prompt, cfg.d_model), dt, device), use_cache=True)
+                    timing = _measure(lambda c=cache: layer(x1, past_key_values=c)[0], [], device, cfg)
+                s = Shape(1, L, cfg.heads, cfg.head_dim, cfg.head_dim)
+                row = _row(Target(f"layer.{name}", "step", "layer", None, "matrix", None), "decode", dtype_name, s,
+                           timing, ceil, meta, 0)
+                rows.append(row)
+            del layer
+        for L in cfg.decode_contexts:
+            q = _rand((1, cfg.heads, 1, cfg.head_dim), dt, device)
+            kv = [_rand((1, cfg.heads, L, cfg.head_dim), dt, device) for _ in range(2)]
+            timing = _measure(lambda: F.scaled_dot_product_attention(q, *kv), [], device, cfg)
+            rows.append(_row(Target("sdpa_kv_cache", "sdpa", "anchor", None, "matrix", None), "decode", dtype_name,
+                             Shape(1, L, cfg.heads, cfg.head_dim, cfg.head_dim), timing, ceil, meta, 0))
+    for r in rows:
+        r["tokens"] = 1
+    return rows
+
+
+def run(cfg: SpeedConfig, progress: bool = True) -> list[dict]:
+    """Time everything ``cfg`` selects; write CSV (and plots) under ``cfg.out``; return the rows."""
+    from tqdm.auto import tqdm
+
+    device = torch.device(cfg.device)
+    meta = versions()
+    ceil = ceilings(device, cfg.warmup, cfg.rep)
+    ts = targets(cfg.ops, cfg.impls, cfg.d_model, cfg.heads, cfg.head_dim, cfg.d_state, device)
+    rows = []
+    os.makedirs(cfg.out, exist_ok=True)
+    csv_path = os.path.join(cfg.out, "speed.csv")
+    plan = [(d, T, t) for d in cfg.dtypes for T in cfg.seq_lens for t in ts]
+    bar = tqdm(plan, desc="kalmix speed", disable=not progress, dynamic_ncols=True)
+    for dtype_name, T, t in bar:
+        bar.set_postfix_str(f"{t.name}/{t.impl} {dtype_name} T={T}")
+        s = _shape(t, cfg, max(1, cfg.tokens // T), T)
+        elt = torch.finfo(DTYPES[dtype_name]).bits // 8
+        modes = [m for m in cfg.modes if m != "decode"]
+        if t.impl == "naive" and T > cfg.naive_max_len:
+            for mode in modes:
+                rows.append(_row(t, mode, dtype_name, s, (math.nan,) * 4 + ("skipped (naive, T > naive-max-len)",),
+                                 ceil, meta, elt))
+            continue
+        try:
+            fn, leaves = t.build(s, DTYPES[dtype_name], device)
+        except torch.cuda.OutOfMemoryError:
+            rows.extend(_row(t, m, dtype_name, s, (math.nan,) * 4 + ("OOM",), ceil, meta, elt) for m in modes)
+            continue
+        for mode in modes:
+            if mode == "fwd":
+                def call(fn=fn):
+                    with torch.no_grad():
+                        return fn()
+            else:
+                def call(fn=fn):
+                    out = fn()
+                    out.backward(torch.ones_like(out))
+            rows.append(_row(t, mode, dtype_name, s, _measure(call, leaves, device, cfg), ceil, meta, elt))
+        del fn, leaves
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        write_csv(rows, csv_path)                        # after every target: an interrupted run keeps its rows
+    if "decode" in cfg.modes:
+        for dtype_name in cfg.dtypes:
+            rows.extend(_decode_rows(cfg, device, dtype_name, ceil, meta))
+    write_csv(rows, csv_path)
+    if cfg.plots:
+        plot(rows, cfg.out)
+    print(format_table(rows, ceil, meta, device))
+    return rows
+
+
+def write_csv(rows: list[dict], path: str) -> None:
+    fields = list(rows[0]) if rows else []
+    with open(path + ".tmp", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(path + ".tmp", path)
+
+
+def format_table(rows: list[dict], ceil: dict, meta: dict, device: torch.device) -> str:
+    lines = [f"{meta['device_name']}  torch {meta['torch']}  triton {meta['triton']}  fla {meta['fla']}  "
+             f"git {meta['git']}  measured ceilings: copy {ceil['copy_GBps']:.0f} GB/s, "
+             f"matmul {ceil['matmul_TFLOPs']:.1f} TFLOP/s"]
+    if device.type != "cuda":
+        lines.append("NOTE: CPU run - these times say nothing about GPU speed.")
+    head = (f"{'op':34s} {'impl':6s} {'mode':7s} {'dtype':5s} {'B':>4s} {'T':>6s} {'ms p50':>9s} {'Mtok/s':>8s} "
+            f"{'GB/s':>7s} {'%bw':>5s} {'TFLOP/s':>8s} {'%mm':>5s} {'peak MiB':>9s}  status")
+    lines += [head, "-" * len(head)]
+    for r in rows:
+        tok = r["tokens"] / r["ms_p50"] / 1e3 if r["status"] == "ok" else float("nan")
+
+        def f(x, fmt):
+            return format(x, fmt) if x == x else "-"
+        lines.append(f"{r['op']:34s} {r['impl']:6s} {r['mode']:7s} {r['dtype']:5s} {r['B']:>4d} {r['T']:>6d} "
+                     f"{f(r['ms_p50'], '9.3f')} {f(tok, '8.2f')} {f(r['GBps'], '7.0f')} "
+                     f"{f(100 * r['frac_copy_bw'], '5.0f')} {f(r['TFLOPs'], '8.1f')} "
+                     f"{f(100 * r['frac_matmul'], '5.0f')} {f(r['peak_MiB'], '9.0f')}  {r['status']}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], out_dir: str) -> list[str]:
+    """time vs T (log-log) and tokens/s vs T per (mode, dtype); decode latency vs context."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    ok = [r for r in rows if r["status"] == "ok"]
+    for mode in ("fwd", "fwdbwd", "decode"):
+        for dtype_name in sorted({r["dtype"] for r in ok}):
+            sel = [r for r in ok if r["mode"] == mode and r["dtype"] == dtype_name]
+            if not sel:
+                continue
+            fig, axes = plt.subplots(1, 1 if mode == "decode" else 2, figsize=(6 if mode == "decode" else 12, 4.5),
+                                     squeeze=False)
+            for key in sorted({(r["op"], r["impl"]) for r in sel}):
+                pts = sorted((r["T"], r["ms_p50"], r["tokens"]) for r in sel if (r["op"], r["impl"]) == key)
+                Ts = [p[0] for p in pts]
+                label = f"{key[0]} [{key[1]}]"
+                axes[0][0].plot(Ts, [p[1] for p in pts], marker="o", label=label)
+                if mode != "decode":
+                    axes[0][1].plot(Ts, [p[2] / p[1] / 1e3 for p in pts], marker="o", label=label)
+            axes[0][0].set(xscale="log", yscale="log", xlabel="context" if mode == "decode" else "T",
+                           ylabel="ms per token" if mode == "decode" else "ms per call",
+                           title=f"{mode} {dtype_name}")
+            if mode != "decode":
+                axes[0][1].set(xscale="log", yscale="log", xlabel="T", ylabel="Mtokens/s",
+                               title=f"{mode} {dtype_name} throughput")
+            axes[0][-1].legend(fontsize=6, loc="best")
+            fig.tight_layout()
+            path = os.path.join(out_dir, f"speed_{mode}_{dtype_name}.png")
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            paths.append(path)
+    return paths

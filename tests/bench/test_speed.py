@@ -1,0 +1,61 @@
+"""`kalmix speed` on CPU with tiny shapes, and the byte/FLOP models on shapes counted by hand."""
+import csv
+
+import pytest
+
+from kalmix.bench.models import Shape, io_bytes, op_bytes, op_flops
+from kalmix.cli import main
+
+
+def test_io_bytes_counts_each_tensor_once_per_pass():
+    assert io_bytes(100, 10, "fwd") == 110
+    # forward (100 + 10), backward: inputs again (100), output grad (10), one grad per input (100)
+    assert io_bytes(100, 10, "fwdbwd") == 320
+    with pytest.raises(ValueError):
+        io_bytes(1, 1, "decode")
+
+
+def test_op_bytes_by_hand():
+    s = Shape(B=2, T=3, H=1, K=4, V=5)
+    # delta rule in bf16: q, k [2,3,1,4], v [2,3,1,5], beta [2,3,1] read; o [2,3,1,5] written
+    assert op_bytes("delta", s, 2, "fwd") == 2 * (24 + 24 + 30 + 6) + 2 * 30
+    # Kalman in fp32: q, k, v, precision, plus fp32 decay and noise [1,4,5]; o written
+    assert op_bytes("kalman", s, 4, "fwd") == 4 * (24 + 24 + 30 + 30) + 4 * 2 * 20 + 4 * 30
+    # GKA reads three gates (g, beta, alpha) per token and head
+    assert op_bytes("gka", s, 2, "fwd") - op_bytes("kaczmarz", s, 2, "fwd") == 2 * 6
+
+
+def test_op_flops_by_hand():
+    s = Shape(B=1, T=2, H=1, K=2, V=3)
+    assert op_flops("kalman", s, "fwd") == 12 * 2 * 2 * 3
+    assert op_flops("sdpa", s, "fwd") == 2 * 1 * 1 * 2 * 2 * 2
+    assert op_flops("sdpa", s, "fwdbwd") == 3.5 * op_flops("sdpa", s, "fwd")
+    # gated linear attention: 2·BHT·(2KV + C(K + V)), C = 64
+    assert op_flops("simple_gla", s, "fwd") == 2 * 2 * (2 * 6 + 64 * 5)
+    assert op_flops("gka", s, "fwd", num_iters=0) == op_flops("simple_gla", s, "fwd") + 2 * 2 * 64 * 2
+    assert op_flops("kaczmarz", s, "fwdbwd") == 3 * op_flops("kaczmarz", s, "fwd")
+
+
+def test_cli_on_cpu_writes_csv_and_plots(tmp_path, capsys):
+    out = tmp_path / "speed"
+    assert main(["speed", "--device", "cpu", "--out", str(out), "--seq-lens", "8", "16", "--tokens", "32",
+                 "--heads", "2", "--head-dim", "8", "--d-model", "16", "--d-state", "4", "--decode-contexts", "8",
+                 "16", "--warmup", "1", "--rep", "1", "--naive-max-len", "8"]) == 0
+    rows = list(csv.DictReader(open(out / "speed.csv")))
+    ops = {r["op"] for r in rows}
+    assert {"kalman_attention", "gated_kalmanet", "kaczmarz_attention", "variational_linear_attention",
+            "sdpa_causal", "layer.kalman", "layer.attention", "sdpa_kv_cache"} <= ops
+    assert {r["mode"] for r in rows} == {"fwd", "fwdbwd", "decode"}
+    for r in rows:
+        assert r["status"] in ("ok", "skipped (naive, T > naive-max-len)"), r
+        assert int(r["B"]) * int(r["T"]) == 32 or r["mode"] == "decode"
+        if r["status"] == "ok":
+            assert float(r["ms_p20"]) <= float(r["ms_p50"]) <= float(r["ms_p80"])
+            assert r["torch"] and r["device_name"]
+    skipped = [r for r in rows if r["status"].startswith("skipped")]
+    assert skipped and all(r["impl"] == "naive" and r["T"] == "16" for r in skipped)
+    for mode in ("fwd", "fwdbwd", "decode"):
+        png = out / f"speed_{mode}_bf16.png"
+        assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
+    table = capsys.readouterr().out
+    assert "CPU run - these times say nothing about GPU speed" in table
