@@ -324,12 +324,11 @@ def _decode_rows(cfg, device, dtype_name, ceil, meta) -> list[dict]:
                 if name == "attention" or timing is None:   # a recurrent step does not depend on the context
                     prompt = L if name == "attention" else 16
                     _, _, cache = layer(_rand((1, prompt, cfg.d_model), dt, device), use_cache=True)
-                    timing = _measure(lambda c=cache: layer(x1, past_key_values=c)[0], [], device, cfg)
+                    timing = _measure(lambda c=cache, m=layer: m(x1, past_key_values=c)[0], [], device, cfg)
                 s = Shape(1, L, cfg.heads, cfg.head_dim, cfg.head_dim)
                 row = _row(Target(f"layer.{name}", "step", "layer", None, "matrix", None), "decode", dtype_name, s,
                            timing, ceil, meta, 0)
                 rows.append(row)
-            del layer
         for L in cfg.decode_contexts:
             q = _rand((1, cfg.heads, 1, cfg.head_dim), dt, device)
             kv = [_rand((1, cfg.heads, L, cfg.head_dim), dt, device) for _ in range(2)]
