@@ -281,16 +281,18 @@ def _shape(t: Target, cfg: SpeedConfig, B: int, T: int) -> Shape:
 
 
 def _measure(call, leaves, device, cfg):
-    """Run once (to surface refusals and OOM), then time; returns (p20, p50, p80, peak MiB, status)."""
+    """Run once (to surface refusals, OOM and errors, which become the row's status), then time; returns
+    (p20, p50, p80, peak MiB, status)."""
     nan = float("nan")
     try:
         call()
     except torch.cuda.OutOfMemoryError:
         return nan, nan, nan, nan, "OOM"
-    except Exception as err:  # noqa: BLE001 (an anchor's explicit refusal is reported, anything else re-raised)
+    except Exception as err:  # noqa: BLE001 (reported in the row; one failing target does not end the run)
         if _is_refusal(err):
             return nan, nan, nan, nan, "n/a (refused)"
-        raise
+        first = str(err).strip().splitlines()[0][:100] if str(err).strip() else ""
+        return nan, nan, nan, nan, f"error: {type(err).__name__}: {first}"
     peak = peak_mib(call, device)
     p20, p50, p80 = time_call(call, leaves, device, cfg.warmup, cfg.rep)
     return p20, p50, p80, peak, "ok"
