@@ -40,7 +40,8 @@ def test_cli_on_cpu_writes_csv_and_plots(tmp_path, capsys):
     out = tmp_path / "speed"
     assert main(["speed", "--device", "cpu", "--out", str(out), "--seq-lens", "8", "16", "--tokens", "32",
                  "--heads", "2", "--head-dim", "8", "--d-model", "16", "--d-state", "4", "--decode-contexts", "8",
-                 "16", "--warmup", "1", "--rep", "1", "--naive-max-len", "8", "--impls", "naive", "torch", "sdpa", "-"]) == 0
+                 "16", "--warmup", "1", "--rep", "1", "--naive-max-len", "8",
+                 "--impls", "naive", "torch", "sdpa", "-"]) == 0
     rows = list(csv.DictReader(open(out / "speed.csv")))
     ops = {r["op"] for r in rows}
     assert {"kalman_attention", "gated_kalmanet", "kaczmarz_attention", "variational_linear_attention",
