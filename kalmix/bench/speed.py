@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from kalmix import ops
 from kalmix.bench.models import Shape, op_bytes, op_flops
+from kalmix.ops.common.testing import CASES
 from kalmix.layers import MIXERS
 
 MODES = ("fwd", "fwdbwd", "decode")
@@ -50,46 +51,16 @@ def _leaves(*xs):
     return [x.requires_grad_() for x in xs]
 
 
-def _kalman_op(impl):
+def _op(op_name: str, case: str, impl: str):
+    """Inputs drawn like the tests' (``kalmix.ops.common.testing.CASES``), cast to the timed dtype (Kalman's
+    decay and process noise stay fp32 parameters)."""
     def build(s: Shape, dt, dev):
-        q, k = _unit((s.B, s.T, s.H, s.K), dt, dev), _unit((s.B, s.T, s.H, s.K), dt, dev)
-        v = _rand((s.B, s.T, s.H, s.V), dt, dev)
-        w = (10 ** (4 * torch.rand(s.B, s.T, s.H, s.V, device=dev) - 2)).to(dt)
-        a = 0.9 + 0.099 * torch.rand(s.H, s.K, s.V, device=dev)
-        p = 10 ** (-7 + torch.rand(s.H, s.K, s.V, device=dev))
-        leaves = _leaves(q, k, v, w, a, p)
-        return (lambda: ops.kalman_attention(*leaves, impl=impl)[0]), leaves
-    return build
-
-
-def _gka_op(impl):
-    def build(s: Shape, dt, dev):
-        q, k, v = _unit((s.B, s.T, s.H, s.K), dt, dev), _unit((s.B, s.T, s.H, s.K), dt, dev), _rand(
-            (s.B, s.T, s.H, s.V), dt, dev)
-        g = (-0.1 * torch.rand(s.B, s.T, s.H, device=dev)).to(dt)
-        beta, alpha = torch.rand(s.B, s.T, s.H, device=dev).to(dt), torch.rand(s.B, s.T, s.H, device=dev).to(dt)
-        leaves = _leaves(q, k, v, g, beta, alpha)
-        return (lambda: ops.gated_kalmanet(*leaves, impl=impl)[0]), leaves
-    return build
-
-
-def _kaczmarz_op(impl):
-    def build(s: Shape, dt, dev):
-        q, k, v = _unit((s.B, s.T, s.H, s.K), dt, dev), _rand((s.B, s.T, s.H, s.K), dt, dev), _rand(
-            (s.B, s.T, s.H, s.V), dt, dev)
-        g = (-0.1 * torch.rand(s.B, s.T, s.H, device=dev)).to(dt)
-        eta = (0.05 + 0.95 * torch.rand(s.B, s.T, s.H, device=dev)).to(dt)
-        leaves = _leaves(q, k, v, g, eta)
-        return (lambda: ops.kaczmarz_attention(*leaves, impl=impl)[0]), leaves
-    return build
-
-
-def _vla_op(impl):
-    def build(s: Shape, dt, dev):
-        q, k, u = (_rand((s.B, s.T, s.H, s.K), dt, dev) for _ in range(3))
-        v = _rand((s.B, s.T, s.H, s.V), dt, dev)
-        leaves = _leaves(q, k, v, u)
-        return (lambda: ops.variational_linear_attention(*leaves, impl=impl)[0]), leaves
+        xs = CASES[case].inputs(s.B, s.T, s.H, s.K, s.V, torch.float32, torch.Generator().manual_seed(0))
+        n_params = 2 if case == "kalman" else 0
+        xs = [x.to(dev, dt) for x in xs[:len(xs) - n_params]] + [x.to(dev) for x in xs[len(xs) - n_params:]]
+        leaves = _leaves(*xs)
+        fn = getattr(ops, op_name)
+        return (lambda: fn(*leaves, impl=impl)[0]), leaves
     return build
 
 
@@ -155,12 +126,12 @@ def _layer(name, impl, d_model, heads, head_dim, d_state):
 def targets(ops_filter, impls_filter, d_model, heads, head_dim, d_state, device) -> list[Target]:
     """Everything ``kalmix speed`` can time on this device (fla's kernels only on CUDA)."""
     out = []
-    op_builders = {"kalman_attention": ("kalman", "kalman", _kalman_op), "gated_kalmanet": ("gka", "matrix", _gka_op),
-                   "kaczmarz_attention": ("kaczmarz", "matrix", _kaczmarz_op),
-                   "variational_linear_attention": ("vla", "matrix", _vla_op)}
-    for op_name, (model, family, maker) in op_builders.items():
+    op_cases = {"kalman_attention": "kalman", "gated_kalmanet": "gka", "kaczmarz_attention": "kaczmarz",
+                "variational_linear_attention": "vla"}
+    for op_name, case in op_cases.items():
         for impl in ops.AVAILABLE_IMPLS[op_name]:
-            out.append(Target(op_name, impl, "op", model, family, maker(impl)))
+            out.append(Target(op_name, impl, "op", case, "kalman" if case == "kalman" else "matrix",
+                              _op(op_name, case, impl)))
     if device.type == "cuda":
         for fn_name, model in (("chunk_delta_rule", "delta"), ("chunk_gated_delta_rule", "gated_delta"),
                                ("chunk_simple_gla", "simple_gla"), ("chunk_gla", "gla")):
