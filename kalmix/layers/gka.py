@@ -46,7 +46,7 @@ class GatedKalmaNet(MixerLayer):
         k = F.normalize(k.view(B, T, H, D), dim=-1, eps=1e-6)
         beta = torch.sigmoid(self.b_proj(x))
         alpha = torch.sigmoid(self.a_proj(x))
-        g = self.decay(x).to(q.dtype)
+        g = self.decay(x)                                              # fp32 (at least)
         return [q, k, v.view(B, T, H, D), g, beta, alpha], self.g_proj(x), conv_state
 
     def mix(self, inputs, initial_state, output_final_state, cu_seqlens, impl, **kwargs):

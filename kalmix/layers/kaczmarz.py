@@ -51,7 +51,7 @@ class KaczmarzAttention(MixerLayer):
         if self.normalize_keys:
             k = F.normalize(k, dim=-1, eps=1e-6)
         eta = torch.sigmoid(self.b_proj(x))
-        g = self.decay(x).to(q.dtype)
+        g = self.decay(x)                                              # fp32 (at least)
         return [q, k, v.view(B, T, H, V), g, eta], self.g_proj(x), conv_state
 
     def mix(self, inputs, initial_state, output_final_state, cu_seqlens, impl, **kwargs):

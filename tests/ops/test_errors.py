@@ -100,3 +100,14 @@ def test_empty_sequence_is_rejected(name):
     args = [a[:, :0] if a.dim() >= 3 else a for a in draw(name)]
     with pytest.raises(ValueError, match=r"must not be empty"):
         CASES[name].fn(*args)
+
+
+def test_gates_may_be_fp32_beside_bf16_activations():
+    q, k, v, g, eta = draw("kaczmarz", dtype=torch.float32)
+    o, _ = ops.kaczmarz_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, eta)
+    assert o.dtype == torch.bfloat16
+    q, k, v, g, beta, alpha = draw("gka", dtype=torch.float32)
+    o, _ = ops.gated_kalmanet(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta, alpha)
+    assert o.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"`g` has dtype torch.float64; gates must have q's dtype"):
+        ops.kaczmarz_attention(q, k, v, g.double(), beta)

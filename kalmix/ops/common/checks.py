@@ -44,6 +44,15 @@ def check_same(op: str, ref_name: str, ref: torch.Tensor, named: Mapping[str, to
             fail(op, f"`{name}` has dtype {x.dtype} but `{ref_name}` has {ref.dtype}; activations must share a dtype")
 
 
+def check_gates(op: str, ref: torch.Tensor, named: Mapping[str, torch.Tensor | None]) -> None:
+    """Per-token gates share ``ref``'s device and its dtype, or are fp32 (kept exact beside bf16/fp16
+    activations, as fla allows)."""
+    check_same(op, "q", ref, named, dtype=False)
+    for name, x in named.items():
+        if x is not None and x.dtype not in (ref.dtype, torch.float32):
+            fail(op, f"`{name}` has dtype {x.dtype}; gates must have q's dtype ({ref.dtype}) or float32")
+
+
 def check_range(op: str, name: str, x: torch.Tensor, lo: float | None, hi: float | None,
                 lo_open: bool, hi_open: bool = False) -> None:
     """Every element of ``x`` lies in the interval (or NaN-free): raises with the offending min/max."""

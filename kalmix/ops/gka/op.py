@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from kalmix.ops.common.checks import (check_cu_seqlens, check_range, check_same, check_tensor, compute_dtype, fail,
-                                      resolve_impl)
+from kalmix.ops.common.checks import (check_cu_seqlens, check_gates, check_range, check_same, check_tensor,
+                                      compute_dtype, fail, resolve_impl)
 from kalmix.ops.common.varlen import run_packed
 from kalmix.ops.gka.chunk import gka_chunk
 from kalmix.ops.gka.naive import gka_naive
@@ -25,7 +25,8 @@ def gated_kalmanet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
 
     Args:
         q, k: [B, T, H, K]; v: [B, T, H, V].
-        g: [B, T, H] log γ (<= 0), None = no decay; beta: [B, T, H] >= 0, None = 1; alpha: [B, T, H], None = 1.
+        g: [B, T, H] log γ (<= 0), None = no decay; beta: [B, T, H] >= 0, None = 1; alpha: [B, T, H], None = 1;
+            gates in q's dtype or fp32.
         scale: readout scale, default K ** -0.5; ridge: λ_t / ‖H_t‖_F (> 0).
         num_iters: Chebyshev iterations; None = exact solve (reference); 0 = plain gated linear attention.
         initial_state: (H [B, H, K, K] symmetric PSD, U [B, H, K, V]); default zeros.
@@ -42,7 +43,8 @@ def gated_kalmanet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     for name, x in (("g", g), ("beta", beta), ("alpha", alpha)):
         if x is not None:
             check_tensor(_OP, name, x, (B, T, H), "[B, T, H]")
-    check_same(_OP, "q", q, {"k": k, "v": v, "g": g, "beta": beta, "alpha": alpha})
+    check_same(_OP, "q", q, {"k": k, "v": v})
+    check_gates(_OP, q, {"g": g, "beta": beta, "alpha": alpha})
     if g is not None:
         check_range(_OP, "g", g, None, 0.0, lo_open=False)
     if beta is not None:

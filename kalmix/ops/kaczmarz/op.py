@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from kalmix.ops.common.checks import (check_cu_seqlens, check_range, check_same, check_tensor, compute_dtype,
-                                      resolve_impl)
+from kalmix.ops.common.checks import (check_cu_seqlens, check_gates, check_range, check_same, check_tensor,
+                                      compute_dtype, resolve_impl)
 from kalmix.ops.common.varlen import run_packed
 from kalmix.ops.kaczmarz.chunk import kaczmarz_chunk
 from kalmix.ops.kaczmarz.naive import kaczmarz_naive
@@ -21,7 +21,7 @@ def kaczmarz_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
 
     Args:
         q, k: [B, T, H, K] (k is used raw: normalising it would make this GDN); v: [B, T, H, V].
-        g: [B, T, H] log-decay (<= 0); eta: [B, T, H] relaxation in (0, 1].
+        g: [B, T, H] log-decay (<= 0); eta: [B, T, H] relaxation in (0, 1]; both in q's dtype or fp32.
         eps: stabiliser of the step for small ‖k‖; scale: readout scale, default K ** -0.5.
         initial_state: [B, H, K, V] (B = number of sequences with ``cu_seqlens``); default zeros.
         cu_seqlens: [N + 1] offsets of packed sequences (B must be 1).
@@ -36,7 +36,8 @@ def kaczmarz_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     V = v.shape[-1]
     check_tensor(_OP, "g", g, (B, T, H), "[B, T, H]")
     check_tensor(_OP, "eta", eta, (B, T, H), "[B, T, H]")
-    check_same(_OP, "q", q, {"k": k, "v": v, "g": g, "eta": eta})
+    check_same(_OP, "q", q, {"k": k, "v": v})
+    check_gates(_OP, q, {"g": g, "eta": eta})
     check_range(_OP, "g", g, None, 0.0, lo_open=False)
     check_range(_OP, "eta", eta, 0.0, 1.0, lo_open=True)
     if not eps >= 0:
