@@ -171,7 +171,9 @@ def time_call(fn: Callable, leaves, device: torch.device, warmup: int, rep: int)
 
 
 def peak_mib(fn: Callable, device: torch.device) -> float:
+    """Run fn once; the memory it allocated at its peak above what was live before (NaN off CUDA)."""
     if device.type != "cuda":
+        fn()
         return float("nan")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -253,11 +255,11 @@ def _shape(t: Target, cfg: SpeedConfig, B: int, T: int) -> Shape:
 
 
 def _measure(call, leaves, device, cfg):
-    """Run once (to surface refusals, OOM and errors, which become the row's status), then time; returns
-    (p20, p50, p80, peak MiB, status)."""
+    """Run once (its peak memory is the row's; refusals, OOM and errors become the row's status), then time;
+    returns (p20, p50, p80, peak MiB, status)."""
     nan = float("nan")
     try:
-        call()
+        peak = peak_mib(call, device)
     except torch.cuda.OutOfMemoryError:
         return nan, nan, nan, nan, "OOM"
     except Exception as err:  # noqa: BLE001 (reported in the row; one failing target does not end the run)
@@ -265,7 +267,6 @@ def _measure(call, leaves, device, cfg):
             return nan, nan, nan, nan, "n/a (refused)"
         first = str(err).strip().splitlines()[0][:100] if str(err).strip() else ""
         return nan, nan, nan, nan, f"error: {type(err).__name__}: {first}"
-    peak = peak_mib(call, device)
     p20, p50, p80 = time_call(call, leaves, device, cfg.warmup, cfg.rep)
     return p20, p50, p80, peak, "ok"
 
