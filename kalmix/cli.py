@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _add_speed_parser(sub) -> None:
-    from kalmix.bench.speed import SpeedConfig
+    from kalmix.bench.speed import MODES, SpeedConfig
     d = SpeedConfig()
     sp = sub.add_parser("speed", help="time every op and layer against fla and SDPA anchors (GPU; CPU for tiny "
                         "shapes)", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -68,7 +68,7 @@ def _add_speed_parser(sub) -> None:
                         "budget per call. Writes speed.csv and PNG plots to --out and prints a table.")
     sp.add_argument("--device", default=d.device, help="torch device (cuda, or cpu for tiny smoke runs)")
     sp.add_argument("--out", default=d.out, help="output folder for speed.csv and the plots")
-    sp.add_argument("--modes", nargs="+", default=list(d.modes), choices=["fwd", "fwdbwd", "decode"],
+    sp.add_argument("--modes", nargs="+", default=list(d.modes), choices=list(MODES),
                     help="what to time")
     sp.add_argument("--seq-lens", nargs="+", type=int, default=list(d.seq_lens), help="sequence lengths T")
     sp.add_argument("--tokens", type=int, default=d.tokens, help="tokens per call: B = tokens // T")

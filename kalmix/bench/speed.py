@@ -39,8 +39,8 @@ class Target:
     build: Callable
 
 
-def _rand(shape, dtype, device, scale=1.0):
-    return (torch.randn(shape, device=device) * scale).to(dtype)
+def _rand(shape, dtype, device):
+    return torch.randn(shape, device=device).to(dtype)
 
 
 def _unit(shape, dtype, device):
@@ -228,7 +228,7 @@ def _is_refusal(err: Exception) -> bool:
 class SpeedConfig:
     device: str = "cuda"
     out: str = "runs/speed"
-    modes: tuple = ("fwd", "fwdbwd", "decode")
+    modes: tuple = MODES
     seq_lens: tuple = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
     tokens: int = 32768
     dtypes: tuple = ("bf16",)
