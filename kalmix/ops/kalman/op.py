@@ -7,10 +7,11 @@ from kalmix.ops.common.checks import (check_cu_seqlens, check_range, check_same,
                                       fail, resolve_impl)
 from kalmix.ops.common.varlen import run_packed
 from kalmix.ops.kalman.chunk import kalman_chunk
+from kalmix.ops.kalman.fused import kalman_fused
 from kalmix.ops.kalman.naive import kalman_naive
 
 _OP = "kalman_attention"
-_IMPLS = {"naive": kalman_naive, "torch": kalman_chunk}
+_IMPLS = {"naive": kalman_naive, "torch": kalman_chunk, "triton": kalman_fused}
 
 
 def kalman_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_precision: torch.Tensor,
@@ -59,9 +60,13 @@ def kalman_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_precis
             check_same(_OP, "q", q, {name: s}, dtype=False)
         check_range(_OP, "initial_state[0] (precision)", initial_state[0], 0.0, None, lo_open=True)
     state = tuple(s.to(dt) for s in initial_state)
-    acts = [x.to(dt) for x in (q, k, v, v_precision)]
-    (o, var), final = run_packed(fn, cu_seqlens, acts, state, decay=decay.to(dt),
-                                 process_noise=process_noise.to(dt), output_variance=output_variance)
+    if fn is kalman_fused:      # loads any activation dtype and packs sequences itself
+        (o, var), final = fn(q, k, v, v_precision, decay, process_noise, state=state,
+                             output_variance=output_variance, cu_seqlens=cu_seqlens)
+    else:
+        acts = [x.to(dt) for x in (q, k, v, v_precision)]
+        (o, var), final = run_packed(fn, cu_seqlens, acts, state, decay=decay.to(dt),
+                                     process_noise=process_noise.to(dt), output_variance=output_variance)
     o = o.to(q.dtype)
     var = var.to(q.dtype) if output_variance else None
     return o, var, (final if output_final_state else None)
