@@ -9,8 +9,9 @@ posterior variance y = 1/λ and the mean μ, and a step costs one reciprocal,
 Every quantity is a sum or product of non-negative terms except ā μ + r u, whose rounding is that of the moment
 form, so nothing cancels. The backward is the exact adjoint of this step run in reverse. It needs each step's
 input state: the forward stores (y, μ) every C tokens (the checkpoints), and the backward recomputes the C
-states of a chunk into registers, then walks them back. The first chunk of a sequence is the short one (its
-first steps are masked off), so every later chunk is full and unrolled without masks.
+states of a chunk into registers (bisecting the chunk down to STORE states), then walks them back. The
+first chunk of a sequence is the short one (L mod C tokens, or C) and runs as plain loops, its backward
+recomputing each input state from the initial state, so every later chunk is full and unrolled.
 """
 from __future__ import annotations
 
@@ -22,58 +23,65 @@ import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # the interpreter runs programs one by one: small chunks keep its unrolled loops short
-CHUNK = 4 if INTERPRET else 16                              # tokens between checkpoints (and unrolled steps)
+CHUNK = 4 if INTERPRET else 8           # tokens between checkpoints (unrolled in both kernels)
+STORE = 2 if INTERPRET else 8           # the backward holds this many states in registers, bisecting to it
 FWD_CONFIG = (16, 1) if INTERPRET else (32, 1)              # (channels per program, warps)
-BWD_CONFIG = (16, 1) if INTERPRET else (16, 1)
+BWD_CONFIG = (2, 4, 1)                                      # (BD1, BD2, warps): [BD1, BN, BD2] lanes per program
 
 
 @triton.jit
-def _all(mask, ok):
-    """``mask & ok`` for a scalar ``ok`` (spelt as a select: the interpreter rejects the broadcast ``&``)."""
-    return tl.where(ok, mask, False)
+def _lanes(i_d, i_h, N, D, BN: tl.constexpr, BD1: tl.constexpr, BD2: tl.constexpr):
+    """A program's lanes as a [BD1, BN, BD2] grid: slot offsets o_n [1, BN, 1], channels o_d [BD1, 1, BD2]
+    (channel = block start + d1·BD2 + d2), their masks, and the offsets in an [H, N, D] tensor. Threads
+    spread over BD2 first, then BN, so the shape picks which sums stay inside a thread."""
+    o_n = tl.arange(0, BN)[None, :, None]
+    o_d = i_d * BD1 * BD2 + tl.arange(0, BD1)[:, None, None] * BD2 + tl.arange(0, BD2)[None, None, :]
+    m_n, m_d = o_n < N, o_d < D
+    return o_n, o_d, m_n, m_d, i_h * N * D + o_n * D + o_d
 
 
 @triton.jit
-def _load_token(q_ptr, k_ptr, v_ptr, w_ptr, tok, i_h, H, N, D, o_n, o_d, m_n, m_d, ok, ACC: tl.constexpr):
-    """q, k as [1, BN, 1] and v, w as [1, 1, BD] at token ``tok`` (zeros where masked)."""
+def _sum_n(x):
+    return tl.sum(x, axis=1, keep_dims=True)
+
+
+@triton.jit
+def _sum_d(x):
+    return tl.sum(tl.sum(x, axis=2, keep_dims=True), axis=0, keep_dims=True)
+
+
+@triton.jit
+def _load_token(io, geo, lanes, t, ACC: tl.constexpr):
+    """q, k [1, BN, 1] and v, w [BD1, 1, BD2] of token t of the sequence, and the token's row offset of v."""
+    bos, i_h, H, N, D = geo[0], geo[1], geo[3], geo[4], geo[5]
+    o_n, o_d, m_n, m_d = lanes
+    tok = bos + t
     qk = tok * H * N + i_h * N + o_n
-    vw = tok * H * D + i_h * D + o_d
-    q = tl.load(q_ptr + qk, mask=_all(m_n, ok), other=0.).to(ACC)
-    k = tl.load(k_ptr + qk, mask=_all(m_n, ok), other=0.).to(ACC)
-    v = tl.load(v_ptr + vw, mask=_all(m_d, ok), other=0.).to(ACC)
-    w = tl.load(w_ptr + vw, mask=_all(m_d, ok), other=0.).to(ACC)
-    return q, k, v, w
+    out = tok * H * D + i_h * D + o_d
+    q = tl.load(io[0] + qk, mask=m_n, other=0.).to(ACC)
+    k = tl.load(io[1] + qk, mask=m_n, other=0.).to(ACC)
+    v = tl.load(io[2] + out, mask=m_d, other=0.).to(ACC)
+    w = tl.load(io[3] + out, mask=m_d, other=0.).to(ACC)
+    return q, k, v, w, out
 
 
 @triton.jit
-def _filter_step(k, v, w, a, a2, p, y, mu):
-    """One predict + update of every lane: returns φ, r, u, g and the new (y, μ)."""
-    phi = k * k * w
-    r = k * (w * v)
+def _filter_step(k, v, w, par, y, mu):
+    """One predict + update of every lane: the new (y, μ)."""
+    a, a2, p = par
     u = a2 * y + p
-    g = 1.0 / (1.0 + phi * u)
-    return phi, r, u, g, u * g, (a * mu + r * u) * g
+    g = 1.0 / (1.0 + k * k * w * u)
+    return u * g, (a * mu + k * (w * v) * u) * g
 
 
 @triton.jit
-def _fwd_chunk(q_ptr, k_ptr, v_ptr, w_ptr, o_ptr, var_ptr, bos, t0, L, i_h, H, N, D, o_n, o_d, m_n, m_d,
-               a, a2, p, y, mu, C: tl.constexpr, MASKED: tl.constexpr, HAS_VAR: tl.constexpr,
-               ACC: tl.constexpr):
-    for i in tl.static_range(C):
-        t = t0 + i
-        ok = (t >= 0) & (t < L)
-        tok = bos + tl.maximum(t, 0)
-        q, k, v, w = _load_token(q_ptr, k_ptr, v_ptr, w_ptr, tok, i_h, H, N, D, o_n, o_d, m_n, m_d, ok, ACC)
-        _, _, _, _, y_new, mu_new = _filter_step(k, v, w, a, a2, p, y, mu)
-        if MASKED:
-            y = tl.where(ok, y_new, y)
-            mu = tl.where(ok, mu_new, mu)
-        else:
-            y, mu = y_new, mu_new
-        out = tok * H * D + i_h * D + o_d
-        tl.store(o_ptr + out, tl.sum(q * mu, axis=1, keep_dims=True), mask=_all(m_d, ok))
-        if HAS_VAR:
-            tl.store(var_ptr + out, tl.sum(q * q * y, axis=1, keep_dims=True), mask=_all(m_d, ok))
+def _fwd_token(io, geo, lanes, par, t, y, mu, HAS_VAR: tl.constexpr, ACC: tl.constexpr):
+    q, k, v, w, out = _load_token(io, geo, lanes, t, ACC)
+    y, mu = _filter_step(k, v, w, par, y, mu)
+    m_d = lanes[3]
+    tl.store(io[4] + out, _sum_n(q * mu), mask=m_d)
+    if HAS_VAR:
+        tl.store(io[5] + out, _sum_n(q * q * y), mask=m_d)
     return y, mu
 
 
@@ -86,163 +94,156 @@ def _kalman_fwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, a_ptr, p_ptr, lam0_ptr, mu0_p
     i_s, i_h = i_sh // H, i_sh % H
     bos = tl.load(cu_ptr + i_s).to(tl.int64)
     L = tl.load(cu_ptr + i_s + 1).to(tl.int64) - bos
-    o_n = tl.arange(0, BN)[None, :, None]
-    o_d = (i_d * BD + tl.arange(0, BD))[None, None, :]
-    m_n, m_d = o_n < N, o_d < D
+    o_n, o_d, m_n, m_d, lane = _lanes(i_d, i_h, N, D, BN, 1, BD)
     m_nd = m_n & m_d
-    lane = i_h * N * D + o_n * D + o_d                      # [1, BN, BD] offsets in an [H, N, D] tensor
     a = tl.load(a_ptr + lane, mask=m_nd, other=1.).to(ACC)
     p = tl.load(p_ptr + lane, mask=m_nd, other=0.).to(ACC)
-    a2 = a * a
     st = i_s * H * N * D + lane
     y = 1.0 / tl.load(lam0_ptr + st, mask=m_nd, other=1.).to(ACC)
     mu = tl.load(mu0_ptr + st, mask=m_nd, other=0.).to(ACC)
+    io = (q_ptr, k_ptr, v_ptr, w_ptr, o_ptr, var_ptr)
+    geo = (bos, i_h, i_d, H, N, D)
+    lanes = (o_n, o_d, m_n, m_d)
+    par = (a, a * a, p)
+    # chunk 0 holds the first L0 <= C tokens, every later chunk exactly C (unrolled)
     n_chunks = tl.cdiv(L, C)
-    shift = n_chunks * C - L                                # masked steps at the start of chunk 0
+    L0 = L - tl.maximum(n_chunks - 1, 0) * C
     c_base = tl.load(chunk_ptr + i_s).to(tl.int64)
-    if SAVE:
-        ck = c_base * H * N * D + lane
-        tl.store(cky_ptr + ck, y, mask=_all(m_nd, n_chunks > 0))
-        tl.store(ckmu_ptr + ck, mu, mask=_all(m_nd, n_chunks > 0))
-    y, mu = _fwd_chunk(q_ptr, k_ptr, v_ptr, w_ptr, o_ptr, var_ptr, bos, -shift, L, i_h, H, N, D, o_n, o_d,
-                       m_n, m_d, a, a2, p, y, mu, C, True, HAS_VAR, ACC)
+    if SAVE and n_chunks > 0:
+        tl.store(cky_ptr + c_base * H * N * D + lane, y, mask=m_nd)
+        tl.store(ckmu_ptr + c_base * H * N * D + lane, mu, mask=m_nd)
+    for t in range(0, L0):
+        y, mu = _fwd_token(io, geo, lanes, par, t, y, mu, HAS_VAR, ACC)
     for c in range(1, n_chunks):
         if SAVE:
-            ck = (c_base + c) * H * N * D + lane
-            tl.store(cky_ptr + ck, y, mask=m_nd)
-            tl.store(ckmu_ptr + ck, mu, mask=m_nd)
-        y, mu = _fwd_chunk(q_ptr, k_ptr, v_ptr, w_ptr, o_ptr, var_ptr, bos, c * C - shift, L, i_h, H, N, D,
-                           o_n, o_d, m_n, m_d, a, a2, p, y, mu, C, False, HAS_VAR, ACC)
+            tl.store(cky_ptr + (c_base + c) * H * N * D + lane, y, mask=m_nd)
+            tl.store(ckmu_ptr + (c_base + c) * H * N * D + lane, mu, mask=m_nd)
+        for i in tl.static_range(C):
+            y, mu = _fwd_token(io, geo, lanes, par, L0 + (c - 1) * C + i, y, mu, HAS_VAR, ACC)
     tl.store(lamT_ptr + st, 1.0 / y, mask=m_nd)
     tl.store(muT_ptr + st, mu, mask=m_nd)
 
 
 @triton.jit
-def _bwd_chunk(q_ptr, k_ptr, v_ptr, w_ptr, do_ptr, dvar_ptr, dq_ptr, dk_ptr, dv_ptr, dw_ptr, bos, t0, L, i_h,
-               i_d, TT, H, N, D, o_n, o_d, m_n, m_d, a, a2, p, y, mu, Gy, Gmu, acc_u, acc_mu, acc_p, dlamT, last,
-               BN: tl.constexpr, BD: tl.constexpr, C: tl.constexpr, MASKED: tl.constexpr,
-               HAS_DVAR: tl.constexpr, ACC: tl.constexpr):
-    """Adjoint of one chunk: (y, μ) is the state before it, (Gy, Gμ) the adjoint of the state after it (for
-    the ``last`` chunk of the sequence, Gy is made from dλ_T once the final state is recomputed)."""
-    ci = tl.arange(0, C)[:, None, None]
-    ys = tl.zeros([C, BN, BD], ACC)
-    mus = tl.zeros([C, BN, BD], ACC)
-    for i in tl.static_range(C):                            # recompute the chunk's input states
-        t = t0 + i
-        ok = (t >= 0) & (t < L)
-        ys = tl.where(ci == i, y, ys)
-        mus = tl.where(ci == i, mu, mus)
-        tok = bos + tl.maximum(t, 0)
-        _, k, v, w = _load_token(q_ptr, k_ptr, v_ptr, w_ptr, tok, i_h, H, N, D, o_n, o_d, m_n, m_d, ok, ACC)
-        _, _, _, _, y_new, mu_new = _filter_step(k, v, w, a, a2, p, y, mu)
-        if MASKED:
-            y = tl.where(ok, y_new, y)
-            mu = tl.where(ok, mu_new, mu)
-        else:
-            y, mu = y_new, mu_new
-    if last:                                                # y is now the final state: dλ_T -> dy_T
-        Gy = -dlamT / (y * y)
-    for j in tl.static_range(C):
-        i = C - 1 - j
-        t = t0 + i
-        ok = (t >= 0) & (t < L)
-        tok = bos + tl.maximum(t, 0)
-        y_p = tl.sum(tl.where(ci == i, ys, 0.), axis=0, keep_dims=True)
-        mu_p = tl.sum(tl.where(ci == i, mus, 0.), axis=0, keep_dims=True)
-        q, k, v, w = _load_token(q_ptr, k_ptr, v_ptr, w_ptr, tok, i_h, H, N, D, o_n, o_d, m_n, m_d, ok, ACC)
-        phi, r, u, g, y_t, mu_t = _filter_step(k, v, w, a, a2, p, y_p, mu_p)
-        out = tok * H * D + i_h * D + o_d
-        do = tl.load(do_ptr + out, mask=_all(m_d, ok), other=0.).to(ACC)
-        Gmu_t = Gmu + q * do
-        dq = tl.sum(do * mu_t, axis=2, keep_dims=True)
-        if HAS_DVAR:
-            dvar = tl.load(dvar_ptr + out, mask=_all(m_d, ok), other=0.).to(ACC)
-            Gy_t = Gy + q * q * dvar
-            dq += 2 * q * tl.sum(dvar * y_t, axis=2, keep_dims=True)
-        else:
-            Gy_t = Gy
-        g_phi = -y_t * (Gy_t * y_t + Gmu_t * mu_t)          # ∂L/∂φ
-        g_r = Gmu_t * y_t                                   # ∂L/∂r
-        Gu = g * (Gy_t * g + Gmu_t * (r - mu_t * phi))      # ∂L/∂u
-        g_mu_a = Gmu_t * g                                  # ∂L/∂(ā μ_{t-1})
-        # φ = k² Λv and r = k Λv v
-        dk = 2 * k * tl.sum(w * g_phi, axis=2, keep_dims=True) + tl.sum((w * v) * g_r, axis=2, keep_dims=True)
-        kg_r = tl.sum(k * g_r, axis=1, keep_dims=True)
-        dw = tl.sum(k * k * g_phi, axis=1, keep_dims=True) + v * kg_r
-        part = (i_d * TT + tok) * H * N + i_h * N + o_n     # this block's share of Σ_d, summed on the host
-        tl.store(dq_ptr + part, dq, mask=_all(m_n, ok))
-        tl.store(dk_ptr + part, dk, mask=_all(m_n, ok))
-        tl.store(dv_ptr + out, w * kg_r, mask=_all(m_d, ok))
-        tl.store(dw_ptr + out, dw, mask=_all(m_d, ok))
-        if MASKED:
-            acc_u += tl.where(ok, Gu * y_p, 0.)
-            acc_mu += tl.where(ok, g_mu_a * mu_p, 0.)
-            acc_p += tl.where(ok, Gu, 0.)
-            Gmu = tl.where(ok, a * g_mu_a, Gmu)
-            Gy = tl.where(ok, a2 * Gu, Gy)
-        else:
-            acc_u += Gu * y_p
-            acc_mu += g_mu_a * mu_p
-            acc_p += Gu
-            Gmu = a * g_mu_a
-            Gy = a2 * Gu
-    return Gy, Gmu, acc_u, acc_mu, acc_p
+def _recompute(io, geo, lanes, par, t, y, mu, ACC: tl.constexpr):
+    """The state after token t from the state before it (no outputs)."""
+    _, k, v, w, _ = _load_token(io, geo, lanes, t, ACC)
+    return _filter_step(k, v, w, par, y, mu)
 
 
 @triton.jit
-def _kalman_bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, a_ptr, p_ptr, lam0_ptr, cky_ptr, ckmu_ptr, do_ptr, dvar_ptr,
-                       dlamT_ptr, dmuT_ptr, dq_ptr, dk_ptr, dv_ptr, dw_ptr, da_ptr, dp_ptr, dlam0_ptr, dmu0_ptr,
-                       cu_ptr, chunk_ptr, TT, H, N, D, BN: tl.constexpr, BD: tl.constexpr, C: tl.constexpr,
-                       HAS_DVAR: tl.constexpr, HAS_DFINAL: tl.constexpr, ACC: tl.constexpr):
+def _adjoint_step(io, geo, lanes, par, t, y_p, mu_p, y_t, mu_t, carry, HAS_DVAR: tl.constexpr,
+                  ACC: tl.constexpr):
+    """Token t's gradients from the states around it; carries (Gy, Gμ) back across it and accumulates the
+    per-lane sums behind dā and dp̄."""
+    bos, i_h, i_d, H, N, D, TT = geo
+    o_n, o_d, m_n, m_d = lanes
+    a, a2, p = par
+    Gy, Gmu, acc_u, acc_mu, acc_p = carry
+    q, k, v, w, out = _load_token(io, geo, lanes, t, ACC)
+    do = tl.load(io[4] + out, mask=m_d, other=0.).to(ACC)
+    phi = k * k * w
+    r = k * (w * v)
+    u = a2 * y_p + p
+    g = 1.0 / (1.0 + phi * u)
+    Gmu_t = Gmu + q * do
+    if HAS_DVAR:
+        dvar = tl.load(io[5] + out, mask=m_d, other=0.).to(ACC)
+        Gy_t = Gy + q * q * dvar
+        dq = _sum_d(do * mu_t + 2 * q * dvar * y_t)
+    else:
+        Gy_t = Gy
+        dq = _sum_d(do * mu_t)
+    g_phi = -y_t * (Gy_t * y_t + Gmu_t * mu_t)              # ∂L/∂φ
+    g_r = Gmu_t * y_t                                       # ∂L/∂r
+    Gu = g * (Gy_t * g + Gmu_t * (r - mu_t * phi))          # ∂L/∂u
+    g_mu_a = Gmu_t * g                                      # ∂L/∂(ā μ_{t-1})
+    # φ = k² Λv and r = k Λv v
+    dk = _sum_d(2 * k * w * g_phi + (w * v) * g_r)
+    kg_r = _sum_n(k * g_r)
+    part = (i_d * TT + bos + t) * H * N + i_h * N + o_n     # this block's share of Σ_d, summed on the host
+    tl.store(io[6] + part, dq, mask=m_n)
+    tl.store(io[7] + part, dk, mask=m_n)
+    tl.store(io[8] + out, w * kg_r, mask=m_d)
+    tl.store(io[9] + out, _sum_n(k * k * g_phi) + v * kg_r, mask=m_d)
+    return a2 * Gu, a * g_mu_a, acc_u + Gu * y_p, acc_mu + g_mu_a * mu_p, acc_p + Gu
+
+
+@triton.jit
+def _reverse_stored(io, geo, lanes, par, t, y, mu, carry, DEPTH: tl.constexpr, HAS_DVAR: tl.constexpr,
+                    ACC: tl.constexpr):
+    """Adjoint of tokens t .. t+DEPTH-1 from the state before t: step forward, recurse, step back, so every
+    intermediate state stays in registers (one per nesting level)."""
+    y1, mu1 = _recompute(io, geo, lanes, par, t, y, mu, ACC)
+    if DEPTH > 1:
+        carry = _reverse_stored(io, geo, lanes, par, t + 1, y1, mu1, carry, DEPTH - 1, HAS_DVAR, ACC)
+    return _adjoint_step(io, geo, lanes, par, t, y, mu, y1, mu1, carry, HAS_DVAR, ACC)
+
+
+@triton.jit
+def _reverse_chunk(io, geo, lanes, par, t0, y, mu, carry, LEN: tl.constexpr, STORE: tl.constexpr,
+                   HAS_DVAR: tl.constexpr, ACC: tl.constexpr):
+    """Adjoint of LEN tokens from t0, bisecting (recomputing the first half) down to STORE tokens in registers."""
+    if LEN > STORE:
+        y_m, mu_m = y, mu
+        for i in tl.static_range(LEN // 2):
+            y_m, mu_m = _recompute(io, geo, lanes, par, t0 + i, y_m, mu_m, ACC)
+        carry = _reverse_chunk(io, geo, lanes, par, t0 + LEN // 2, y_m, mu_m, carry, LEN // 2, STORE, HAS_DVAR,
+                               ACC)
+        carry = _reverse_chunk(io, geo, lanes, par, t0, y, mu, carry, LEN // 2, STORE, HAS_DVAR, ACC)
+    else:
+        carry = _reverse_stored(io, geo, lanes, par, t0, y, mu, carry, LEN, HAS_DVAR, ACC)
+    return carry
+
+
+@triton.jit
+def _kalman_bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, a_ptr, p_ptr, lam0_ptr, lamT_ptr, cky_ptr, ckmu_ptr, do_ptr,
+                       dvar_ptr, dlamT_ptr, dmuT_ptr, dq_ptr, dk_ptr, dv_ptr, dw_ptr, da_ptr, dp_ptr, dlam0_ptr,
+                       dmu0_ptr, cu_ptr, chunk_ptr, TT, H, N, D, BN: tl.constexpr, BD1: tl.constexpr,
+                       BD2: tl.constexpr, C: tl.constexpr, STORE: tl.constexpr, HAS_DVAR: tl.constexpr,
+                       HAS_DFINAL: tl.constexpr, ACC: tl.constexpr):
     i_d, i_sh = tl.program_id(0), tl.program_id(1)
     i_s, i_h = i_sh // H, i_sh % H
     bos = tl.load(cu_ptr + i_s).to(tl.int64)
     L = tl.load(cu_ptr + i_s + 1).to(tl.int64) - bos
-    o_n = tl.arange(0, BN)[None, :, None]
-    o_d = (i_d * BD + tl.arange(0, BD))[None, None, :]
-    m_n, m_d = o_n < N, o_d < D
+    o_n, o_d, m_n, m_d, lane = _lanes(i_d, i_h, N, D, BN, BD1, BD2)
     m_nd = m_n & m_d
-    lane = i_h * N * D + o_n * D + o_d
     a = tl.load(a_ptr + lane, mask=m_nd, other=1.).to(ACC)
     p = tl.load(p_ptr + lane, mask=m_nd, other=0.).to(ACC)
-    a2 = a * a
     st = i_s * H * N * D + lane
-    Gy = tl.zeros([1, BN, BD], ACC)
-    if HAS_DFINAL:
+    lam0 = tl.load(lam0_ptr + st, mask=m_nd, other=1.).to(ACC)
+    zero = tl.zeros([BD1, BN, BD2], ACC)
+    if HAS_DFINAL:                                          # dy_T = −dλ_T λ_T²
+        lamT = tl.load(lamT_ptr + st, mask=m_nd, other=1.).to(ACC)
+        Gy = -tl.load(dlamT_ptr + st, mask=m_nd, other=0.).to(ACC) * lamT * lamT
         Gmu = tl.load(dmuT_ptr + st, mask=m_nd, other=0.).to(ACC)
-        dlamT = tl.load(dlamT_ptr + st, mask=m_nd, other=0.).to(ACC)
     else:
-        Gmu = tl.zeros([1, BN, BD], ACC)
-        dlamT = tl.zeros([1, BN, BD], ACC)
-    acc_u = tl.zeros([1, BN, BD], ACC)
-    acc_mu = tl.zeros([1, BN, BD], ACC)
-    acc_p = tl.zeros([1, BN, BD], ACC)
+        Gy, Gmu = zero, zero
+    io = (q_ptr, k_ptr, v_ptr, w_ptr, do_ptr, dvar_ptr, dq_ptr, dk_ptr, dv_ptr, dw_ptr)
+    geo = (bos, i_h, i_d, H, N, D, TT)
+    lanes = (o_n, o_d, m_n, m_d)
+    par = (a, a * a, p)
+    carry = (Gy, Gmu, zero, zero, zero)
     n_chunks = tl.cdiv(L, C)
-    shift = n_chunks * C - L
+    L0 = L - tl.maximum(n_chunks - 1, 0) * C
     c_base = tl.load(chunk_ptr + i_s).to(tl.int64)
-    if n_chunks > 1:
-        ck = (c_base + n_chunks - 1) * H * N * D + lane     # the last chunk also turns dλ_T into dy_T
+    for cc in range(1, n_chunks):                           # the full chunks, last first
+        c = n_chunks - cc
+        ck = (c_base + c) * H * N * D + lane
         y = tl.load(cky_ptr + ck, mask=m_nd, other=1.)
         mu = tl.load(ckmu_ptr + ck, mask=m_nd, other=0.)
-        Gy, Gmu, acc_u, acc_mu, acc_p = _bwd_chunk(
-            q_ptr, k_ptr, v_ptr, w_ptr, do_ptr, dvar_ptr, dq_ptr, dk_ptr, dv_ptr, dw_ptr, bos,
-            (n_chunks - 1) * C - shift, L, i_h, i_d, TT, H, N, D, o_n, o_d, m_n, m_d, a, a2, p, y, mu, Gy, Gmu,
-            acc_u, acc_mu, acc_p, dlamT, True, BN, BD, C, False, HAS_DVAR, ACC)
-        for cc in range(2, n_chunks):
-            c = n_chunks - cc
-            ck = (c_base + c) * H * N * D + lane
-            y = tl.load(cky_ptr + ck, mask=m_nd, other=1.)
-            mu = tl.load(ckmu_ptr + ck, mask=m_nd, other=0.)
-            Gy, Gmu, acc_u, acc_mu, acc_p = _bwd_chunk(
-                q_ptr, k_ptr, v_ptr, w_ptr, do_ptr, dvar_ptr, dq_ptr, dk_ptr, dv_ptr, dw_ptr, bos, c * C - shift, L,
-                i_h, i_d, TT, H, N, D, o_n, o_d, m_n, m_d, a, a2, p, y, mu, Gy, Gmu, acc_u, acc_mu, acc_p, dlamT,
-                False, BN, BD, C, False, HAS_DVAR, ACC)
-    lam0 = tl.load(lam0_ptr + st, mask=m_nd, other=1.).to(ACC)
-    Gy, Gmu, acc_u, acc_mu, acc_p = _bwd_chunk(
-        q_ptr, k_ptr, v_ptr, w_ptr, do_ptr, dvar_ptr, dq_ptr, dk_ptr, dv_ptr, dw_ptr, bos, -shift, L, i_h, i_d, TT,
-        H, N, D, o_n, o_d, m_n, m_d, a, a2, p, 1.0 / lam0, tl.load(ckmu_ptr + c_base * H * N * D + lane,
-                                                                   mask=_all(m_nd, n_chunks > 0), other=0.),
-        Gy, Gmu, acc_u, acc_mu, acc_p, dlamT, n_chunks <= 1, BN, BD, C, True, HAS_DVAR, ACC)
+        carry = _reverse_chunk(io, geo, lanes, par, L0 + (c - 1) * C, y, mu, carry, C, STORE, HAS_DVAR, ACC)
+    # chunk 0 (L0 tokens): each token's input state recomputed from the initial state, O(L0²) steps
+    y0 = 1.0 / lam0
+    mu0 = tl.load(ckmu_ptr + c_base * H * N * D + lane, mask=tl.where(n_chunks > 0, m_nd, False), other=0.)
+    for jj in range(0, L0):
+        j = L0 - 1 - jj
+        y, mu = y0, mu0
+        for i in range(0, j):
+            y, mu = _recompute(io, geo, lanes, par, i, y, mu, ACC)
+        y1, mu1 = _recompute(io, geo, lanes, par, j, y, mu, ACC)
+        carry = _adjoint_step(io, geo, lanes, par, j, y, mu, y1, mu1, carry, HAS_DVAR, ACC)
+    Gy, Gmu, acc_u, acc_mu, acc_p = carry
     tl.store(da_ptr + st, 2 * a * acc_u + acc_mu, mask=m_nd)
     tl.store(dp_ptr + st, acc_p, mask=m_nd)
     tl.store(dlam0_ptr + st, -Gy / (lam0 * lam0), mask=m_nd)
@@ -283,13 +284,13 @@ class KalmanFusedFunction(torch.autograd.Function):
             lamT if cky is None else cky, muT if ckmu is None else ckmu, cu, chunk_off, H, N, D,
             BN=_pow2(N), BD=BD, C=CHUNK, HAS_VAR=output_variance, SAVE=save, ACC=_acc(q), num_warps=warps)
         if save:
-            ctx.save_for_backward(q, k, v, w, a, p, lam0, cky, ckmu, cu, chunk_off)
+            ctx.save_for_backward(q, k, v, w, a, p, lam0, lamT, cky, ckmu, cu, chunk_off)
         ctx.set_materialize_grads(False)
         return o, var, lamT, muT
 
     @staticmethod
     def backward(ctx, do, dvar, dlamT, dmuT):
-        q, k, v, w, a, p, lam0, cky, ckmu, cu, chunk_off = ctx.saved_tensors
+        q, k, v, w, a, p, lam0, lamT, cky, ckmu, cu, chunk_off = ctx.saved_tensors
         B, T, H, N = q.shape
         D = v.shape[-1]
         n_seq = cu.numel() - 1
@@ -298,16 +299,17 @@ class KalmanFusedFunction(torch.autograd.Function):
         if has_final:
             dlamT = torch.zeros_like(lam0) if dlamT is None else dlamT.contiguous()
             dmuT = torch.zeros_like(lam0) if dmuT is None else dmuT.contiguous()
-        BD, warps = BWD_CONFIG
-        n_db = triton.cdiv(D, BD)
+        BD1, BD2, warps = BWD_CONFIG
+        n_db = triton.cdiv(D, BD1 * BD2)
         part = torch.empty((2, n_db, B * T, H, N), dtype=lam0.dtype, device=q.device)   # Σ_d per block
         dv, dw = torch.empty_like(v), torch.empty_like(w)
         dadp = torch.empty((2,) + lam0.shape, dtype=lam0.dtype, device=q.device)        # per sequence
         dlam0, dmu0 = torch.empty_like(lam0), torch.empty_like(lam0)
         _kalman_bwd_kernel[(n_db, n_seq * H)](
-            q, k, v, w, a, p, lam0, cky, ckmu, do, do if dvar is None else dvar.contiguous(),
+            q, k, v, w, a, p, lam0, lamT, cky, ckmu, do, do if dvar is None else dvar.contiguous(),
             dlamT if has_final else lam0, dmuT if has_final else lam0, part[0], part[1], dv, dw, dadp[0], dadp[1],
-            dlam0, dmu0, cu, chunk_off, B * T, H, N, D, BN=_pow2(N), BD=BD, C=CHUNK, HAS_DVAR=dvar is not None,
+            dlam0, dmu0, cu, chunk_off, B * T, H, N, D, BN=_pow2(N), BD1=BD1, BD2=BD2, C=CHUNK, STORE=STORE,
+            HAS_DVAR=dvar is not None,
             HAS_DFINAL=has_final, ACC=_acc(q), num_warps=warps)
         dq, dk = part.sum(1).view(2, B, T, H, N).to(q.dtype)
         da, dp = dadp.sum(1)
