@@ -6,6 +6,7 @@ import torch
 
 from kalmix import ops
 from kalmix.ops.common.testing import CASES, assert_close, rel_err
+from kalmix.ops.common.testing import kalman_realistic_inputs as realistic_inputs
 
 
 def covariance_filter(q, k, v, w, a, p, P0, m0):
@@ -36,19 +37,6 @@ def test_matches_covariance_form_filter(impl):
     ro, rv, rlam, rmu = covariance_filter(*args, 1.0 / lam0, mu0)
     for name, x, r in (("o", o, ro), ("variance", var, rv), ("precision", lam, rlam), ("mean", mu, rmu)):
         assert_close(name, x, r, 1e-10)
-
-
-def realistic_inputs(T, dtype, seed=0, B=1, H=1, N=16, D=8):
-    """The regime of trained layers: decay near 1, tiny process noise, value precision up to 1e4."""
-    gen = torch.Generator().manual_seed(seed)
-    f64 = dict(generator=gen, dtype=torch.float64)
-    q = torch.nn.functional.normalize(torch.randn(B, T, H, N, **f64), dim=-1)
-    k = torch.nn.functional.normalize(torch.randn(B, T, H, N, **f64), dim=-1)
-    v = torch.randn(B, T, H, D, **f64)
-    w = 10 ** (6 * torch.rand(B, T, H, D, **f64) - 2)               # 1e-2 .. 1e4
-    a = 0.9 + 0.099 * torch.rand(H, N, D, **f64)                   # [0.9, 0.999]
-    p = 10 ** (-7 + torch.rand(H, N, D, **f64))                     # 1e-7 .. 1e-6
-    return [x.to(dtype) for x in (q, k, v, w, a, p)]
 
 
 def test_realistic_regime_fp32_agrees_with_fp64_at_T4096():

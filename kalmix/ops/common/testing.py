@@ -106,3 +106,16 @@ def outputs_and_grads(case: OpCase, args, state, impl: str, seed: int = 1, **kw)
     loss = sum((o * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o)).sum() for o in outs)
     grads = torch.autograd.grad(loss, [*args, *state_t])
     return [o.detach() for o in outs], list(grads)
+
+
+def kalman_realistic_inputs(T, dtype, seed=0, B=1, H=1, N=16, D=8):
+    """The regime of trained layers: decay near 1, tiny process noise, value precision up to 1e4."""
+    gen = torch.Generator().manual_seed(seed)
+    f64 = dict(generator=gen, dtype=torch.float64)
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, N, **f64), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, N, **f64), dim=-1)
+    v = torch.randn(B, T, H, D, **f64)
+    w = 10 ** (6 * torch.rand(B, T, H, D, **f64) - 2)               # 1e-2 .. 1e4
+    a = 0.9 + 0.099 * torch.rand(H, N, D, **f64)                   # [0.9, 0.999]
+    p = 10 ** (-7 + torch.rand(H, N, D, **f64))                     # 1e-7 .. 1e-6
+    return [x.to(dtype) for x in (q, k, v, w, a, p)]

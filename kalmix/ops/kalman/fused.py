@@ -86,6 +86,29 @@ def _fwd_token(io, geo, lanes, par, t, y, mu, HAS_VAR: tl.constexpr, ACC: tl.con
 
 
 @triton.jit
+def _fwd_chunk(io, geo, lanes, par, t0, y, mu, BD: tl.constexpr, C: tl.constexpr, HAS_VAR: tl.constexpr,
+               ACC: tl.constexpr):
+    """C tokens from t0, their outputs kept in registers and stored at the end: no store sits between the
+    chunk's loads, so the compiler can issue them all up front."""
+    bos, i_h, H, D = geo[0], geo[1], geo[3], geo[5]
+    o_d, m_d = lanes[1], lanes[3]
+    ci = tl.arange(0, C)[:, None, None]
+    o_c = tl.zeros([C, 1, BD], ACC)
+    var_c = tl.zeros([C, 1, BD], ACC)
+    for i in tl.static_range(C):
+        q, k, v, w, _ = _load_token(io, geo, lanes, t0 + i, ACC)
+        y, mu = _filter_step(k, v, w, par, y, mu)
+        o_c = tl.where(ci == i, _sum_n(q * mu), o_c)
+        if HAS_VAR:
+            var_c = tl.where(ci == i, _sum_n(q * q * y), var_c)
+    rows = (bos + t0 + ci) * H * D + i_h * D + o_d
+    tl.store(io[4] + rows, o_c, mask=m_d)
+    if HAS_VAR:
+        tl.store(io[5] + rows, var_c, mask=m_d)
+    return y, mu
+
+
+@triton.jit
 def _kalman_fwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, a_ptr, p_ptr, lam0_ptr, mu0_ptr, o_ptr, var_ptr,
                        lamT_ptr, muT_ptr, cky_ptr, ckmu_ptr, cu_ptr, chunk_ptr, H, N, D,
                        BN: tl.constexpr, BD: tl.constexpr, C: tl.constexpr, HAS_VAR: tl.constexpr,
@@ -118,8 +141,7 @@ def _kalman_fwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, a_ptr, p_ptr, lam0_ptr, mu0_p
         if SAVE:
             tl.store(cky_ptr + (c_base + c) * H * N * D + lane, y, mask=m_nd)
             tl.store(ckmu_ptr + (c_base + c) * H * N * D + lane, mu, mask=m_nd)
-        for i in tl.static_range(C):
-            y, mu = _fwd_token(io, geo, lanes, par, L0 + (c - 1) * C + i, y, mu, HAS_VAR, ACC)
+        y, mu = _fwd_chunk(io, geo, lanes, par, L0 + (c - 1) * C, y, mu, BD, C, HAS_VAR, ACC)
     tl.store(lamT_ptr + st, 1.0 / y, mask=m_nd)
     tl.store(muT_ptr + st, mu, mask=m_nd)
 
@@ -132,23 +154,30 @@ def _recompute(io, geo, lanes, par, t, y, mu, ACC: tl.constexpr):
 
 
 @triton.jit
-def _adjoint_step(io, geo, lanes, par, t, y_p, mu_p, y_t, mu_t, carry, HAS_DVAR: tl.constexpr,
-                  ACC: tl.constexpr):
-    """Token t's gradients from the states around it; carries (Gy, Gμ) back across it and accumulates the
-    per-lane sums behind dā and dp̄."""
+def _load_adjoint_inputs(io, geo, lanes, t, HAS_DVAR: tl.constexpr, ACC: tl.constexpr):
+    """Token t's q, k, v, w, row offset, do and dvar (do again when there is no variance gradient)."""
+    q, k, v, w, out = _load_token(io, geo, lanes, t, ACC)
+    m_d = lanes[3]
+    do = tl.load(io[4] + out, mask=m_d, other=0.).to(ACC)
+    dvar = tl.load(io[5] + out, mask=m_d, other=0.).to(ACC) if HAS_DVAR else do
+    return q, k, v, w, out, do, dvar
+
+
+@triton.jit
+def _adjoint_step(io, geo, lanes, par, t, inputs, y_p, mu_p, y_t, mu_t, carry, HAS_DVAR: tl.constexpr):
+    """Token t's gradients from its inputs and the states around it; carries (Gy, Gμ) back across it and
+    accumulates the per-lane sums behind dā and dp̄. Only stores: the loads happened on the way forward."""
     bos, i_h, i_d, H, N, D, TT = geo
     o_n, o_d, m_n, m_d = lanes
     a, a2, p = par
     Gy, Gmu, acc_u, acc_mu, acc_p = carry
-    q, k, v, w, out = _load_token(io, geo, lanes, t, ACC)
-    do = tl.load(io[4] + out, mask=m_d, other=0.).to(ACC)
+    q, k, v, w, out, do, dvar = inputs
     phi = k * k * w
     r = k * (w * v)
     u = a2 * y_p + p
     g = 1.0 / (1.0 + phi * u)
     Gmu_t = Gmu + q * do
     if HAS_DVAR:
-        dvar = tl.load(io[5] + out, mask=m_d, other=0.).to(ACC)
         Gy_t = Gy + q * q * dvar
         dq = _sum_d(do * mu_t + 2 * q * dvar * y_t)
     else:
@@ -172,12 +201,13 @@ def _adjoint_step(io, geo, lanes, par, t, y_p, mu_p, y_t, mu_t, carry, HAS_DVAR:
 @triton.jit
 def _reverse_stored(io, geo, lanes, par, t, y, mu, carry, DEPTH: tl.constexpr, HAS_DVAR: tl.constexpr,
                     ACC: tl.constexpr):
-    """Adjoint of tokens t .. t+DEPTH-1 from the state before t: step forward, recurse, step back, so every
-    intermediate state stays in registers (one per nesting level)."""
-    y1, mu1 = _recompute(io, geo, lanes, par, t, y, mu, ACC)
+    """Adjoint of tokens t .. t+DEPTH-1 from the state before t: load and step forward, recurse, step back, so
+    every intermediate state and input stays in registers (one set per nesting level)."""
+    inputs = _load_adjoint_inputs(io, geo, lanes, t, HAS_DVAR, ACC)
+    y1, mu1 = _filter_step(inputs[1], inputs[2], inputs[3], par, y, mu)
     if DEPTH > 1:
         carry = _reverse_stored(io, geo, lanes, par, t + 1, y1, mu1, carry, DEPTH - 1, HAS_DVAR, ACC)
-    return _adjoint_step(io, geo, lanes, par, t, y, mu, y1, mu1, carry, HAS_DVAR, ACC)
+    return _adjoint_step(io, geo, lanes, par, t, inputs, y, mu, y1, mu1, carry, HAS_DVAR)
 
 
 @triton.jit
@@ -241,8 +271,9 @@ def _kalman_bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, a_ptr, p_ptr, lam0_ptr, lamT_
         y, mu = y0, mu0
         for i in range(0, j):
             y, mu = _recompute(io, geo, lanes, par, i, y, mu, ACC)
-        y1, mu1 = _recompute(io, geo, lanes, par, j, y, mu, ACC)
-        carry = _adjoint_step(io, geo, lanes, par, j, y, mu, y1, mu1, carry, HAS_DVAR, ACC)
+        inputs = _load_adjoint_inputs(io, geo, lanes, j, HAS_DVAR, ACC)
+        y1, mu1 = _filter_step(inputs[1], inputs[2], inputs[3], par, y, mu)
+        carry = _adjoint_step(io, geo, lanes, par, j, inputs, y, mu, y1, mu1, carry, HAS_DVAR)
     Gy, Gmu, acc_u, acc_mu, acc_p = carry
     tl.store(da_ptr + st, 2 * a * acc_u + acc_mu, mask=m_nd)
     tl.store(dp_ptr + st, acc_p, mask=m_nd)
