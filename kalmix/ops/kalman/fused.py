@@ -24,8 +24,8 @@ import triton.language as tl
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # the interpreter runs programs one by one: small chunks keep its unrolled loops short
 CHUNK = 4 if INTERPRET else 8           # tokens between checkpoints (unrolled in both kernels)
-STORE = 2 if INTERPRET else 8           # the backward holds this many states in registers, bisecting to it
-FWD_CONFIG = (16, 1) if INTERPRET else (32, 1)              # (channels per program, warps)
+STORE = 2 if INTERPRET else 4           # the backward holds this many states in registers, bisecting to it
+FWD_CONFIG = (16, 1) if INTERPRET else (8, 1)               # (channels per program, warps)
 BWD_CONFIG = (2, 4, 1)                                      # (BD1, BD2, warps): [BD1, BN, BD2] lanes per program
 
 
