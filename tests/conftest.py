@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+# without a GPU the Triton kernels run in Triton's interpreter; it is chosen when kernels are defined, so before
+# any kalmix import
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -14,13 +14,17 @@ class MixerLayer(nn.Module):
     ``(o [B, T, d_model], None, past_key_values)`` like fla's layers. ``attention_mask`` [B, T] (1 = token,
     0 = padding; left or right padding) runs the padded batch as packed sequences, so padding never touches
     a state. With ``use_cache`` the final recurrent and convolution states go into an fla ``Cache`` (created
-    when None is given); a following call continues from them, and single-token calls run the op's
-    recurrent step (impl="naive", the same function the reference loops over).
+    when None is given); a following call continues from them, and single-token calls run ``step_impl``: the
+    op's recurrent step (impl="naive", the function the reference loops over) unless a subclass has a fused one.
     """
 
     d_model: int
     layer_idx: int
     impl: str | None
+
+    def step_impl(self, device: torch.device) -> str:
+        """The impl of single-token (decoding) calls."""
+        return "naive"
 
     def project(self, x: torch.Tensor, conv_state):
         """x [B, T, d_model] -> (list of op inputs [B, T, ...], readout context, new conv state)."""
@@ -54,7 +58,7 @@ class MixerLayer(nn.Module):
         if packer is not None:
             inputs = [packer.pack(a) if a.dim() >= 3 else a for a in inputs]
             cu_seqlens = packer.cu_seqlens
-        impl = "naive" if T == 1 else self.impl
+        impl = self.step_impl(x.device) if T == 1 else self.impl
         o, extra, state = self.mix(inputs, rec_state, use_cache, cu_seqlens, impl, **kwargs)
         if packer is not None:
             o = packer.unpack(o)

@@ -59,6 +59,10 @@ class KalmanAttention(MixerLayer):
         noise = upcast(self.p) ** 2 / (2 * a) * -torch.expm1(-2 * a * dt)
         return decay, noise
 
+    def step_impl(self, device):
+        """Decoding runs the fused kernel (one launch per token) wherever the layer runs it for prefill."""
+        return "triton" if self.impl == "triton" or (self.impl is None and device.type == "cuda") else "naive"
+
     def project(self, x, conv_state):
         B, T, _ = x.shape
         H, N, D = self.num_heads, self.d_state, self.head_dim

@@ -6,6 +6,7 @@ from kalmix.layers import MIXERS
 
 SMALL = {
     "kalman": dict(d_state=6, num_heads=2),
+    "kalman_triton": dict(d_state=6, num_heads=2, impl="triton"),  # fused kernels (interpreter on CPU)
     "gka": dict(num_heads=2, num_iters=12),
     "kaczmarz": dict(num_heads=2),
     "vla": dict(num_heads=2),

@@ -2,10 +2,13 @@
 import pytest
 import torch
 
+from kalmix.ops import AVAILABLE_IMPLS
 from kalmix.ops.common.testing import CASES, assert_close, outputs_and_grads, run_case
 
-IMPLS = ["torch"]
 TOL64 = 1e-6
+# every parallel impl of every op (triton runs in the interpreter on CPU machines)
+PARALLEL = [(n, i) for n, c in CASES.items() for i in AVAILABLE_IMPLS[c.fn.__name__] if i != "naive"]
+ALL = [(n, "naive") for n in CASES] + PARALLEL
 
 
 def draw(case, B, T, H, K, V, n_state=None, seed=0, dtype=torch.float64):
@@ -15,9 +18,8 @@ def draw(case, B, T, H, K, V, n_state=None, seed=0, dtype=torch.float64):
     return args, state
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("T", [1, 63, 100, 257])
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name,impl", PARALLEL)
 def test_impl_matches_naive_fp64(name, T, impl):
     case = CASES[name]
     args, state = draw(case, 2, T, 2, 5, 7, seed=T)
@@ -29,8 +31,7 @@ def test_impl_matches_naive_fp64(name, T, impl):
         assert_close(f"{name}/{impl} grad of input {i}", x, r, TOL64)
 
 
-@pytest.mark.parametrize("impl", ["naive", *IMPLS])
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name,impl", ALL)
 def test_default_initial_state_and_no_final_state(name, impl):
     case = CASES[name]
     args, _ = draw(case, 2, 20, 2, 4, 6)
@@ -41,8 +42,7 @@ def test_default_initial_state_and_no_final_state(name, impl):
         assert rest[0] is None
 
 
-@pytest.mark.parametrize("impl", ["naive", *IMPLS])
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name,impl", ALL)
 def test_chained_calls_equal_one_call(name, impl):
     case = CASES[name]
     args, state = draw(case, 2, 90, 2, 5, 3)
@@ -61,8 +61,7 @@ def test_chained_calls_equal_one_call(name, impl):
         assert_close(f"state {i}", out2[i], full[i], 1e-10)
 
 
-@pytest.mark.parametrize("impl", ["naive", *IMPLS])
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name,impl", ALL)
 def test_varlen_equals_loop_over_sequences(name, impl):
     case = CASES[name]
     lens = [5, 0, 70, 1, 30]
@@ -87,14 +86,14 @@ def test_varlen_equals_loop_over_sequences(name, impl):
             assert_close(f"seq {i} state {j}", packed[n_act + j][i:i + 1], r, 1e-10)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name,impl", PARALLEL)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_low_precision_inputs_compute_in_fp32(name, dtype):
+def test_low_precision_inputs_compute_in_fp32(name, impl, dtype):
     case = CASES[name]
     args64, state64 = draw(case, 2, 40, 2, 4, 6)
     ref = run_case(case, args64, state64, "naive")
     args = [a.to(dtype) for a in args64]
-    out = run_case(case, args, state64, "torch")
+    out = run_case(case, args, state64, impl)
     assert out[0].dtype == dtype
     assert all(s.dtype == torch.float32 for s in out[1:] if s.shape[1] != 40)
     tol = 2e-5 if dtype == torch.float32 else 3e-2
@@ -103,8 +102,7 @@ def test_low_precision_inputs_compute_in_fp32(name, dtype):
     assert_close(f"{name} {dtype} output", out[0].double(), ref[0], tol)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name,impl", PARALLEL)
 def test_impl_matches_naive_with_default_state(name, impl):
     case = CASES[name]
     args, _ = draw(case, 2, 100, 2, 5, 7, seed=5)

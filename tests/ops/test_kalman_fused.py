@@ -1,0 +1,51 @@
+"""The fused Triton Kalman kernels (interpreter on CPU) beyond the shared contract: wide channel blocks, the
+kernel specialisations without variance or final-state gradients, and the realistic trained regime."""
+import pytest
+import torch
+
+from kalmix import ops
+from kalmix.ops.common.testing import CASES, assert_close, kalman_realistic_inputs, outputs_and_grads
+
+
+def test_several_channel_blocks_and_odd_sizes():
+    """D = 37 spans three channel blocks (the last one partial), N = 3 pads the slot axis, T = 23 is not a
+    multiple of the chunk."""
+    case = CASES["kalman"]
+    gen = torch.Generator().manual_seed(0)
+    args = case.inputs(2, 23, 1, 3, 37, torch.float64, gen)
+    state = case.state(2, 1, 3, 37, torch.float64, gen)
+    ref_out, ref_grad = outputs_and_grads(case, args, state, "naive")
+    out, grad = outputs_and_grads(case, args, state, "triton")
+    for i, (x, r) in enumerate(zip(out + grad, ref_out + ref_grad)):
+        assert_close(f"output/grad {i}", x, r, 1e-12)
+
+
+@pytest.mark.parametrize("variance,final", [(False, False), (False, True), (True, False)])
+def test_without_variance_or_final_state_gradients(variance, final):
+    gen = torch.Generator().manual_seed(1)
+    args = CASES["kalman"].inputs(1, 13, 2, 4, 5, torch.float64, gen)
+    grads = {}
+    for impl in ("naive", "triton"):
+        xs = [a.detach().requires_grad_() for a in args]
+        o, var, st = ops.kalman_attention(*xs, output_variance=variance, output_final_state=final, impl=impl)
+        assert (var is None) != variance and (st is None) != final
+        loss = (o * o).sum() + ((var * var).sum() if variance else 0) + (st[1].sum() + st[0].log().sum()
+                                                                        if final else 0)
+        grads[impl] = torch.autograd.grad(loss, xs)
+    for i, (x, r) in enumerate(zip(grads["triton"], grads["naive"])):
+        assert_close(f"grad {i}", x, r, 1e-12)
+
+
+def test_realistic_regime_fp32_and_gradients():
+    """Decay near 1, process noise 1e-7..1e-6, value precision up to 1e4: fp32 kernels against the fp64 loop."""
+    args64 = [x.requires_grad_() for x in kalman_realistic_inputs(300, torch.float64, seed=2, N=4, D=20)]
+    args32 = [x.detach().float().requires_grad_() for x in args64]
+    res = {}
+    for impl, args in (("naive", args64), ("triton", args32)):
+        o, var, (lam, mu) = ops.kalman_attention(*args, output_variance=True, output_final_state=True, impl=impl)
+        gen = torch.Generator().manual_seed(0)
+        loss = sum((x * torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x)).sum() for x in (o, var, mu))
+        res[impl] = [o, var, lam, mu, *torch.autograd.grad(loss, args)]
+    assert res["naive"][2].max() > 1e5, "the regime should reach large precisions"
+    for i, (x, r) in enumerate(zip(res["triton"], res["naive"])):
+        assert_close(f"output/grad {i}", x, r, 3e-5)
