@@ -109,29 +109,37 @@ def _fwd_chunk(io, geo, lanes, par, t0, y, mu, BD: tl.constexpr, C: tl.constexpr
 
 
 @triton.jit
-def _kalman_fwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, a_ptr, p_ptr, lam0_ptr, mu0_ptr, o_ptr, var_ptr,
-                       lamT_ptr, muT_ptr, cky_ptr, ckmu_ptr, cu_ptr, chunk_ptr, H, N, D,
-                       BN: tl.constexpr, BD: tl.constexpr, C: tl.constexpr, HAS_VAR: tl.constexpr,
-                       SAVE: tl.constexpr, ACC: tl.constexpr):
+def _program(a_ptr, p_ptr, cu_ptr, chunk_ptr, H, N, D, BN: tl.constexpr, BD1: tl.constexpr, BD2: tl.constexpr,
+             C: tl.constexpr, ACC: tl.constexpr):
+    """What both kernels derive from the program id: channel block, sequence and head, the sequence start
+    and length, the lanes (and their state offsets), the lanes' (ā, ā², p̄), and the chunking: chunk 0 holds
+    the first L0 <= C tokens, every later chunk exactly C; checkpoints of the sequence start at c_base."""
     i_d, i_sh = tl.program_id(0), tl.program_id(1)
     i_s, i_h = i_sh // H, i_sh % H
     bos = tl.load(cu_ptr + i_s).to(tl.int64)
     L = tl.load(cu_ptr + i_s + 1).to(tl.int64) - bos
-    o_n, o_d, m_n, m_d, lane = _lanes(i_d, i_h, N, D, BN, 1, BD)
+    o_n, o_d, m_n, m_d, lane = _lanes(i_d, i_h, N, D, BN, BD1, BD2)
     m_nd = m_n & m_d
     a = tl.load(a_ptr + lane, mask=m_nd, other=1.).to(ACC)
     p = tl.load(p_ptr + lane, mask=m_nd, other=0.).to(ACC)
-    st = i_s * H * N * D + lane
+    n_chunks = tl.cdiv(L, C)
+    L0 = L - tl.maximum(n_chunks - 1, 0) * C
+    c_base = tl.load(chunk_ptr + i_s).to(tl.int64)
+    return (i_d, i_h, bos, (o_n, o_d, m_n, m_d), m_nd, lane, i_s * H * N * D + lane, (a, a * a, p), n_chunks, L0,
+            c_base)
+
+
+@triton.jit
+def _kalman_fwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, a_ptr, p_ptr, lam0_ptr, mu0_ptr, o_ptr, var_ptr,
+                       lamT_ptr, muT_ptr, cky_ptr, ckmu_ptr, cu_ptr, chunk_ptr, H, N, D,
+                       BN: tl.constexpr, BD: tl.constexpr, C: tl.constexpr, HAS_VAR: tl.constexpr,
+                       SAVE: tl.constexpr, ACC: tl.constexpr):
+    i_d, i_h, bos, lanes, m_nd, lane, st, par, n_chunks, L0, c_base = _program(
+        a_ptr, p_ptr, cu_ptr, chunk_ptr, H, N, D, BN, 1, BD, C, ACC)
     y = 1.0 / tl.load(lam0_ptr + st, mask=m_nd, other=1.).to(ACC)
     mu = tl.load(mu0_ptr + st, mask=m_nd, other=0.).to(ACC)
     io = (q_ptr, k_ptr, v_ptr, w_ptr, o_ptr, var_ptr)
     geo = (bos, i_h, i_d, H, N, D)
-    lanes = (o_n, o_d, m_n, m_d)
-    par = (a, a * a, p)
-    # chunk 0 holds the first L0 <= C tokens, every later chunk exactly C (unrolled)
-    n_chunks = tl.cdiv(L, C)
-    L0 = L - tl.maximum(n_chunks - 1, 0) * C
-    c_base = tl.load(chunk_ptr + i_s).to(tl.int64)
     if SAVE and n_chunks > 0:
         tl.store(cky_ptr + c_base * H * N * D + lane, y, mask=m_nd)
         tl.store(ckmu_ptr + c_base * H * N * D + lane, mu, mask=m_nd)
@@ -232,15 +240,8 @@ def _kalman_bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, a_ptr, p_ptr, lam0_ptr, lamT_
                        dmu0_ptr, cu_ptr, chunk_ptr, TT, H, N, D, BN: tl.constexpr, BD1: tl.constexpr,
                        BD2: tl.constexpr, C: tl.constexpr, STORE: tl.constexpr, HAS_DVAR: tl.constexpr,
                        HAS_DFINAL: tl.constexpr, ACC: tl.constexpr):
-    i_d, i_sh = tl.program_id(0), tl.program_id(1)
-    i_s, i_h = i_sh // H, i_sh % H
-    bos = tl.load(cu_ptr + i_s).to(tl.int64)
-    L = tl.load(cu_ptr + i_s + 1).to(tl.int64) - bos
-    o_n, o_d, m_n, m_d, lane = _lanes(i_d, i_h, N, D, BN, BD1, BD2)
-    m_nd = m_n & m_d
-    a = tl.load(a_ptr + lane, mask=m_nd, other=1.).to(ACC)
-    p = tl.load(p_ptr + lane, mask=m_nd, other=0.).to(ACC)
-    st = i_s * H * N * D + lane
+    i_d, i_h, bos, lanes, m_nd, lane, st, par, n_chunks, L0, c_base = _program(
+        a_ptr, p_ptr, cu_ptr, chunk_ptr, H, N, D, BN, BD1, BD2, C, ACC)
     lam0 = tl.load(lam0_ptr + st, mask=m_nd, other=1.).to(ACC)
     zero = tl.zeros([BD1, BN, BD2], ACC)
     if HAS_DFINAL:                                          # dy_T = −dλ_T λ_T²
@@ -251,12 +252,7 @@ def _kalman_bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, a_ptr, p_ptr, lam0_ptr, lamT_
         Gy, Gmu = zero, zero
     io = (q_ptr, k_ptr, v_ptr, w_ptr, do_ptr, dvar_ptr, dq_ptr, dk_ptr, dv_ptr, dw_ptr)
     geo = (bos, i_h, i_d, H, N, D, TT)
-    lanes = (o_n, o_d, m_n, m_d)
-    par = (a, a * a, p)
     carry = (Gy, Gmu, zero, zero, zero)
-    n_chunks = tl.cdiv(L, C)
-    L0 = L - tl.maximum(n_chunks - 1, 0) * C
-    c_base = tl.load(chunk_ptr + i_s).to(tl.int64)
     for cc in range(1, n_chunks):                           # the full chunks, last first
         c = n_chunks - cc
         ck = (c_base + c) * H * N * D + lane
@@ -275,7 +271,7 @@ def _kalman_bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, a_ptr, p_ptr, lam0_ptr, lamT_
         y1, mu1 = _filter_step(inputs[1], inputs[2], inputs[3], par, y, mu)
         carry = _adjoint_step(io, geo, lanes, par, j, inputs, y, mu, y1, mu1, carry, HAS_DVAR)
     Gy, Gmu, acc_u, acc_mu, acc_p = carry
-    tl.store(da_ptr + st, 2 * a * acc_u + acc_mu, mask=m_nd)
+    tl.store(da_ptr + st, 2 * par[0] * acc_u + acc_mu, mask=m_nd)
     tl.store(dp_ptr + st, acc_p, mask=m_nd)
     tl.store(dlam0_ptr + st, -Gy / (lam0 * lam0), mask=m_nd)
     tl.store(dmu0_ptr + st, Gmu, mask=m_nd)
