@@ -107,6 +107,19 @@ def layer_kwargs(name: str, d_model: int, heads: int, head_dim: int, d_state: in
     return dict(num_heads=heads, head_dim=head_dim) if name in ("gka", "vla") else dict(num_heads=heads)
 
 
+def layer_impls(name: str) -> list[str]:
+    """The impls a layer is timed with: those of its op but the token loop ("-" for attention)."""
+    if name == "attention":
+        return ["-"]
+    op_name = {"kalman": "kalman_attention", "gka": "gated_kalmanet", "kaczmarz": "kaczmarz_attention",
+               "gdn": "kaczmarz_attention", "vla": "variational_linear_attention"}[name]
+    return [i for i in ops.AVAILABLE_IMPLS[op_name] if i != "naive"]
+
+
+def _selected(name: str, ops_filter) -> bool:
+    return not ops_filter or any(f in name for f in ops_filter)
+
+
 def _layer(name, impl, d_model, heads, head_dim, d_state):
     def build(s: Shape, dt, dev):
         kw = layer_kwargs(name, d_model, heads, head_dim, d_state)
@@ -138,17 +151,14 @@ def targets(ops_filter, impls_filter, d_model, heads, head_dim, d_state, device)
             out.append(Target(f"fla.{fn_name}", "fla", "anchor", model, "matrix", _fla_anchor(fn_name)))
     out.append(Target("sdpa_causal", "flash" if device.type == "cuda" else "sdpa", "anchor", "sdpa", "matrix", _sdpa))
     for name in MIXERS:
-        impls = ["-"] if name == "attention" else [i for i in ops.AVAILABLE_IMPLS[
-            {"kalman": "kalman_attention", "gka": "gated_kalmanet", "kaczmarz": "kaczmarz_attention",
-             "gdn": "kaczmarz_attention", "vla": "variational_linear_attention"}[name]] if i != "naive"]
-        for impl in impls:
+        for impl in layer_impls(name):
             out.append(Target(f"layer.{name}", impl, "layer", None, "kalman" if name == "kalman" else "matrix",
                               _layer(name, None if impl == "-" else impl, d_model, heads, head_dim, d_state)))
     if device.type == "cuda":
         out.append(Target("layer.fla_gdn", "fla", "layer", None, "matrix",
                           _layer("fla_gdn", None, d_model, heads, head_dim, d_state)))
     # the token loops take seconds to minutes per call at these budgets: only when asked for by --impls
-    return [t for t in out if (not ops_filter or any(f in t.name for f in ops_filter))
+    return [t for t in out if _selected(t.name, ops_filter)
             and (t.impl in impls_filter if impls_filter else t.impl != "naive")]
 
 
@@ -285,26 +295,29 @@ def _row(t: Target, mode, dtype_name, s: Shape, timing, ceil, meta, elt) -> dict
 
 
 def _decode_rows(cfg, device, dtype_name, ceil, meta) -> list[dict]:
-    """Per-token latency of one recurrent step (B = 1) against attention with a KV cache of each context."""
+    """Per-token latency of one layer call on one token (B = 1) with a cache of each context, for every impl
+    of each layer (its ``step_impl`` runs), against bare attention with a KV cache."""
     dt = DTYPES[dtype_name]
     rows = []
     with torch.no_grad():
         for name in MIXERS:
+            if not _selected(f"layer.{name}", cfg.ops):
+                continue
             kw = layer_kwargs(name, cfg.d_model, cfg.heads, cfg.head_dim, cfg.d_state)
-            layer = (MIXERS[name](cfg.d_model, **kw) if name == "attention" else
-                     MIXERS[name](cfg.d_model, impl="torch", **kw)).to(device, dt)
-            x1 = _rand((1, 1, cfg.d_model), dt, device)
-            timing = None
-            for L in cfg.decode_contexts:
-                if name == "attention" or timing is None:   # a recurrent step does not depend on the context
-                    prompt = L if name == "attention" else 16
-                    _, _, cache = layer(_rand((1, prompt, cfg.d_model), dt, device), use_cache=True)
-                    timing = _measure(lambda c=cache, m=layer: m(x1, past_key_values=c)[0], [], device, cfg)
-                s = Shape(1, L, cfg.heads, cfg.head_dim, cfg.head_dim)
-                row = _row(Target(f"layer.{name}", "step", "layer", None, "matrix", None), "decode", dtype_name, s,
-                           timing, ceil, meta, 0)
-                rows.append(row)
-        for L in cfg.decode_contexts:
+            for impl in [i for i in layer_impls(name) if not cfg.impls or i in cfg.impls]:
+                layer = (MIXERS[name](cfg.d_model, **kw) if name == "attention" else
+                         MIXERS[name](cfg.d_model, impl=impl, **kw)).to(device, dt)
+                x1 = _rand((1, 1, cfg.d_model), dt, device)
+                timing = None
+                for L in cfg.decode_contexts:
+                    if name == "attention" or timing is None:   # a recurrent step does not depend on the context
+                        prompt = L if name == "attention" else 16
+                        _, _, cache = layer(_rand((1, prompt, cfg.d_model), dt, device), use_cache=True)
+                        timing = _measure(lambda c=cache, m=layer: m(x1, past_key_values=c)[0], [], device, cfg)
+                    s = Shape(1, L, cfg.heads, cfg.head_dim, cfg.head_dim)
+                    rows.append(_row(Target(f"layer.{name}", impl, "layer", None, "matrix", None), "decode",
+                                     dtype_name, s, timing, ceil, meta, 0))
+        for L in cfg.decode_contexts if _selected("sdpa_kv_cache", cfg.ops) else ():
             q = _rand((1, cfg.heads, 1, cfg.head_dim), dt, device)
             kv = [_rand((1, cfg.heads, L, cfg.head_dim), dt, device) for _ in range(2)]
             timing = _measure(lambda: F.scaled_dot_product_attention(q, *kv), [], device, cfg)

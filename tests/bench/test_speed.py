@@ -47,6 +47,10 @@ def test_cli_on_cpu_writes_csv_and_plots(tmp_path, capsys):
     assert {"kalman_attention", "gated_kalmanet", "kaczmarz_attention", "variational_linear_attention",
             "sdpa_causal", "layer.kalman", "layer.attention", "sdpa_kv_cache"} <= ops
     assert {r["mode"] for r in rows} == {"fwd", "fwdbwd", "decode"}
+    decode = {(r["op"], r["impl"], r["T"]) for r in rows if r["mode"] == "decode"}
+    assert {("layer.kalman", "torch", "8"), ("layer.kalman", "torch", "16"), ("layer.attention", "-", "16"),
+            ("sdpa_kv_cache", "sdpa", "16")} <= decode
+    assert not any(impl == "triton" for _, impl, _ in decode)     # --impls selects the decode rows too
     for r in rows:
         assert r["status"] in ("ok", "skipped (naive, T > naive-max-len)"), r
         assert int(r["B"]) * int(r["T"]) == 32 or r["mode"] == "decode"
