@@ -20,6 +20,24 @@ def test_several_channel_blocks_and_odd_sizes():
         assert_close(f"output/grad {i}", x, r, 1e-12)
 
 
+def test_unmasked_lanes_and_packed_sequences():
+    """N = 4 and D = 32 tile every channel block exactly (the unmasked specialisation); packed sequences with an
+    empty one and lengths around the chunk exercise the one-chunk-ahead loads at every sequence end."""
+    from kalmix.ops.kalman import fused
+    assert fused._even(4, 32, fused.FWD_CONFIG[0]) and fused._even(4, 32, fused.BWD_CONFIG[0] * fused.BWD_CONFIG[1])
+    case = CASES["kalman"]
+    gen = torch.Generator().manual_seed(3)
+    C = fused.CHUNK
+    lens = [3 * C + 1, 0, C, 1, 2 * C - 1]
+    cu = torch.tensor([0] + lens).cumsum(0)
+    args = case.inputs(1, int(cu[-1]), 1, 4, 32, torch.float64, gen)
+    state = case.state(len(lens), 1, 4, 32, torch.float64, gen)
+    ref_out, ref_grad = outputs_and_grads(case, args, state, "naive", cu_seqlens=cu)
+    out, grad = outputs_and_grads(case, args, state, "triton", cu_seqlens=cu)
+    for i, (x, r) in enumerate(zip(out + grad, ref_out + ref_grad)):
+        assert_close(f"output/grad {i}", x, r, 1e-12)
+
+
 @pytest.mark.parametrize("variance,final", [(False, False), (False, True), (True, False)])
 def test_without_variance_or_final_state_gradients(variance, final):
     gen = torch.Generator().manual_seed(1)

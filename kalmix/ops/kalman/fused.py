@@ -27,17 +27,32 @@ CHUNK = 4 if INTERPRET else 8           # tokens between checkpoints (unrolled i
 STORE = 2 if INTERPRET else 4           # the backward holds this many states in registers, bisecting to it
 FWD_CONFIG = (16, 1) if INTERPRET else (8, 1)               # (channels per program, warps)
 BWD_CONFIG = (2, 4, 1)                                      # (BD1, BD2, warps): [BD1, BN, BD2] lanes per program
+# the GPU takes 1/x in fp32 as one approximate reciprocal (rel. error ~1 ulp) instead of a full-range division
+FAST_RCP = tl.constexpr(not INTERPRET)
 
 
 @triton.jit
-def _lanes(i_d, i_h, N, D, BN: tl.constexpr, BD1: tl.constexpr, BD2: tl.constexpr):
+def _lanes(i_d, i_h, N, D, BN: tl.constexpr, BD1: tl.constexpr, BD2: tl.constexpr, EVEN: tl.constexpr):
     """A program's lanes as a [BD1, BN, BD2] grid: slot offsets o_n [1, BN, 1], channels o_d [BD1, 1, BD2]
-    (channel = block start + d1·BD2 + d2), their masks, and the offsets in an [H, N, D] tensor. Threads
-    spread over BD2 first, then BN, so the shape picks which sums stay inside a thread."""
+    (channel = block start + d1·BD2 + d2), their masks (constant true when EVEN: N = BN and the blocks tile D),
+    and the offsets in an [H, N, D] tensor. Threads spread over BD2 first, then BN, so the shape picks which
+    sums stay inside a thread."""
     o_n = tl.arange(0, BN)[None, :, None]
     o_d = i_d * BD1 * BD2 + tl.arange(0, BD1)[:, None, None] * BD2 + tl.arange(0, BD2)[None, None, :]
-    m_n, m_d = o_n < N, o_d < D
+    if EVEN:
+        m_n, m_d = tl.full([1, BN, 1], 1, tl.int1), tl.full([BD1, 1, BD2], 1, tl.int1)
+    else:
+        m_n, m_d = o_n < N, o_d < D
     return o_n, o_d, m_n, m_d, i_h * N * D + o_n * D + o_d
+
+
+@triton.jit
+def _rcp(x):
+    if FAST_RCP and x.dtype == tl.float32:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return 1.0 / x
 
 
 @triton.jit
@@ -52,17 +67,29 @@ def _sum_d(x):
 
 @triton.jit
 def _load_token(io, geo, lanes, t, ACC: tl.constexpr):
-    """q, k [1, BN, 1] and v, w [BD1, 1, BD2] of token t of the sequence, and the token's row offset of v."""
+    """q, k [1, BN, 1] and v, w [BD1, 1, BD2] of token t of the sequence, and the token's row offset in v
+    (a scalar: rows are addressed from scalar pointers, the lanes by 32-bit offsets)."""
     bos, i_h, H, N, D = geo[0], geo[1], geo[3], geo[4], geo[5]
     o_n, o_d, m_n, m_d = lanes
     tok = bos + t
-    qk = tok * H * N + i_h * N + o_n
-    out = tok * H * D + i_h * D + o_d
-    q = tl.load(io[0] + qk, mask=m_n, other=0.).to(ACC)
-    k = tl.load(io[1] + qk, mask=m_n, other=0.).to(ACC)
-    v = tl.load(io[2] + out, mask=m_d, other=0.).to(ACC)
-    w = tl.load(io[3] + out, mask=m_d, other=0.).to(ACC)
+    qk = tok * H * N + i_h * N
+    out = tok * H * D + i_h * D
+    q = tl.load(io[0] + qk + o_n, mask=m_n, other=0.).to(ACC)
+    k = tl.load(io[1] + qk + o_n, mask=m_n, other=0.).to(ACC)
+    v = tl.load(io[2] + out + o_d, mask=m_d, other=0.).to(ACC)
+    w = tl.load(io[3] + out + o_d, mask=m_d, other=0.).to(ACC)
     return q, k, v, w, out
+
+
+@triton.jit
+def _load_run(io, geo, lanes, t0, t_max, LEN: tl.constexpr, ACC: tl.constexpr):
+    """q, k, v, w of tokens t0 .. t0+LEN-1 (each index clamped to t_max) as a nested tuple
+    ((q, k, v, w), rest), all loads issued together."""
+    q, k, v, w, _ = _load_token(io, geo, lanes, tl.minimum(t0, t_max), ACC)
+    if LEN > 1:
+        return (q, k, v, w), _load_run(io, geo, lanes, t0 + 1, t_max, LEN - 1, ACC)
+    else:
+        return (q, k, v, w), ()
 
 
 @triton.jit
@@ -70,47 +97,56 @@ def _filter_step(k, v, w, par, y, mu):
     """One predict + update of every lane: the new (y, μ)."""
     a, a2, p = par
     u = a2 * y + p
-    g = 1.0 / (1.0 + k * k * w * u)
-    return u * g, (a * mu + k * (w * v) * u) * g
+    wu = w * u
+    g = _rcp(1.0 + (k * k) * wu)
+    return u * g, (a * mu + (k * v) * wu) * g
 
 
 @triton.jit
 def _fwd_token(io, geo, lanes, par, t, y, mu, HAS_VAR: tl.constexpr, ACC: tl.constexpr):
     q, k, v, w, out = _load_token(io, geo, lanes, t, ACC)
     y, mu = _filter_step(k, v, w, par, y, mu)
-    m_d = lanes[3]
-    tl.store(io[4] + out, _sum_n(q * mu), mask=m_d)
+    o_d, m_d = lanes[1], lanes[3]
+    tl.store(io[4] + out + o_d, _sum_n(q * mu), mask=m_d)
     if HAS_VAR:
-        tl.store(io[5] + out, _sum_n(q * q * y), mask=m_d)
+        tl.store(io[5] + out + o_d, _sum_n(q * q * y), mask=m_d)
     return y, mu
 
 
 @triton.jit
-def _fwd_chunk(io, geo, lanes, par, t0, y, mu, BD: tl.constexpr, C: tl.constexpr, HAS_VAR: tl.constexpr,
+def _fwd_run(run, par, y, mu, o_c, var_c, ci, i: tl.constexpr, HAS_VAR: tl.constexpr):
+    """Steps through the loaded tokens of ``run`` (``_load_run``), writing token i's outputs into row i of the
+    chunk's [C, 1, BD] output tiles."""
+    q, k, v, w = run[0]
+    y, mu = _filter_step(k, v, w, par, y, mu)
+    o_c = tl.where(ci == i, _sum_n(q * mu), o_c)
+    if HAS_VAR:
+        var_c = tl.where(ci == i, _sum_n(q * q * y), var_c)
+    if len(run[1]) > 0:
+        y, mu, o_c, var_c = _fwd_run(run[1], par, y, mu, o_c, var_c, ci, i + 1, HAS_VAR)
+    return y, mu, o_c, var_c
+
+
+@triton.jit
+def _fwd_chunk(io, geo, lanes, par, t0, run, y, mu, BD: tl.constexpr, C: tl.constexpr, HAS_VAR: tl.constexpr,
                ACC: tl.constexpr):
-    """C tokens from t0, their outputs kept in registers and stored at the end: no store sits between the
-    chunk's loads, so the compiler can issue them all up front."""
+    """The C tokens from t0, whose inputs ``run`` were loaded one chunk ahead; outputs stored at the end."""
     bos, i_h, H, D = geo[0], geo[1], geo[3], geo[5]
     o_d, m_d = lanes[1], lanes[3]
     ci = tl.arange(0, C)[:, None, None]
-    o_c = tl.zeros([C, 1, BD], ACC)
-    var_c = tl.zeros([C, 1, BD], ACC)
-    for i in tl.static_range(C):
-        q, k, v, w, _ = _load_token(io, geo, lanes, t0 + i, ACC)
-        y, mu = _filter_step(k, v, w, par, y, mu)
-        o_c = tl.where(ci == i, _sum_n(q * mu), o_c)
-        if HAS_VAR:
-            var_c = tl.where(ci == i, _sum_n(q * q * y), var_c)
-    rows = (bos + t0 + ci) * H * D + i_h * D + o_d
-    tl.store(io[4] + rows, o_c, mask=m_d)
+    zero = tl.zeros([C, 1, BD], ACC)
+    y, mu, o_c, var_c = _fwd_run(run, par, y, mu, zero, zero, ci, 0, HAS_VAR)
+    row0 = (bos + t0) * H * D + i_h * D
+    rows = ci * H * D + o_d
+    tl.store(io[4] + row0 + rows, o_c, mask=m_d)
     if HAS_VAR:
-        tl.store(io[5] + rows, var_c, mask=m_d)
+        tl.store(io[5] + row0 + rows, var_c, mask=m_d)
     return y, mu
 
 
 @triton.jit
 def _program(a_ptr, p_ptr, cu_ptr, chunk_ptr, H, N, D, BN: tl.constexpr, BD1: tl.constexpr, BD2: tl.constexpr,
-             C: tl.constexpr, ACC: tl.constexpr):
+             C: tl.constexpr, EVEN: tl.constexpr, ACC: tl.constexpr):
     """What both kernels derive from the program id: channel block, sequence and head, the sequence start
     and length, the lanes (and their state offsets), the lanes' (ā, ā², p̄), and the chunking: chunk 0 holds
     the first L0 <= C tokens, every later chunk exactly C; checkpoints of the sequence start at c_base."""
@@ -118,7 +154,7 @@ def _program(a_ptr, p_ptr, cu_ptr, chunk_ptr, H, N, D, BN: tl.constexpr, BD1: tl
     i_s, i_h = i_sh // H, i_sh % H
     bos = tl.load(cu_ptr + i_s).to(tl.int64)
     L = tl.load(cu_ptr + i_s + 1).to(tl.int64) - bos
-    o_n, o_d, m_n, m_d, lane = _lanes(i_d, i_h, N, D, BN, BD1, BD2)
+    o_n, o_d, m_n, m_d, lane = _lanes(i_d, i_h, N, D, BN, BD1, BD2, EVEN)
     m_nd = m_n & m_d
     a = tl.load(a_ptr + lane, mask=m_nd, other=1.).to(ACC)
     p = tl.load(p_ptr + lane, mask=m_nd, other=0.).to(ACC)
@@ -133,9 +169,9 @@ def _program(a_ptr, p_ptr, cu_ptr, chunk_ptr, H, N, D, BN: tl.constexpr, BD1: tl
 def _kalman_fwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, a_ptr, p_ptr, lam0_ptr, mu0_ptr, o_ptr, var_ptr,
                        lamT_ptr, muT_ptr, cky_ptr, ckmu_ptr, cu_ptr, chunk_ptr, H, N, D,
                        BN: tl.constexpr, BD: tl.constexpr, C: tl.constexpr, HAS_VAR: tl.constexpr,
-                       SAVE: tl.constexpr, ACC: tl.constexpr):
+                       SAVE: tl.constexpr, EVEN: tl.constexpr, ACC: tl.constexpr):
     i_d, i_h, bos, lanes, m_nd, lane, st, par, n_chunks, L0, c_base = _program(
-        a_ptr, p_ptr, cu_ptr, chunk_ptr, H, N, D, BN, 1, BD, C, ACC)
+        a_ptr, p_ptr, cu_ptr, chunk_ptr, H, N, D, BN, 1, BD, C, EVEN, ACC)
     y = 1.0 / tl.load(lam0_ptr + st, mask=m_nd, other=1.).to(ACC)
     mu = tl.load(mu0_ptr + st, mask=m_nd, other=0.).to(ACC)
     io = (q_ptr, k_ptr, v_ptr, w_ptr, o_ptr, var_ptr)
@@ -145,11 +181,19 @@ def _kalman_fwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, a_ptr, p_ptr, lam0_ptr, mu0_p
         tl.store(ckmu_ptr + c_base * H * N * D + lane, mu, mask=m_nd)
     for t in range(0, L0):
         y, mu = _fwd_token(io, geo, lanes, par, t, y, mu, HAS_VAR, ACC)
+    # software pipelining: chunk c's inputs are loaded while chunk c - 1 runs (the last chunk's loads of the
+    # chunk after it reread the sequence's last token)
+    o_n, o_d, m_n, m_d = lanes
+    first = (o_n, o_d, tl.where(n_chunks > 1, m_n, False), tl.where(n_chunks > 1, m_d, False))
+    run = _load_run(io, geo, first, L0, L0 + C, C, ACC)
+    last = L0 + (n_chunks - 1) * C - 1
     for c in range(1, n_chunks):
+        ahead = _load_run(io, geo, lanes, L0 + c * C, last, C, ACC)
         if SAVE:
             tl.store(cky_ptr + (c_base + c) * H * N * D + lane, y, mask=m_nd)
             tl.store(ckmu_ptr + (c_base + c) * H * N * D + lane, mu, mask=m_nd)
-        y, mu = _fwd_chunk(io, geo, lanes, par, L0 + (c - 1) * C, y, mu, BD, C, HAS_VAR, ACC)
+        y, mu = _fwd_chunk(io, geo, lanes, par, L0 + (c - 1) * C, run, y, mu, BD, C, HAS_VAR, ACC)
+        run = ahead
     tl.store(lamT_ptr + st, 1.0 / y, mask=m_nd)
     tl.store(muT_ptr + st, mu, mask=m_nd)
 
@@ -166,8 +210,9 @@ def _load_adjoint_inputs(io, geo, lanes, t, HAS_DVAR: tl.constexpr, ACC: tl.cons
     """Token t's q, k, v, w, row offset, do and dvar (do again when there is no variance gradient)."""
     q, k, v, w, out = _load_token(io, geo, lanes, t, ACC)
     m_d = lanes[3]
-    do = tl.load(io[4] + out, mask=m_d, other=0.).to(ACC)
-    dvar = tl.load(io[5] + out, mask=m_d, other=0.).to(ACC) if HAS_DVAR else do
+    o_d = lanes[1]
+    do = tl.load(io[4] + out + o_d, mask=m_d, other=0.).to(ACC)
+    dvar = tl.load(io[5] + out + o_d, mask=m_d, other=0.).to(ACC) if HAS_DVAR else do
     return q, k, v, w, out, do, dvar
 
 
@@ -183,7 +228,7 @@ def _adjoint_step(io, geo, lanes, par, t, inputs, y_p, mu_p, y_t, mu_t, carry, H
     phi = k * k * w
     r = k * (w * v)
     u = a2 * y_p + p
-    g = 1.0 / (1.0 + phi * u)
+    g = _rcp(1.0 + phi * u)
     Gmu_t = Gmu + q * do
     if HAS_DVAR:
         Gy_t = Gy + q * q * dvar
@@ -198,11 +243,11 @@ def _adjoint_step(io, geo, lanes, par, t, inputs, y_p, mu_p, y_t, mu_t, carry, H
     # φ = k² Λv and r = k Λv v
     dk = _sum_d(2 * k * w * g_phi + (w * v) * g_r)
     kg_r = _sum_n(k * g_r)
-    part = (i_d * TT + bos + t) * H * N + i_h * N + o_n     # this block's share of Σ_d, summed on the host
-    tl.store(io[6] + part, dq, mask=m_n)
-    tl.store(io[7] + part, dk, mask=m_n)
-    tl.store(io[8] + out, w * kg_r, mask=m_d)
-    tl.store(io[9] + out, _sum_n(k * k * g_phi) + v * kg_r, mask=m_d)
+    part = (i_d * TT + bos + t) * H * N + i_h * N           # this block's share of Σ_d, summed on the host
+    tl.store(io[6] + part + o_n, dq, mask=m_n)
+    tl.store(io[7] + part + o_n, dk, mask=m_n)
+    tl.store(io[8] + out + o_d, w * kg_r, mask=m_d)
+    tl.store(io[9] + out + o_d, _sum_n(k * k * g_phi) + v * kg_r, mask=m_d)
     return a2 * Gu, a * g_mu_a, acc_u + Gu * y_p, acc_mu + g_mu_a * mu_p, acc_p + Gu
 
 
@@ -239,9 +284,9 @@ def _kalman_bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, a_ptr, p_ptr, lam0_ptr, lamT_
                        dvar_ptr, dlamT_ptr, dmuT_ptr, dq_ptr, dk_ptr, dv_ptr, dw_ptr, da_ptr, dp_ptr, dlam0_ptr,
                        dmu0_ptr, cu_ptr, chunk_ptr, TT, H, N, D, BN: tl.constexpr, BD1: tl.constexpr,
                        BD2: tl.constexpr, C: tl.constexpr, STORE: tl.constexpr, HAS_DVAR: tl.constexpr,
-                       HAS_DFINAL: tl.constexpr, ACC: tl.constexpr):
+                       HAS_DFINAL: tl.constexpr, EVEN: tl.constexpr, ACC: tl.constexpr):
     i_d, i_h, bos, lanes, m_nd, lane, st, par, n_chunks, L0, c_base = _program(
-        a_ptr, p_ptr, cu_ptr, chunk_ptr, H, N, D, BN, BD1, BD2, C, ACC)
+        a_ptr, p_ptr, cu_ptr, chunk_ptr, H, N, D, BN, BD1, BD2, C, EVEN, ACC)
     lam0 = tl.load(lam0_ptr + st, mask=m_nd, other=1.).to(ACC)
     zero = tl.zeros([BD1, BN, BD2], ACC)
     if HAS_DFINAL:                                          # dy_T = −dλ_T λ_T²
@@ -309,7 +354,8 @@ class KalmanFusedFunction(torch.autograd.Function):
         _kalman_fwd_kernel[(triton.cdiv(D, BD), n_seq * H)](
             q, k, v, w, a, p, lam0, mu0, o, o if var is None else var, lamT, muT,
             lamT if cky is None else cky, muT if ckmu is None else ckmu, cu, chunk_off, H, N, D,
-            BN=_pow2(N), BD=BD, C=CHUNK, HAS_VAR=output_variance, SAVE=save, ACC=_acc(q), num_warps=warps)
+            BN=_pow2(N), BD=BD, C=CHUNK, HAS_VAR=output_variance, SAVE=save, EVEN=_even(N, D, BD), ACC=_acc(q),
+            num_warps=warps)
         if save:
             ctx.save_for_backward(q, k, v, w, a, p, lam0, lamT, cky, ckmu, cu, chunk_off)
         ctx.set_materialize_grads(False)
@@ -337,10 +383,15 @@ class KalmanFusedFunction(torch.autograd.Function):
             dlamT if has_final else lam0, dmuT if has_final else lam0, part[0], part[1], dv, dw, dadp[0], dadp[1],
             dlam0, dmu0, cu, chunk_off, B * T, H, N, D, BN=_pow2(N), BD1=BD1, BD2=BD2, C=CHUNK, STORE=STORE,
             HAS_DVAR=dvar is not None,
-            HAS_DFINAL=has_final, ACC=_acc(q), num_warps=warps)
+            HAS_DFINAL=has_final, EVEN=_even(N, D, BD1 * BD2), ACC=_acc(q), num_warps=warps)
         dq, dk = part.sum(1).view(2, B, T, H, N).to(q.dtype)
         da, dp = dadp.sum(1)
         return dq, dk, dv, dw, da.to(a.dtype), dp.to(p.dtype), dlam0, dmu0, None, None
+
+
+def _even(N: int, D: int, block: int) -> bool:
+    """No lane of any program is masked: N is a power of two and the channel blocks tile D."""
+    return N == _pow2(N) and D % block == 0
 
 
 def _acc(x: torch.Tensor):
