@@ -2,9 +2,9 @@
 with fla's chunk_delta_rule (the issue-4 anchor). Run from the repository root:
 
     python benchmarks/kalman_fused.py                 # checks + the default configuration
-    python benchmarks/kalman_fused.py --configs 8,8,32,1,2,4,1 16,4,32,1,2,4,1
+    python benchmarks/kalman_fused.py --configs 4,16,1,2,4,1 8,8,1,2,4,1
 
-A configuration is CHUNK,STORE,FWD_BD,FWD_WARPS,BWD_BD1,BWD_BD2,BWD_WARPS (see kalmix/ops/kalman/fused.py).
+A configuration is CHUNK,FWD_BD,FWD_WARPS,BWD_BD1,BWD_BD2,BWD_WARPS (see kalmix/ops/kalman/fused.py).
 """
 import argparse
 
@@ -70,8 +70,8 @@ def timings(dev, configs):
     t_fb = do_bench(lambda: f_a().backward(do_a))
     print(f"  fla chunk_delta_rule            fwd {t_fwd:7.3f}  fwd+bwd {t_fb:7.3f}")
     for cfg in configs:
-        c, s, fbd, fw, b1, b2, bw = cfg
-        fused.CHUNK, fused.STORE, fused.FWD_CONFIG, fused.BWD_CONFIG = c, s, (fbd, fw), (b1, b2, bw)
+        c, fbd, fw, b1, b2, bw = cfg
+        fused.CHUNK, fused.FWD_CONFIG, fused.BWD_CONFIG = c, (fbd, fw), (b1, b2, bw)
         for dt in (torch.float32, torch.bfloat16):
             x = [t.to(dev) for t in kalman_realistic_inputs(T, torch.float32, seed=0, B=B, H=H, N=N, D=D)]
             x = [t.to(dt) if i < 4 else t for i, t in enumerate(x)]
@@ -99,7 +99,7 @@ def main() -> None:
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     if not args.no_checks:
         checks(dev)
-    default = (fused.CHUNK, fused.STORE, *fused.FWD_CONFIG, *fused.BWD_CONFIG)
+    default = (fused.CHUNK, *fused.FWD_CONFIG, *fused.BWD_CONFIG)
     configs = [tuple(int(v) for v in c.split(",")) for c in args.configs] if args.configs else [default]
     timings(dev, configs)
 

@@ -9,9 +9,10 @@ posterior variance y = 1/λ and the mean μ, and a step costs one reciprocal,
 Every quantity is a sum or product of non-negative terms except ā μ + r u, whose rounding is that of the moment
 form, so nothing cancels. The backward is the exact adjoint of this step run in reverse. It needs each step's
 input state: the forward stores (y, μ) every C tokens (the checkpoints), and the backward recomputes the C
-states of a chunk into registers (bisecting the chunk down to STORE states), then walks them back. The
-first chunk of a sequence is the short one (L mod C tokens, or C) and runs as plain loops, its backward
-recomputing each input state from the initial state, so every later chunk is full and unrolled.
+states of a chunk into registers from its checkpoint, then walks them back. The first chunk of a sequence is
+the short one (L mod C tokens, or C) and runs as plain loops, its backward recomputing each input state from
+the initial state, so every later chunk is full and unrolled. Both kernels load a full chunk's inputs one
+chunk ahead of its use (software pipelining by hand), so the loads' latency hides behind a chunk of math.
 """
 from __future__ import annotations
 
@@ -22,10 +23,8 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# the interpreter runs programs one by one: small chunks keep its unrolled loops short
-CHUNK = 4 if INTERPRET else 8           # tokens between checkpoints (unrolled in both kernels)
-STORE = 2 if INTERPRET else 4           # the backward holds this many states in registers, bisecting to it
-FWD_CONFIG = (16, 1) if INTERPRET else (8, 1)               # (channels per program, warps)
+CHUNK = 4                               # tokens between checkpoints (unrolled; the backward holds their states)
+FWD_CONFIG = (16, 1)                                        # (channels per program, warps)
 BWD_CONFIG = (2, 4, 1)                                      # (BD1, BD2, warps): [BD1, BN, BD2] lanes per program
 # the GPU takes 1/x in fp32 as one approximate reciprocal (rel. error ~1 ulp) instead of a full-range division
 FAST_RCP = tl.constexpr(not INTERPRET)
@@ -82,10 +81,16 @@ def _load_token(io, geo, lanes, t, ACC: tl.constexpr):
 
 
 @triton.jit
+def _clamp(t, t_max):
+    """A token index kept inside the sequence: loads one chunk ahead past either end reread a real token."""
+    return tl.minimum(tl.maximum(t, 0), t_max)
+
+
+@triton.jit
 def _load_run(io, geo, lanes, t0, t_max, LEN: tl.constexpr, ACC: tl.constexpr):
     """q, k, v, w of tokens t0 .. t0+LEN-1 (each index clamped to t_max) as a nested tuple
     ((q, k, v, w), rest), all loads issued together."""
-    q, k, v, w, _ = _load_token(io, geo, lanes, tl.minimum(t0, t_max), ACC)
+    q, k, v, w, _ = _load_token(io, geo, lanes, _clamp(t0, t_max), ACC)
     if LEN > 1:
         return (q, k, v, w), _load_run(io, geo, lanes, t0 + 1, t_max, LEN - 1, ACC)
     else:
@@ -252,38 +257,32 @@ def _adjoint_step(io, geo, lanes, par, t, inputs, y_p, mu_p, y_t, mu_t, carry, H
 
 
 @triton.jit
-def _reverse_stored(io, geo, lanes, par, t, y, mu, carry, DEPTH: tl.constexpr, HAS_DVAR: tl.constexpr,
-                    ACC: tl.constexpr):
-    """Adjoint of tokens t .. t+DEPTH-1 from the state before t: load and step forward, recurse, step back, so
-    every intermediate state and input stays in registers (one set per nesting level)."""
-    inputs = _load_adjoint_inputs(io, geo, lanes, t, HAS_DVAR, ACC)
-    y1, mu1 = _filter_step(inputs[1], inputs[2], inputs[3], par, y, mu)
-    if DEPTH > 1:
-        carry = _reverse_stored(io, geo, lanes, par, t + 1, y1, mu1, carry, DEPTH - 1, HAS_DVAR, ACC)
-    return _adjoint_step(io, geo, lanes, par, t, inputs, y, mu, y1, mu1, carry, HAS_DVAR)
+def _load_adjoint_run(io, geo, lanes, t0, t_max, LEN: tl.constexpr, HAS_DVAR: tl.constexpr, ACC: tl.constexpr):
+    """``_load_adjoint_inputs`` of tokens t0 .. t0+LEN-1 (indices clamped into the sequence) as a nested
+    tuple (inputs, rest), all loads issued together."""
+    inputs = _load_adjoint_inputs(io, geo, lanes, _clamp(t0, t_max), HAS_DVAR, ACC)
+    if LEN > 1:
+        return inputs, _load_adjoint_run(io, geo, lanes, t0 + 1, t_max, LEN - 1, HAS_DVAR, ACC)
+    else:
+        return inputs, ()
 
 
 @triton.jit
-def _reverse_chunk(io, geo, lanes, par, t0, y, mu, carry, LEN: tl.constexpr, STORE: tl.constexpr,
-                   HAS_DVAR: tl.constexpr, ACC: tl.constexpr):
-    """Adjoint of LEN tokens from t0, bisecting (recomputing the first half) down to STORE tokens in registers."""
-    if LEN > STORE:
-        y_m, mu_m = y, mu
-        for i in tl.static_range(LEN // 2):
-            y_m, mu_m = _recompute(io, geo, lanes, par, t0 + i, y_m, mu_m, ACC)
-        carry = _reverse_chunk(io, geo, lanes, par, t0 + LEN // 2, y_m, mu_m, carry, LEN // 2, STORE, HAS_DVAR,
-                               ACC)
-        carry = _reverse_chunk(io, geo, lanes, par, t0, y, mu, carry, LEN // 2, STORE, HAS_DVAR, ACC)
-    else:
-        carry = _reverse_stored(io, geo, lanes, par, t0, y, mu, carry, LEN, HAS_DVAR, ACC)
-    return carry
+def _reverse_run(io, geo, lanes, par, t, run, y, mu, carry, HAS_DVAR: tl.constexpr):
+    """Adjoint of the tokens of ``run`` (from t) from the state before t: step forward, recurse, step back, so
+    every intermediate state stays in registers (one per nesting level)."""
+    inputs = run[0]
+    y1, mu1 = _filter_step(inputs[1], inputs[2], inputs[3], par, y, mu)
+    if len(run[1]) > 0:
+        carry = _reverse_run(io, geo, lanes, par, t + 1, run[1], y1, mu1, carry, HAS_DVAR)
+    return _adjoint_step(io, geo, lanes, par, t, inputs, y, mu, y1, mu1, carry, HAS_DVAR)
 
 
 @triton.jit
 def _kalman_bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, a_ptr, p_ptr, lam0_ptr, lamT_ptr, cky_ptr, ckmu_ptr, do_ptr,
                        dvar_ptr, dlamT_ptr, dmuT_ptr, dq_ptr, dk_ptr, dv_ptr, dw_ptr, da_ptr, dp_ptr, dlam0_ptr,
                        dmu0_ptr, cu_ptr, chunk_ptr, TT, H, N, D, BN: tl.constexpr, BD1: tl.constexpr,
-                       BD2: tl.constexpr, C: tl.constexpr, STORE: tl.constexpr, HAS_DVAR: tl.constexpr,
+                       BD2: tl.constexpr, C: tl.constexpr, HAS_DVAR: tl.constexpr,
                        HAS_DFINAL: tl.constexpr, EVEN: tl.constexpr, ACC: tl.constexpr):
     i_d, i_h, bos, lanes, m_nd, lane, st, par, n_chunks, L0, c_base = _program(
         a_ptr, p_ptr, cu_ptr, chunk_ptr, H, N, D, BN, BD1, BD2, C, EVEN, ACC)
@@ -298,12 +297,23 @@ def _kalman_bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, a_ptr, p_ptr, lam0_ptr, lamT_
     io = (q_ptr, k_ptr, v_ptr, w_ptr, do_ptr, dvar_ptr, dq_ptr, dk_ptr, dv_ptr, dw_ptr)
     geo = (bos, i_h, i_d, H, N, D, TT)
     carry = (Gy, Gmu, zero, zero, zero)
-    for cc in range(1, n_chunks):                           # the full chunks, last first
+    # the full chunks, last first; chunk c - 1's inputs and checkpoint are loaded while chunk c runs
+    o_n, o_d, m_n, m_d = lanes
+    ok = n_chunks > 1
+    first = (o_n, o_d, tl.where(ok, m_n, False), tl.where(ok, m_d, False))
+    last = L0 + (n_chunks - 1) * C - 1
+    run = _load_adjoint_run(io, geo, first, L0 + (n_chunks - 2) * C, last, C, HAS_DVAR, ACC)
+    ck = (c_base + tl.maximum(n_chunks - 1, 0)) * H * N * D + lane
+    y = tl.load(cky_ptr + ck, mask=tl.where(ok, m_nd, False), other=1.)
+    mu = tl.load(ckmu_ptr + ck, mask=tl.where(ok, m_nd, False), other=0.)
+    for cc in range(1, n_chunks):
         c = n_chunks - cc
-        ck = (c_base + c) * H * N * D + lane
-        y = tl.load(cky_ptr + ck, mask=m_nd, other=1.)
-        mu = tl.load(ckmu_ptr + ck, mask=m_nd, other=0.)
-        carry = _reverse_chunk(io, geo, lanes, par, L0 + (c - 1) * C, y, mu, carry, C, STORE, HAS_DVAR, ACC)
+        ahead = _load_adjoint_run(io, geo, lanes, L0 + (c - 2) * C, last, C, HAS_DVAR, ACC)
+        ck = (c_base + tl.maximum(c - 1, 0)) * H * N * D + lane
+        y_ahead = tl.load(cky_ptr + ck, mask=m_nd, other=1.)
+        mu_ahead = tl.load(ckmu_ptr + ck, mask=m_nd, other=0.)
+        carry = _reverse_run(io, geo, lanes, par, L0 + (c - 1) * C, run, y, mu, carry, HAS_DVAR)
+        run, y, mu = ahead, y_ahead, mu_ahead
     # chunk 0 (L0 tokens): each token's input state recomputed from the initial state, O(L0²) steps
     y0 = 1.0 / lam0
     mu0 = tl.load(ckmu_ptr + c_base * H * N * D + lane, mask=tl.where(n_chunks > 0, m_nd, False), other=0.)
@@ -381,8 +391,7 @@ class KalmanFusedFunction(torch.autograd.Function):
         _kalman_bwd_kernel[(n_db, n_seq * H)](
             q, k, v, w, a, p, lam0, lamT, cky, ckmu, do, do if dvar is None else dvar.contiguous(),
             dlamT if has_final else lam0, dmuT if has_final else lam0, part[0], part[1], dv, dw, dadp[0], dadp[1],
-            dlam0, dmu0, cu, chunk_off, B * T, H, N, D, BN=_pow2(N), BD1=BD1, BD2=BD2, C=CHUNK, STORE=STORE,
-            HAS_DVAR=dvar is not None,
+            dlam0, dmu0, cu, chunk_off, B * T, H, N, D, BN=_pow2(N), BD1=BD1, BD2=BD2, C=CHUNK, HAS_DVAR=dvar is not None,
             HAS_DFINAL=has_final, EVEN=_even(N, D, BD1 * BD2), ACC=_acc(q), num_warps=warps)
         dq, dk = part.sum(1).view(2, B, T, H, N).to(q.dtype)
         da, dp = dadp.sum(1)
