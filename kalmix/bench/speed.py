@@ -220,7 +220,8 @@ def versions() -> dict:
     except Exception:  # noqa: BLE001 (metadata missing is not an error here)
         info["fla"] = None
     try:
-        info["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        # "-dirty" when the timed code is not the commit's
+        info["git"] = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
                                      cwd=os.path.dirname(__file__), timeout=5).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         info["git"] = None
