@@ -107,13 +107,13 @@ def layer_kwargs(name: str, d_model: int, heads: int, head_dim: int, d_state: in
     return dict(num_heads=heads, head_dim=head_dim) if name in ("gka", "vla") else dict(num_heads=heads)
 
 
-def layer_impls(name: str) -> list[str]:
-    """The impls a layer is timed with: those of its op but the token loop ("-" for attention)."""
+def layer_impls(name: str, device: torch.device) -> list[str]:
+    """The impls a layer is timed with on ``device``: those of its op but the token loop ("-" for attention)."""
     if name == "attention":
         return ["-"]
     op_name = {"kalman": "kalman_attention", "gka": "gated_kalmanet", "kaczmarz": "kaczmarz_attention",
                "gdn": "kaczmarz_attention", "vla": "variational_linear_attention"}[name]
-    return [i for i in ops.AVAILABLE_IMPLS[op_name] if i != "naive"]
+    return [i for i in ops.runnable_impls(op_name, device) if i != "naive"]
 
 
 def _selected(name: str, ops_filter) -> bool:
@@ -142,7 +142,7 @@ def targets(ops_filter, impls_filter, d_model, heads, head_dim, d_state, device)
     op_cases = {"kalman_attention": "kalman", "gated_kalmanet": "gka", "kaczmarz_attention": "kaczmarz",
                 "variational_linear_attention": "vla"}
     for op_name, case in op_cases.items():
-        for impl in ops.AVAILABLE_IMPLS[op_name]:
+        for impl in ops.runnable_impls(op_name, device):
             out.append(Target(op_name, impl, "op", case, "kalman" if case == "kalman" else "matrix",
                               _op(op_name, case, impl)))
     if device.type == "cuda":
@@ -151,7 +151,7 @@ def targets(ops_filter, impls_filter, d_model, heads, head_dim, d_state, device)
             out.append(Target(f"fla.{fn_name}", "fla", "anchor", model, "matrix", _fla_anchor(fn_name)))
     out.append(Target("sdpa_causal", "flash" if device.type == "cuda" else "sdpa", "anchor", "sdpa", "matrix", _sdpa))
     for name in MIXERS:
-        for impl in layer_impls(name):
+        for impl in layer_impls(name, device):
             out.append(Target(f"layer.{name}", impl, "layer", None, "kalman" if name == "kalman" else "matrix",
                               _layer(name, None if impl == "-" else impl, d_model, heads, head_dim, d_state)))
     if device.type == "cuda":
@@ -305,7 +305,7 @@ def _decode_rows(cfg, device, dtype_name, ceil, meta) -> list[dict]:
             if not _selected(f"layer.{name}", cfg.ops):
                 continue
             kw = layer_kwargs(name, cfg.d_model, cfg.heads, cfg.head_dim, cfg.d_state)
-            for impl in [i for i in layer_impls(name) if not cfg.impls or i in cfg.impls]:
+            for impl in [i for i in layer_impls(name, device) if not cfg.impls or i in cfg.impls]:
                 layer = (MIXERS[name](cfg.d_model, **kw) if name == "attention" else
                          MIXERS[name](cfg.d_model, impl=impl, **kw)).to(device, dt)
                 x1 = _rand((1, 1, cfg.d_model), dt, device)

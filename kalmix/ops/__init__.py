@@ -1,4 +1,8 @@
 """Functional ops: ``(o, final_state)`` (Kalman: ``(o, variance, final_state)``) with ``impl=`` backends."""
+import os
+
+import torch
+
 from kalmix.ops.gka import op as _gka
 from kalmix.ops.gka.op import gated_kalmanet
 from kalmix.ops.kaczmarz import op as _kaczmarz
@@ -10,6 +14,16 @@ from kalmix.ops.vla.op import variational_linear_attention
 
 # the impls each op has in this version (impl=None resolves to one of these or raises)
 AVAILABLE_IMPLS = {m._OP: tuple(m._IMPLS) for m in (_kalman, _gka, _kaczmarz, _vla)}
+_CUDA_ONLY = {m._OP: getattr(m, "_CUDA_ONLY", ()) for m in (_kalman, _gka, _kaczmarz, _vla)}
+
+
+def runnable_impls(op: str, device: torch.device) -> tuple[str, ...]:
+    """The impls of ``op`` that run on ``device``: on CPU, "triton" only under TRITON_INTERPRET=1 and never
+    the ones built on fla's kernels."""
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return tuple(i for i in AVAILABLE_IMPLS[op] if device.type == "cuda"
+                 or (i not in _CUDA_ONLY[op] and (i != "triton" or interpret)))
+
 
 __all__ = ["kalman_attention", "gated_kalmanet", "kaczmarz_attention", "variational_linear_attention",
-           "AVAILABLE_IMPLS"]
+           "AVAILABLE_IMPLS", "runnable_impls"]

@@ -24,6 +24,12 @@ def test_triton_impl_not_available_is_an_error_not_a_fallback(name):
         CASES[name].fn(*draw(name), impl="triton")
 
 
+def test_fla_backed_impl_on_cpu_is_an_error_not_a_fallback():
+    """kaczmarz's triton impl runs fla's kernels: CPU tensors are refused even under TRITON_INTERPRET."""
+    with pytest.raises(ValueError, match=r"impl='triton' runs fla's kernels, which need CUDA tensors"):
+        ops.kaczmarz_attention(*draw("kaczmarz"), impl="triton")
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_wrong_rank_and_size(name):
     args = draw(name)

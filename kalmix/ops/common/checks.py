@@ -86,8 +86,10 @@ def check_cu_seqlens(op: str, cu_seqlens, batch: int, seq_len: int, device: torc
     return len(cs) - 1
 
 
-def resolve_impl(op: str, impl: str | None, device: torch.device, available: Mapping[str, Callable]) -> Callable:
-    """Map ``impl`` (None = "triton" on CUDA, "torch" otherwise) to the function that runs it.
+def resolve_impl(op: str, impl: str | None, device: torch.device, available: Mapping[str, Callable],
+                 cuda_only: tuple[str, ...] = ()) -> Callable:
+    """Map ``impl`` (None = "triton" on CUDA, "torch" otherwise) to the function that runs it; ``cuda_only``
+    impls (fla's kernels) do not run under the interpreter.
 
     Never falls back: an impl that cannot run raises, naming the alternatives.
     """
@@ -100,6 +102,9 @@ def resolve_impl(op: str, impl: str | None, device: torch.device, available: Map
         raise NotImplementedError(
             f"{op}: impl={impl!r} is not available for this op in this version of kalmix "
             f"(it is the default for {device.type} tensors); pass impl= one of {others} explicitly")
+    if impl in cuda_only and device.type != "cuda":
+        fail(op, f"impl={impl!r} runs fla's kernels, which need CUDA tensors (also under TRITON_INTERPRET), got "
+             f"tensors on {device}; use impl='torch'")
     if impl == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         fail(op, f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got tensors on {device}")
     return available[impl]

@@ -391,8 +391,8 @@ class KalmanFusedFunction(torch.autograd.Function):
         _kalman_bwd_kernel[(n_db, n_seq * H)](
             q, k, v, w, a, p, lam0, lamT, cky, ckmu, do, do if dvar is None else dvar.contiguous(),
             dlamT if has_final else lam0, dmuT if has_final else lam0, part[0], part[1], dv, dw, dadp[0], dadp[1],
-            dlam0, dmu0, cu, chunk_off, B * T, H, N, D, BN=_pow2(N), BD1=BD1, BD2=BD2, C=CHUNK, HAS_DVAR=dvar is not None,
-            HAS_DFINAL=has_final, EVEN=_even(N, D, BD1 * BD2), ACC=_acc(q), num_warps=warps)
+            dlam0, dmu0, cu, chunk_off, B * T, H, N, D, BN=_pow2(N), BD1=BD1, BD2=BD2, C=CHUNK,
+            HAS_DVAR=dvar is not None, HAS_DFINAL=has_final, EVEN=_even(N, D, BD1 * BD2), ACC=_acc(q), num_warps=warps)
         dq, dk = part.sum(1).view(2, B, T, H, N).to(q.dtype)
         da, dp = dadp.sum(1)
         return dq, dk, dv, dw, da.to(a.dtype), dp.to(p.dtype), dlam0, dmu0, None, None

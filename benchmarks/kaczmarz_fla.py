@@ -1,0 +1,76 @@
+"""kaczmarz_attention(impl="triton") on a GPU: fla's chunk_gated_delta_rule on the reparameterised inputs, checked
+against the fp64 chunked torch path (outputs, final state, every gradient; also through the torch-backward path
+used where fla refuses its gated backward), then timed next to fla's GDN and DeltaNet. From the repository root:
+
+    python benchmarks/kaczmarz_fla.py
+"""
+import torch
+from triton.testing import do_bench
+
+from kalmix import ops
+from kalmix.ops.common.testing import CASES, rel_err
+from kalmix.ops.kaczmarz import on_fla
+
+
+def _outputs_and_grads(args, state, impl, cu=None):
+    xs = [a.detach().requires_grad_() for a in args] + [state.detach().requires_grad_()]
+    o, S = ops.kaczmarz_attention(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu, impl=impl)
+    gen = torch.Generator(device=o.device).manual_seed(0)
+    loss = sum((t.double() * torch.randn(t.shape, generator=gen, device=t.device, dtype=torch.float64)).sum()
+               for t in (o, S))
+    return [o, S] + list(torch.autograd.grad(loss, xs))
+
+
+def checks(dev):
+    names = ["o", "S", "dq", "dk", "dv", "dg", "deta", "dS0"]
+    refused = on_fla.fla_gated_backward_refused(dev)
+    print(f"== accuracy vs the fp64 torch path (relative RMS); fla's gated backward refused here: {refused}")
+    for forced in sorted({refused, True}):
+        on_fla.fla_gated_backward_refused = (lambda d, f=forced: f)
+        for dt, T, cu in ((torch.float32, 1000, None), (torch.bfloat16, 1000, None),
+                          (torch.float32, 1001, torch.tensor([0, 300, 301, 301, 1001], device=dev))):
+            gen = torch.Generator().manual_seed(T)
+            B = 1 if cu is not None else 2
+            args = [x.to(dev) for x in CASES["kaczmarz"].inputs(B, T, 4, 64, 64, torch.float64, gen)]
+            state = CASES["kaczmarz"].state(B if cu is None else 4, 4, 64, 64, torch.float64, gen).to(dev)
+            ref = _outputs_and_grads(args, state, "torch", cu)
+            x = [a.to(dt) if i < 3 else a.float() for i, a in enumerate(args)]
+            got = _outputs_and_grads(x, state.float(), "triton", cu)
+            print(f"  torch backward={forced!s:5s} {str(dt)[6:]:8s} T={T} varlen={cu is not None!s:5s}",
+                  " ".join(f"{n}={rel_err(a.double(), b):.1e}" for n, a, b in zip(names, got, ref)))
+    on_fla.fla_gated_backward_refused = _refused
+
+
+def timings(dev):
+    B, T, H, K = 16, 2048, 8, 128
+    print(f"== timings, ms (do_bench median), bf16 B={B} T={T} H={H} K=V={K}")
+    from fla.ops import chunk_delta_rule, chunk_gated_delta_rule
+    gen = torch.Generator().manual_seed(0)
+    args = [a.to(dev, torch.bfloat16) if i < 3 else a.to(dev) for i, a in
+            enumerate(CASES["kaczmarz"].inputs(B, T, H, K, K, torch.float32, gen))]
+    xs = [a.requires_grad_() for a in args]
+    do = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
+    q, k, v, g, eta = xs
+    # the anchors: GDN / DeltaNet on unit keys, gates in bf16 like the activations
+    kn, gb, bb = (t.detach().to(torch.bfloat16).requires_grad_() for t in
+                  (torch.nn.functional.normalize(k.detach().float(), dim=-1), g, eta))
+    rows = [("kaczmarz_attention triton", lambda: ops.kaczmarz_attention(*xs, impl="triton")[0]),
+            ("fla chunk_gated_delta_rule", lambda: chunk_gated_delta_rule(q, kn, v, gb, bb)[0]),
+            ("fla chunk_delta_rule", lambda: chunk_delta_rule(q, kn, v, bb)[0])]
+    for name, f in rows:
+        with torch.no_grad():
+            t_f = do_bench(f)
+        try:
+            t_fb = f"{do_bench(lambda: f().backward(do)):8.3f}"
+        except RuntimeError as e:       # fla's refusal of the gated backward
+            t_fb = f"n/a ({str(e)[:40]}...)"
+        print(f"  {name:28s} fwd {t_f:7.3f}  fwd+bwd {t_fb}")
+
+
+_refused = on_fla.fla_gated_backward_refused
+
+if __name__ == "__main__":
+    device = torch.device("cuda")
+    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    checks(device)
+    timings(device)
