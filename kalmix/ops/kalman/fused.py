@@ -81,20 +81,34 @@ def _load_token(io, geo, lanes, t, ACC: tl.constexpr):
 
 
 @triton.jit
-def _clamp(t, t_max):
-    """A token index kept inside the sequence: loads one chunk ahead past either end reread a real token."""
-    return tl.minimum(tl.maximum(t, 0), t_max)
+def _load_run(io, geo, lanes, t0, t_max, LEN: tl.constexpr, ADJOINT: tl.constexpr, HAS_DVAR: tl.constexpr,
+              ACC: tl.constexpr):
+    """The inputs of tokens t0 .. t0+LEN-1 as a nested tuple (inputs, rest), all loads issued together:
+    (q, k, v, w) for the forward, ``_load_adjoint_inputs`` for the backward. Each index is clamped into
+    [0, t_max], so loads one chunk ahead past either end of the sequence reread a real token."""
+    t = tl.minimum(tl.maximum(t0, 0), t_max)
+    if ADJOINT:
+        inputs = _load_adjoint_inputs(io, geo, lanes, t, HAS_DVAR, ACC)
+    else:
+        q, k, v, w, _ = _load_token(io, geo, lanes, t, ACC)
+        inputs = (q, k, v, w)
+    if LEN > 1:
+        return inputs, _load_run(io, geo, lanes, t0 + 1, t_max, LEN - 1, ADJOINT, HAS_DVAR, ACC)
+    else:
+        return inputs, ()
 
 
 @triton.jit
-def _load_run(io, geo, lanes, t0, t_max, LEN: tl.constexpr, ACC: tl.constexpr):
-    """q, k, v, w of tokens t0 .. t0+LEN-1 (each index clamped to t_max) as a nested tuple
-    ((q, k, v, w), rest), all loads issued together."""
-    q, k, v, w, _ = _load_token(io, geo, lanes, _clamp(t0, t_max), ACC)
-    if LEN > 1:
-        return (q, k, v, w), _load_run(io, geo, lanes, t0 + 1, t_max, LEN - 1, ACC)
-    else:
-        return (q, k, v, w), ()
+def _unless(ok, lanes):
+    """The lanes with every mask off unless ``ok`` (the loads ahead of a sequence's first full chunk)."""
+    o_n, o_d, m_n, m_d = lanes
+    return o_n, o_d, tl.where(ok, m_n, False), tl.where(ok, m_d, False)
+
+
+@triton.jit
+def _load_checkpoint(cky_ptr, ckmu_ptr, offset, mask):
+    """(y, μ) at element offsets ``offset`` of the [n_checkpoints, H, N, D] checkpoint buffers."""
+    return tl.load(cky_ptr + offset, mask=mask, other=1.), tl.load(ckmu_ptr + offset, mask=mask, other=0.)
 
 
 @triton.jit
@@ -154,7 +168,8 @@ def _program(a_ptr, p_ptr, cu_ptr, chunk_ptr, H, N, D, BN: tl.constexpr, BD1: tl
              C: tl.constexpr, EVEN: tl.constexpr, ACC: tl.constexpr):
     """What both kernels derive from the program id: channel block, sequence and head, the sequence start
     and length, the lanes (and their state offsets), the lanes' (ā, ā², p̄), and the chunking: chunk 0 holds
-    the first L0 <= C tokens, every later chunk exactly C; checkpoints of the sequence start at c_base."""
+    the first L0 <= C tokens of the L, every later chunk exactly C; checkpoints of the sequence start at
+    c_base."""
     i_d, i_sh = tl.program_id(0), tl.program_id(1)
     i_s, i_h = i_sh // H, i_sh % H
     bos = tl.load(cu_ptr + i_s).to(tl.int64)
@@ -166,8 +181,8 @@ def _program(a_ptr, p_ptr, cu_ptr, chunk_ptr, H, N, D, BN: tl.constexpr, BD1: tl
     n_chunks = tl.cdiv(L, C)
     L0 = L - tl.maximum(n_chunks - 1, 0) * C
     c_base = tl.load(chunk_ptr + i_s).to(tl.int64)
-    return (i_d, i_h, bos, (o_n, o_d, m_n, m_d), m_nd, lane, i_s * H * N * D + lane, (a, a * a, p), n_chunks, L0,
-            c_base)
+    return (i_d, i_h, bos, (o_n, o_d, m_n, m_d), m_nd, lane, i_s * H * N * D + lane, (a, a * a, p), L, n_chunks,
+            L0, c_base)
 
 
 @triton.jit
@@ -175,7 +190,7 @@ def _kalman_fwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, a_ptr, p_ptr, lam0_ptr, mu0_p
                        lamT_ptr, muT_ptr, cky_ptr, ckmu_ptr, cu_ptr, chunk_ptr, H, N, D,
                        BN: tl.constexpr, BD: tl.constexpr, C: tl.constexpr, HAS_VAR: tl.constexpr,
                        SAVE: tl.constexpr, EVEN: tl.constexpr, ACC: tl.constexpr):
-    i_d, i_h, bos, lanes, m_nd, lane, st, par, n_chunks, L0, c_base = _program(
+    i_d, i_h, bos, lanes, m_nd, lane, st, par, L, n_chunks, L0, c_base = _program(
         a_ptr, p_ptr, cu_ptr, chunk_ptr, H, N, D, BN, 1, BD, C, EVEN, ACC)
     y = 1.0 / tl.load(lam0_ptr + st, mask=m_nd, other=1.).to(ACC)
     mu = tl.load(mu0_ptr + st, mask=m_nd, other=0.).to(ACC)
@@ -186,14 +201,10 @@ def _kalman_fwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, a_ptr, p_ptr, lam0_ptr, mu0_p
         tl.store(ckmu_ptr + c_base * H * N * D + lane, mu, mask=m_nd)
     for t in range(0, L0):
         y, mu = _fwd_token(io, geo, lanes, par, t, y, mu, HAS_VAR, ACC)
-    # software pipelining: chunk c's inputs are loaded while chunk c - 1 runs (the last chunk's loads of the
-    # chunk after it reread the sequence's last token)
-    o_n, o_d, m_n, m_d = lanes
-    first = (o_n, o_d, tl.where(n_chunks > 1, m_n, False), tl.where(n_chunks > 1, m_d, False))
-    run = _load_run(io, geo, first, L0, L0 + C, C, ACC)
-    last = L0 + (n_chunks - 1) * C - 1
+    # software pipelining: chunk c's inputs are loaded while chunk c - 1 runs
+    run = _load_run(io, geo, _unless(n_chunks > 1, lanes), L0, L - 1, C, False, False, ACC)
     for c in range(1, n_chunks):
-        ahead = _load_run(io, geo, lanes, L0 + c * C, last, C, ACC)
+        ahead = _load_run(io, geo, lanes, L0 + c * C, L - 1, C, False, False, ACC)
         if SAVE:
             tl.store(cky_ptr + (c_base + c) * H * N * D + lane, y, mask=m_nd)
             tl.store(ckmu_ptr + (c_base + c) * H * N * D + lane, mu, mask=m_nd)
@@ -214,8 +225,7 @@ def _recompute(io, geo, lanes, par, t, y, mu, ACC: tl.constexpr):
 def _load_adjoint_inputs(io, geo, lanes, t, HAS_DVAR: tl.constexpr, ACC: tl.constexpr):
     """Token t's q, k, v, w, row offset, do and dvar (do again when there is no variance gradient)."""
     q, k, v, w, out = _load_token(io, geo, lanes, t, ACC)
-    m_d = lanes[3]
-    o_d = lanes[1]
+    o_d, m_d = lanes[1], lanes[3]
     do = tl.load(io[4] + out + o_d, mask=m_d, other=0.).to(ACC)
     dvar = tl.load(io[5] + out + o_d, mask=m_d, other=0.).to(ACC) if HAS_DVAR else do
     return q, k, v, w, out, do, dvar
@@ -257,17 +267,6 @@ def _adjoint_step(io, geo, lanes, par, t, inputs, y_p, mu_p, y_t, mu_t, carry, H
 
 
 @triton.jit
-def _load_adjoint_run(io, geo, lanes, t0, t_max, LEN: tl.constexpr, HAS_DVAR: tl.constexpr, ACC: tl.constexpr):
-    """``_load_adjoint_inputs`` of tokens t0 .. t0+LEN-1 (indices clamped into the sequence) as a nested
-    tuple (inputs, rest), all loads issued together."""
-    inputs = _load_adjoint_inputs(io, geo, lanes, _clamp(t0, t_max), HAS_DVAR, ACC)
-    if LEN > 1:
-        return inputs, _load_adjoint_run(io, geo, lanes, t0 + 1, t_max, LEN - 1, HAS_DVAR, ACC)
-    else:
-        return inputs, ()
-
-
-@triton.jit
 def _reverse_run(io, geo, lanes, par, t, run, y, mu, carry, HAS_DVAR: tl.constexpr):
     """Adjoint of the tokens of ``run`` (from t) from the state before t: step forward, recurse, step back, so
     every intermediate state stays in registers (one per nesting level)."""
@@ -284,7 +283,7 @@ def _kalman_bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, a_ptr, p_ptr, lam0_ptr, lamT_
                        dmu0_ptr, cu_ptr, chunk_ptr, TT, H, N, D, BN: tl.constexpr, BD1: tl.constexpr,
                        BD2: tl.constexpr, C: tl.constexpr, HAS_DVAR: tl.constexpr,
                        HAS_DFINAL: tl.constexpr, EVEN: tl.constexpr, ACC: tl.constexpr):
-    i_d, i_h, bos, lanes, m_nd, lane, st, par, n_chunks, L0, c_base = _program(
+    i_d, i_h, bos, lanes, m_nd, lane, st, par, L, n_chunks, L0, c_base = _program(
         a_ptr, p_ptr, cu_ptr, chunk_ptr, H, N, D, BN, BD1, BD2, C, EVEN, ACC)
     lam0 = tl.load(lam0_ptr + st, mask=m_nd, other=1.).to(ACC)
     zero = tl.zeros([BD1, BN, BD2], ACC)
@@ -298,20 +297,15 @@ def _kalman_bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, a_ptr, p_ptr, lam0_ptr, lamT_
     geo = (bos, i_h, i_d, H, N, D, TT)
     carry = (Gy, Gmu, zero, zero, zero)
     # the full chunks, last first; chunk c - 1's inputs and checkpoint are loaded while chunk c runs
-    o_n, o_d, m_n, m_d = lanes
     ok = n_chunks > 1
-    first = (o_n, o_d, tl.where(ok, m_n, False), tl.where(ok, m_d, False))
-    last = L0 + (n_chunks - 1) * C - 1
-    run = _load_adjoint_run(io, geo, first, L0 + (n_chunks - 2) * C, last, C, HAS_DVAR, ACC)
-    ck = (c_base + tl.maximum(n_chunks - 1, 0)) * H * N * D + lane
-    y = tl.load(cky_ptr + ck, mask=tl.where(ok, m_nd, False), other=1.)
-    mu = tl.load(ckmu_ptr + ck, mask=tl.where(ok, m_nd, False), other=0.)
+    run = _load_run(io, geo, _unless(ok, lanes), L0 + (n_chunks - 2) * C, L - 1, C, True, HAS_DVAR, ACC)
+    y, mu = _load_checkpoint(cky_ptr, ckmu_ptr, (c_base + tl.maximum(n_chunks - 1, 0)) * H * N * D + lane,
+                             tl.where(ok, m_nd, False))
     for cc in range(1, n_chunks):
         c = n_chunks - cc
-        ahead = _load_adjoint_run(io, geo, lanes, L0 + (c - 2) * C, last, C, HAS_DVAR, ACC)
-        ck = (c_base + tl.maximum(c - 1, 0)) * H * N * D + lane
-        y_ahead = tl.load(cky_ptr + ck, mask=m_nd, other=1.)
-        mu_ahead = tl.load(ckmu_ptr + ck, mask=m_nd, other=0.)
+        ahead = _load_run(io, geo, lanes, L0 + (c - 2) * C, L - 1, C, True, HAS_DVAR, ACC)
+        y_ahead, mu_ahead = _load_checkpoint(cky_ptr, ckmu_ptr, (c_base + tl.maximum(c - 1, 0)) * H * N * D + lane,
+                                             m_nd)
         carry = _reverse_run(io, geo, lanes, par, L0 + (c - 1) * C, run, y, mu, carry, HAS_DVAR)
         run, y, mu = ahead, y_ahead, mu_ahead
     # chunk 0 (L0 tokens): each token's input state recomputed from the initial state, O(L0²) steps
