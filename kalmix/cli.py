@@ -80,10 +80,13 @@ def _add_speed_parser(sub) -> None:
     sp.add_argument("--d-state", type=int, default=d.d_state, help="Kalman state slots N")
     sp.add_argument("--decode-contexts", nargs="+", type=int, default=list(d.decode_contexts),
                     help="context lengths of the decode comparison (KV cache length of attention)")
-    sp.add_argument("--ops", nargs="*", default=[], help="only targets whose name contains one of these (layer.kalman, fla, sdpa, ...; decode rows too)")
+    sp.add_argument("--ops", nargs="*", default=[],
+                    help="only targets whose name contains one of these (layer.kalman, fla, sdpa, ...; decode rows "
+                    "too)")
     sp.add_argument("--impls", nargs="*", default=[],
                     help="only these impls (naive, torch, triton, fla, flash, ...); default: all but the naive "
-                    "token loops, which take seconds to minutes per call at 32K tokens; decode rows too (attention: -)")
+                    "token loops, which take seconds to minutes per call at 32K tokens; decode rows too "
+                    "(attention: -)")
     sp.add_argument("--naive-max-len", type=int, default=d.naive_max_len,
                     help="skip the token-loop impls above this T (they take seconds per call)")
     sp.add_argument("--warmup", type=int, default=d.warmup, help="do_bench warm-up (ms)")

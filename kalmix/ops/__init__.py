@@ -1,8 +1,7 @@
 """Functional ops: ``(o, final_state)`` (Kalman: ``(o, variance, final_state)``) with ``impl=`` backends."""
-import os
-
 import torch
 
+from kalmix.ops.common.checks import device_refusal
 from kalmix.ops.gka import op as _gka
 from kalmix.ops.gka.op import gated_kalmanet
 from kalmix.ops.kaczmarz import op as _kaczmarz
@@ -20,9 +19,7 @@ _CUDA_ONLY = {m._OP: getattr(m, "_CUDA_ONLY", ()) for m in (_kalman, _gka, _kacz
 def runnable_impls(op: str, device: torch.device) -> tuple[str, ...]:
     """The impls of ``op`` that run on ``device``: on CPU, "triton" only under TRITON_INTERPRET=1 and never
     the ones built on fla's kernels."""
-    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    return tuple(i for i in AVAILABLE_IMPLS[op] if device.type == "cuda"
-                 or (i not in _CUDA_ONLY[op] and (i != "triton" or interpret)))
+    return tuple(i for i in AVAILABLE_IMPLS[op] if device_refusal(i, device, _CUDA_ONLY[op]) is None)
 
 
 __all__ = ["kalman_attention", "gated_kalmanet", "kaczmarz_attention", "variational_linear_attention",

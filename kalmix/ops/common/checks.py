@@ -102,12 +102,23 @@ def resolve_impl(op: str, impl: str | None, device: torch.device, available: Map
         raise NotImplementedError(
             f"{op}: impl={impl!r} is not available for this op in this version of kalmix "
             f"(it is the default for {device.type} tensors); pass impl= one of {others} explicitly")
-    if impl in cuda_only and device.type != "cuda":
-        fail(op, f"impl={impl!r} runs fla's kernels, which need CUDA tensors (also under TRITON_INTERPRET), got "
-             f"tensors on {device}; use impl='torch'")
-    if impl == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        fail(op, f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got tensors on {device}")
+    why = device_refusal(impl, device, cuda_only)
+    if why is not None:
+        fail(op, why)
     return available[impl]
+
+
+def device_refusal(impl: str, device: torch.device, cuda_only: tuple[str, ...] = ()) -> str | None:
+    """Why ``impl`` cannot run on ``device`` (None when it can): off CUDA, "triton" needs the interpreter and
+    the ``cuda_only`` impls (fla's kernels) never run."""
+    if device.type == "cuda":
+        return None
+    if impl in cuda_only:
+        return (f"impl={impl!r} runs fla's kernels, which need CUDA tensors (also under TRITON_INTERPRET), got "
+                f"tensors on {device}; use impl='torch'")
+    if impl == "triton" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got tensors on {device}"
+    return None
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
