@@ -8,17 +8,8 @@ import torch
 from triton.testing import do_bench
 
 from kalmix import ops
-from kalmix.ops.common.testing import CASES, rel_err
+from kalmix.ops.common.testing import CASES, outputs_and_grads, rel_err
 from kalmix.ops.kaczmarz import on_fla
-
-
-def _outputs_and_grads(args, state, impl, cu=None):
-    xs = [a.detach().requires_grad_() for a in args] + [state.detach().requires_grad_()]
-    o, S = ops.kaczmarz_attention(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu, impl=impl)
-    gen = torch.Generator(device=o.device).manual_seed(0)
-    loss = sum((t.double() * torch.randn(t.shape, generator=gen, device=t.device, dtype=torch.float64)).sum()
-               for t in (o, S))
-    return [o, S] + list(torch.autograd.grad(loss, xs))
 
 
 def checks(dev):
@@ -33,9 +24,10 @@ def checks(dev):
             B = 1 if cu is not None else 2
             args = [x.to(dev) for x in CASES["kaczmarz"].inputs(B, T, 4, 64, 64, torch.float64, gen)]
             state = CASES["kaczmarz"].state(B if cu is None else 4, 4, 64, 64, torch.float64, gen).to(dev)
-            ref = _outputs_and_grads(args, state, "torch", cu)
+            ref_out, ref_grad = outputs_and_grads(CASES["kaczmarz"], args, state, "torch", cu_seqlens=cu)
             x = [a.to(dt) if i < 3 else a.float() for i, a in enumerate(args)]
-            got = _outputs_and_grads(x, state.float(), "triton", cu)
+            out, grad = outputs_and_grads(CASES["kaczmarz"], x, state.float(), "triton", cu_seqlens=cu)
+            ref, got = ref_out + ref_grad, out + grad
             print(f"  torch backward={forced!s:5s} {str(dt)[6:]:8s} T={T} varlen={cu is not None!s:5s}",
                   " ".join(f"{n}={rel_err(a.double(), b):.1e}" for n, a, b in zip(names, got, ref)))
     on_fla.fla_gated_backward_refused = _refused
