@@ -1,0 +1,389 @@
+"""The generalised delta rule of delta.py as chunked Triton kernels, forward and backward (tensor-core form).
+
+Per head, with a write key w_t, an erase key e_t, a step β_t and a log-decay g_t:
+
+    S_t = γ_t S_{t-1} + β_t w_t (v_t − γ_t S_{t-1}ᵀ e_t)ᵀ,    o_t = scale · S_tᵀ q_t          S: [K, V]
+
+Per chunk of C tokens with start state S_0, G_t = Σ_{r≤t} g_r (inside the chunk) and D[t, s] = exp(G_t − G_s)
+for s ≤ t (0 above the diagonal):
+
+    A = strictly_lower(diag(β) (E Wᵀ) ⊙ D),   T = (I + A)⁻¹
+    W̃ = T diag(β e^G) E,   Ũ = T diag(β) V,   U = Ũ − W̃ S_0                  (the pseudo-values u_t)
+    O = scale · (diag(e^G) Q S_0 + ((Q Wᵀ) ⊙ D) U)
+    S_C = e^{G_C} S_0 + (diag(e^{G_C − G}) W)ᵀ U
+
+The backward runs the adjoint of these equations (README of kalmix/ops/kaczmarz, "Chunked kernels"): the
+chunk-end state gradients dS_C go backwards over chunks with dU = scale·Pᵀ dO + diag(e^{G_C−G}) W dS_C and
+dS_0 = scale·Qᵀ diag(e^G) dO + e^{G_C} dS_C − W̃ᵀ dU, and every chunk then differentiates its own equations,
+through T by dA = −(Tᵀ dŨ) Ũᵀ − (Tᵀ dW̃) W̃ᵀ. Chunk-start states are recomputed, never stored by the forward.
+
+Kernels (every tensor laid out [tokens, H, *] with packed sequences; a chunk never crosses a sequence):
+    _prep_kernel      per (chunk, head): G, T, W̃, Ũ
+    _states_kernel    per (sequence, head, V block), forward over chunks: chunk-start states h, U, final state
+    _output_kernel    per (chunk, head, V block): O
+    _dstates_kernel   per (sequence, head, V block), backward over chunks: dU, dS_C per chunk, dS of the start
+    _grads_kernel     per (chunk, head): dq, dw, de, dv, dg, dβ
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+CHUNK = 64
+BLOCK_V = 64
+WARPS = 4
+
+
+@triton.jit
+def _chunk_rows(chunks_ptr, i_c, C: tl.constexpr):
+    """Token range [bos, bos + L) of chunk i_c and its row indices / validity as [C, 1] and [1, C] grids."""
+    bos = tl.load(chunks_ptr + 2 * i_c)
+    L = tl.load(chunks_ptr + 2 * i_c + 1) - bos
+    r = tl.arange(0, C)
+    return bos, L, r[:, None], r[None, :], r < L
+
+
+@triton.jit
+def _load_rows(ptr, bos, i_h, H, D, d0, valid, BD: tl.constexpr, C: tl.constexpr):
+    """Rows bos..bos+C of head i_h, columns d0..d0+BD of a [tokens, H, D] tensor, as fp32 [C, BD] (0 outside)."""
+    r = tl.arange(0, C)[:, None]
+    d = d0 + tl.arange(0, BD)[None, :]
+    m = valid[:, None] & (d < D)
+    return tl.load(ptr + ((bos + r) * H + i_h) * D + d, mask=m, other=0.).to(tl.float32)
+
+
+@triton.jit
+def _store_rows(ptr, x, bos, i_h, H, D, d0, valid, BD: tl.constexpr, C: tl.constexpr):
+    r = tl.arange(0, C)[:, None]
+    d = d0 + tl.arange(0, BD)[None, :]
+    tl.store(ptr + ((bos + r) * H + i_h) * D + d, x.to(ptr.dtype.element_ty), mask=valid[:, None] & (d < D))
+
+
+@triton.jit
+def _load_state(ptr, base, K, V, v0, BK: tl.constexpr, BV: tl.constexpr):
+    """Columns v0..v0+BV of the [K, V] fp32 matrix at ``ptr + base`` as [BK, BV] (0 outside)."""
+    k = tl.arange(0, BK)[:, None]
+    v = v0 + tl.arange(0, BV)[None, :]
+    return tl.load(ptr + base + k * V + v, mask=(k < K) & (v < V), other=0.)
+
+
+@triton.jit
+def _store_state(ptr, base, x, K, V, v0, BK: tl.constexpr, BV: tl.constexpr):
+    k = tl.arange(0, BK)[:, None]
+    v = v0 + tl.arange(0, BV)[None, :]
+    tl.store(ptr + base + k * V + v, x, mask=(k < K) & (v < V))
+
+
+@triton.jit
+def _gates(g_ptr, beta_ptr, bos, L, i_h, H, valid, C: tl.constexpr):
+    """G_t (log decay from the chunk start) and β_t as [C] fp32, and G at the chunk's last token."""
+    r = tl.arange(0, C)
+    g = tl.load(g_ptr + (bos + r) * H + i_h, mask=valid, other=0.).to(tl.float32)
+    beta = tl.load(beta_ptr + (bos + r) * H + i_h, mask=valid, other=0.).to(tl.float32)
+    G = tl.cumsum(g, axis=0)
+    G_end = tl.sum(tl.where(r == L - 1, G, 0.), axis=0)
+    return G, beta, G_end
+
+
+@triton.jit
+def _decay(G, rows, cols, STRICT: tl.constexpr):
+    """D[t, s] = exp(G_t − G_s) on s < t (STRICT) or s <= t, else 0 (masked before exp: nothing overflows)."""
+    keep = (cols < rows) if STRICT else (cols <= rows)
+    return tl.where(keep, tl.exp(tl.where(keep, G[:, None] - G[None, :], 0.)), 0.)
+
+
+@triton.jit
+def _system(E, W, G, beta, rows, cols, C: tl.constexpr):
+    """A = strictly_lower(diag(β)(E Wᵀ) ⊙ D) and T = (I + A)⁻¹ by forward substitution, one row at a time."""
+    A = tl.dot(E, tl.trans(W)) * _decay(G, rows, cols, True) * beta[:, None]
+    At = tl.trans(A)
+    Tm = (rows == cols).to(tl.float32)
+    for i in range(1, C):
+        a_i = tl.sum(tl.where(cols == i, At, 0.), axis=1)                   # A[i, s] along s
+        row = -tl.sum(a_i[:, None] * Tm, axis=0)                             # −Σ_s A[i, s] T[s, :]
+        Tm = tl.where(rows == i, Tm + row[None, :], Tm)
+    return A, Tm
+
+
+@triton.jit
+def _prep_kernel(w_ptr, e_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, Gc_ptr, wt_ptr, ut_ptr, H, K, V,
+                 C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    bos, L, rows, cols, valid = _chunk_rows(chunks_ptr, i_c, C)
+    G, beta, G_end = _gates(g_ptr, beta_ptr, bos, L, i_h, H, valid, C)
+    E = _load_rows(e_ptr, bos, i_h, H, K, 0, valid, BK, C)
+    W = _load_rows(w_ptr, bos, i_h, H, K, 0, valid, BK, C)
+    _, Tm = _system(E, W, G, beta, rows, cols, C)
+    r = tl.arange(0, C)
+    tl.store(Gc_ptr + (bos + r) * H + i_h, G, mask=valid)
+    _store_rows(wt_ptr, tl.dot(Tm, E * (beta * tl.exp(G))[:, None]), bos, i_h, H, K, 0, valid, BK, C)
+    for v0 in range(0, V, BV):
+        Vt = _load_rows(v_ptr, bos, i_h, H, V, v0, valid, BV, C)
+        _store_rows(ut_ptr, tl.dot(Tm, Vt * beta[:, None]), bos, i_h, H, V, v0, valid, BV, C)
+
+
+@triton.jit
+def _seq_range(cu_ptr, coff_ptr, i_n, C: tl.constexpr):
+    bos = tl.load(cu_ptr + i_n)
+    eos = tl.load(cu_ptr + i_n + 1)
+    return bos, eos, tl.load(coff_ptr + i_n), tl.cdiv(eos - bos, C)
+
+
+@triton.jit
+def _chunk_at(bos, eos, j, C: tl.constexpr):
+    t0 = bos + j * C
+    r = tl.arange(0, C)
+    L = tl.minimum(eos - t0, C)
+    return t0, L, r < L
+
+
+@triton.jit
+def _states_kernel(w_ptr, wt_ptr, ut_ptr, Gc_ptr, s0_ptr, cu_ptr, coff_ptr, h_ptr, u_ptr, sT_ptr, H, K, V,
+                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    v0 = i_v * BV
+    bos, eos, c0, n_c = _seq_range(cu_ptr, coff_ptr, i_n, C)
+    S = _load_state(s0_ptr, i_nh.to(tl.int64) * K * V, K, V, v0, BK, BV)
+    r = tl.arange(0, C)
+    for j in range(0, n_c):
+        t0, L, valid = _chunk_at(bos, eos, j, C)
+        _store_state(h_ptr, ((c0 + j).to(tl.int64) * H + i_h) * K * V, S, K, V, v0, BK, BV)
+        U = _load_rows(ut_ptr, t0, i_h, H, V, v0, valid, BV, C) - tl.dot(
+            _load_rows(wt_ptr, t0, i_h, H, K, 0, valid, BK, C), S)
+        _store_rows(u_ptr, U, t0, i_h, H, V, v0, valid, BV, C)
+        G = tl.load(Gc_ptr + (t0 + r) * H + i_h, mask=valid, other=0.)
+        G_end = tl.sum(tl.where(r == L - 1, G, 0.), axis=0)
+        Wd = _load_rows(w_ptr, t0, i_h, H, K, 0, valid, BK, C) * tl.exp(G_end - G)[:, None]
+        S = tl.exp(G_end) * S + tl.dot(tl.trans(Wd), U)
+    _store_state(sT_ptr, i_nh.to(tl.int64) * K * V, S, K, V, v0, BK, BV)
+
+
+@triton.jit
+def _output_kernel(q_ptr, w_ptr, u_ptr, Gc_ptr, h_ptr, chunks_ptr, o_ptr, scale, H, K, V,
+                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    v0 = i_v * BV
+    bos, L, rows, cols, valid = _chunk_rows(chunks_ptr, i_c, C)
+    G = tl.load(Gc_ptr + (bos + tl.arange(0, C)) * H + i_h, mask=valid, other=0.)
+    Q = _load_rows(q_ptr, bos, i_h, H, K, 0, valid, BK, C)
+    W = _load_rows(w_ptr, bos, i_h, H, K, 0, valid, BK, C)
+    S0 = _load_state(h_ptr, (i_c.to(tl.int64) * H + i_h) * K * V, K, V, v0, BK, BV)
+    U = _load_rows(u_ptr, bos, i_h, H, V, v0, valid, BV, C)
+    P = tl.dot(Q, tl.trans(W)) * _decay(G, rows, cols, False)
+    O = scale * (tl.exp(G)[:, None] * tl.dot(Q, S0) + tl.dot(P, U))
+    _store_rows(o_ptr, O, bos, i_h, H, V, v0, valid, BV, C)
+
+
+@triton.jit
+def _dstates_kernel(q_ptr, w_ptr, wt_ptr, Gc_ptr, do_ptr, dsT_ptr, cu_ptr, coff_ptr, du_ptr, dh_ptr, ds0_ptr,
+                    scale, H, K, V, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_DST: tl.constexpr):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    v0 = i_v * BV
+    bos, eos, c0, n_c = _seq_range(cu_ptr, coff_ptr, i_n, C)
+    if HAS_DST:
+        dS = _load_state(dsT_ptr, i_nh.to(tl.int64) * K * V, K, V, v0, BK, BV)
+    else:
+        dS = tl.zeros([BK, BV], dtype=tl.float32)
+    r = tl.arange(0, C)
+    rows, cols = r[:, None], r[None, :]
+    for jj in range(0, n_c):
+        j = n_c - 1 - jj
+        t0, L, valid = _chunk_at(bos, eos, j, C)
+        _store_state(dh_ptr, ((c0 + j).to(tl.int64) * H + i_h) * K * V, dS, K, V, v0, BK, BV)
+        G = tl.load(Gc_ptr + (t0 + r) * H + i_h, mask=valid, other=0.)
+        G_end = tl.sum(tl.where(r == L - 1, G, 0.), axis=0)
+        Q = _load_rows(q_ptr, t0, i_h, H, K, 0, valid, BK, C)
+        W = _load_rows(w_ptr, t0, i_h, H, K, 0, valid, BK, C)
+        dO = _load_rows(do_ptr, t0, i_h, H, V, v0, valid, BV, C)
+        P = tl.dot(Q, tl.trans(W)) * _decay(G, rows, cols, False)
+        dU = scale * tl.dot(tl.trans(P), dO) + tl.dot(W * tl.exp(G_end - G)[:, None], dS)
+        _store_rows(du_ptr, dU, t0, i_h, H, V, v0, valid, BV, C)
+        Wt = _load_rows(wt_ptr, t0, i_h, H, K, 0, valid, BK, C)
+        dS = (scale * tl.dot(tl.trans(Q * tl.exp(G)[:, None]), dO) + tl.exp(G_end) * dS
+              - tl.dot(tl.trans(Wt), dU))
+    _store_state(ds0_ptr, i_nh.to(tl.int64) * K * V, dS, K, V, v0, BK, BV)
+
+
+@triton.jit
+def _grads_kernel(q_ptr, w_ptr, e_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, h_ptr, dh_ptr, u_ptr, du_ptr, do_ptr,
+                  dq_ptr, dw_ptr, de_ptr, dv_ptr, dg_ptr, dbeta_ptr, scale, H, K, V,
+                  C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    bos, L, rows, cols, valid = _chunk_rows(chunks_ptr, i_c, C)
+    G, beta, G_end = _gates(g_ptr, beta_ptr, bos, L, i_h, H, valid, C)
+    eG = tl.exp(G)
+    Q = _load_rows(q_ptr, bos, i_h, H, K, 0, valid, BK, C)
+    W = _load_rows(w_ptr, bos, i_h, H, K, 0, valid, BK, C)
+    E = _load_rows(e_ptr, bos, i_h, H, K, 0, valid, BK, C)
+    A, Tm = _system(E, W, G, beta, rows, cols, C)
+    Wt = tl.dot(Tm, E * (beta * eG)[:, None])
+    base = (i_c.to(tl.int64) * H + i_h) * K * V
+    dQ = tl.zeros([C, BK], dtype=tl.float32)        # Σ_v dO S_0ᵀ
+    dWs = tl.zeros([C, BK], dtype=tl.float32)       # Σ_v U dS_Cᵀ
+    dWt = tl.zeros([C, BK], dtype=tl.float32)       # dW̃ = −Σ_v dU S_0ᵀ
+    dP = tl.zeros([C, C], dtype=tl.float32)         # Σ_v dO Uᵀ
+    dA = tl.zeros([C, C], dtype=tl.float32)
+    dbeta = tl.zeros([C], dtype=tl.float32)
+    dG_end = tl.sum(tl.zeros([C], dtype=tl.float32), axis=0)
+    for v0 in range(0, V, BV):
+        S0 = _load_state(h_ptr, base, K, V, v0, BK, BV)
+        dSC = _load_state(dh_ptr, base, K, V, v0, BK, BV)
+        U = _load_rows(u_ptr, bos, i_h, H, V, v0, valid, BV, C)
+        dU = _load_rows(du_ptr, bos, i_h, H, V, v0, valid, BV, C)
+        dO = _load_rows(do_ptr, bos, i_h, H, V, v0, valid, BV, C)
+        Vt = _load_rows(v_ptr, bos, i_h, H, V, v0, valid, BV, C)
+        dQ += tl.dot(dO, tl.trans(S0))
+        dP += tl.dot(dO, tl.trans(U))
+        dWs += tl.dot(U, tl.trans(dSC))
+        dWt -= tl.dot(dU, tl.trans(S0))
+        dG_end += tl.sum(tl.sum(S0 * dSC, axis=1), axis=0)
+        dXv = tl.dot(tl.trans(Tm), dU)                                       # Tᵀ dŨ
+        _store_rows(dv_ptr, dXv * beta[:, None], bos, i_h, H, V, v0, valid, BV, C)
+        dbeta += tl.sum(Vt * dXv, axis=1)
+        dA -= tl.dot(dXv, tl.trans(tl.dot(Tm, Vt * beta[:, None])))        # −(Tᵀ dŨ) Ũᵀ
+    # o's state term scale·e^G Q S_0 and S_C's terms e^{G_C} S_0 + (e^{G_C − G} W)ᵀ U
+    dQ = scale * eG[:, None] * dQ
+    dG = tl.sum(Q * dQ, axis=1)
+    dWs = tl.exp(G_end - G)[:, None] * dWs
+    r_w = tl.sum(W * dWs, axis=1)
+    dG -= r_w
+    dG_end = dG_end * tl.exp(G_end) + tl.sum(r_w, axis=0)
+    # o's intra-chunk term scale·((Q Wᵀ) ⊙ D) U
+    dPD = scale * dP * _decay(G, rows, cols, False)
+    M = dPD * tl.dot(Q, tl.trans(W))
+    dG += tl.sum(M, axis=1) - tl.sum(M, axis=0)
+    dQ += tl.dot(dPD, W)
+    dW = dWs + tl.dot(tl.trans(dPD), Q)
+    # W̃ = T diag(β e^G) E
+    dXe = tl.dot(tl.trans(Tm), dWt)
+    dE = (beta * eG)[:, None] * dXe
+    t_e = eG * tl.sum(E * dXe, axis=1)
+    dbeta += t_e
+    dG += beta * t_e
+    dA -= tl.dot(dXe, tl.trans(Wt))
+    # A = strictly_lower(diag(β)(E Wᵀ) ⊙ D)
+    dA = tl.where(cols < rows, dA, 0.)
+    M = dA * A
+    dG += tl.sum(M, axis=1) - tl.sum(M, axis=0)
+    dAD = dA * _decay(G, rows, cols, True)
+    dbeta += tl.sum(dAD * tl.dot(E, tl.trans(W)), axis=1)
+    dAD = dAD * beta[:, None]
+    dE += tl.dot(dAD, W)
+    dW += tl.dot(tl.trans(dAD), E)
+    # G_t = Σ_{r≤t} g_r: dg is the reverse cumulative sum of dG (G_C is G at the last token)
+    r = tl.arange(0, C)
+    dG += tl.where(r == L - 1, dG_end, 0.)
+    dg = tl.sum(dG, axis=0) - tl.cumsum(dG, axis=0) + dG
+    _store_rows(dq_ptr, dQ, bos, i_h, H, K, 0, valid, BK, C)
+    _store_rows(dw_ptr, dW, bos, i_h, H, K, 0, valid, BK, C)
+    _store_rows(de_ptr, dE, bos, i_h, H, K, 0, valid, BK, C)
+    tl.store(dg_ptr + (bos + r) * H + i_h, dg.to(dg_ptr.dtype.element_ty), mask=valid)
+    tl.store(dbeta_ptr + (bos + r) * H + i_h, dbeta.to(dbeta_ptr.dtype.element_ty), mask=valid)
+
+
+def _chunk_table(cu: torch.Tensor, B: int, T: int, C: int, packed: bool):
+    """Per sequence: its first chunk [N]; per chunk: its token range [NC, 2] (int32, on cu's device)."""
+    dev = cu.device
+    if not packed:
+        n = triton.cdiv(T, C)
+        start = (torch.arange(B, device=dev)[:, None] * T + torch.arange(n, device=dev)[None, :] * C).flatten()
+        end = torch.minimum(start + C, (start // T + 1) * T)
+        coff = torch.arange(0, B * n, n, device=dev)
+    else:
+        lens = cu[1:] - cu[:-1]
+        n = (lens + C - 1) // C
+        coff = torch.cumsum(n, 0) - n
+        n_total = int(n.sum())
+        seq = torch.repeat_interleave(torch.arange(len(n), device=dev), n, output_size=n_total)
+        start = cu[seq] + (torch.arange(n_total, device=dev) - coff[seq]) * C
+        end = torch.minimum(start + C, cu[seq + 1])
+    return coff.to(torch.int32), torch.stack([start, end], 1).to(torch.int32).contiguous()
+
+
+def _blocks(K: int, V: int):
+    BK = max(16, triton.next_power_of_2(K))
+    BV = max(16, min(BLOCK_V, triton.next_power_of_2(V)))
+    return BK, BV
+
+
+def _forward(q, w, e, v, g, beta, s0, cu, coff, chunks, scale, need_o=True):
+    """Chunk-start states h [NC, H, K, V], pseudo-values U, G, final state and (need_o) the output."""
+    Ttot, H, K = q.shape
+    V = v.shape[-1]
+    BK, BV = _blocks(K, V)
+    NC, N = chunks.shape[0], cu.numel() - 1
+    f32 = dict(dtype=torch.float32, device=q.device)
+    Gc = torch.empty(Ttot, H, **f32)
+    wt, ut = torch.empty(Ttot, H, K, **f32), torch.empty(Ttot, H, V, **f32)
+    _prep_kernel[(NC, H)](w, e, v, g, beta, chunks, Gc, wt, ut, H, K, V, C=CHUNK, BK=BK, BV=BV, num_warps=WARPS)
+    h = torch.empty(NC, H, K, V, **f32)
+    U = torch.empty(Ttot, H, V, **f32)
+    sT = torch.empty(N, H, K, V, **f32)
+    _states_kernel[(triton.cdiv(V, BV), N * H)](w, wt, ut, Gc, s0, cu, coff, h, U, sT, H, K, V, C=CHUNK, BK=BK,
+                                                BV=BV, num_warps=WARPS)
+    o = None
+    if need_o:
+        o = torch.empty_like(v)
+        _output_kernel[(NC, H, triton.cdiv(V, BV))](q, w, U, Gc, h, chunks, o, scale, H, K, V, C=CHUNK, BK=BK,
+                                                    BV=BV, num_warps=WARPS)
+    return o, sT, h, U, Gc, wt
+
+
+class ChunkDeltaRuleFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, w, e, v, g, beta, s0, cu, packed, scale):
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        flat = [x.reshape(B * T, *x.shape[2:]).contiguous() for x in (q, w, e, v, g, beta)]
+        coff, chunks = _chunk_table(cu, B, T, CHUNK, packed)
+        s0 = s0.contiguous()
+        o, sT, *_ = _forward(*flat, s0, cu, coff, chunks, scale)
+        ctx.save_for_backward(*flat, s0, cu, coff, chunks)
+        ctx.scale, ctx.shape = scale, (B, T, H, K, V)
+        ctx.set_materialize_grads(False)
+        return o.view(B, T, H, V), sT
+
+    @staticmethod
+    def backward(ctx, do, dsT):
+        q, w, e, v, g, beta, s0, cu, coff, chunks = ctx.saved_tensors
+        B, T, H, K, V = ctx.shape
+        BK, BV = _blocks(K, V)
+        NC, N = chunks.shape[0], cu.numel() - 1
+        _, _, h, U, Gc, wt = _forward(q, w, e, v, g, beta, s0, cu, coff, chunks, ctx.scale, need_o=False)
+        do = torch.zeros_like(v) if do is None else do.reshape(B * T, H, V).contiguous()
+        f32 = dict(dtype=torch.float32, device=q.device)
+        dU, dh, ds0 = torch.empty(B * T, H, V, **f32), torch.empty(NC, H, K, V, **f32), torch.empty_like(s0)
+        _dstates_kernel[(triton.cdiv(V, BV), N * H)](
+            q, w, wt, Gc, do, s0 if dsT is None else dsT.contiguous(), cu, coff, dU, dh, ds0, ctx.scale, H, K, V,
+            C=CHUNK, BK=BK, BV=BV, HAS_DST=dsT is not None, num_warps=WARPS)
+        dq, dw, de, dv = (torch.empty_like(x) for x in (q, w, e, v))
+        dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
+        _grads_kernel[(NC, H)](q, w, e, v, g, beta, chunks, h, dh, U, dU, do, dq, dw, de, dv, dg, dbeta, ctx.scale,
+                               H, K, V, C=CHUNK, BK=BK, BV=BV, num_warps=WARPS)
+        shape = lambda x: x.view(B, T, *x.shape[1:])  # noqa: E731
+        return (shape(dq), shape(dw), shape(de), shape(dv), shape(dg), shape(dbeta), ds0, None, None, None)
+
+
+def chunk_delta_rule_triton(q, w, e, v, g, beta, *, scale: float, state: torch.Tensor,
+                            cu_seqlens: torch.Tensor | None = None):
+    """The rule of the module docstring on GPU tensors (or under TRITON_INTERPRET).
+
+    Args:
+        q, w, e: [B, T, H, K]; v: [B, T, H, V] (bf16/fp16/fp32); g (log γ <= 0), beta: [B, T, H].
+        state: [N, H, K, V] fp32 initial states (N = B, or the number of packed sequences).
+        cu_seqlens: [N + 1] offsets of packed sequences (B = 1).
+    Returns:
+        o [B, T, H, V] in v's dtype, final state [N, H, K, V] fp32.
+    """
+    B, T = q.shape[:2]
+    if cu_seqlens is None:
+        cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
+    else:
+        cu = cu_seqlens.to(torch.int32)
+    return ChunkDeltaRuleFunction.apply(q, w, e, v, g, beta, state.float(), cu, cu_seqlens is not None, scale)
