@@ -36,6 +36,16 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 CHUNK = 64
 BLOCK_V = 64
 WARPS = 4
+DOT_FP32 = tl.constexpr("ieee" if INTERPRET else "tf32x3")   # fp32 inputs: products accurate to ~fp32
+
+
+@triton.jit
+def _dot(a, b, DT: tl.constexpr):
+    """a @ b on tensor cores with both operands in DT (the activations' 16-bit dtype, or fp32 as 3×TF32)."""
+    if DT == tl.float32:
+        return tl.dot(a, b, input_precision=DOT_FP32)
+    else:
+        return tl.dot(a.to(DT), b.to(DT))
 
 
 @triton.jit
@@ -48,34 +58,45 @@ def _chunk_rows(chunks_ptr, i_c, C: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(ptr, bos, i_h, H, D, d0, valid, BD: tl.constexpr, C: tl.constexpr):
-    """Rows bos..bos+C of head i_h, columns d0..d0+BD of a [tokens, H, D] tensor, as fp32 [C, BD] (0 outside)."""
+def _rows(ptr, bos, L, i_h, H, D, d0, BD: tl.constexpr, C: tl.constexpr):
+    """Pointers to rows bos..bos+C of head i_h, columns d0..d0+BD of a [tokens, H, D] tensor (a scalar row base
+    plus 32-bit offsets), and the mask of rows < L and columns < D."""
     r = tl.arange(0, C)[:, None]
     d = d0 + tl.arange(0, BD)[None, :]
-    m = valid[:, None] & (d < D)
-    return tl.load(ptr + ((bos + r) * H + i_h) * D + d, mask=m, other=0.).to(tl.float32)
+    return ptr + (bos.to(tl.int64) * H + i_h) * D + (r * (H * D) + d), (r < L) & (d < D)
 
 
 @triton.jit
-def _store_rows(ptr, x, bos, i_h, H, D, d0, valid, BD: tl.constexpr, C: tl.constexpr):
-    r = tl.arange(0, C)[:, None]
-    d = d0 + tl.arange(0, BD)[None, :]
-    tl.store(ptr + ((bos + r) * H + i_h) * D + d, x.to(ptr.dtype.element_ty), mask=valid[:, None] & (d < D))
+def _load_rows(ptr, bos, L, i_h, H, D, d0, BD: tl.constexpr, C: tl.constexpr):
+    """That block as fp32 [C, BD], 0 outside the rows and columns."""
+    p, m = _rows(ptr, bos, L, i_h, H, D, d0, BD, C)
+    return tl.load(p, mask=m, other=0.).to(tl.float32)
+
+
+@triton.jit
+def _store_rows(ptr, x, bos, L, i_h, H, D, d0, BD: tl.constexpr, C: tl.constexpr):
+    p, m = _rows(ptr, bos, L, i_h, H, D, d0, BD, C)
+    tl.store(p, x.to(ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _state(ptr, base, K, V, v0, BK: tl.constexpr, BV: tl.constexpr):
+    """Pointers to columns v0..v0+BV of the [K, V] matrix at ``ptr + base``, and their mask."""
+    k = tl.arange(0, BK)[:, None]
+    v = v0 + tl.arange(0, BV)[None, :]
+    return ptr + base + (k * V + v), (k < K) & (v < V)
 
 
 @triton.jit
 def _load_state(ptr, base, K, V, v0, BK: tl.constexpr, BV: tl.constexpr):
-    """Columns v0..v0+BV of the [K, V] fp32 matrix at ``ptr + base`` as [BK, BV] (0 outside)."""
-    k = tl.arange(0, BK)[:, None]
-    v = v0 + tl.arange(0, BV)[None, :]
-    return tl.load(ptr + base + k * V + v, mask=(k < K) & (v < V), other=0.)
+    p, m = _state(ptr, base, K, V, v0, BK, BV)
+    return tl.load(p, mask=m, other=0.).to(tl.float32)
 
 
 @triton.jit
 def _store_state(ptr, base, x, K, V, v0, BK: tl.constexpr, BV: tl.constexpr):
-    k = tl.arange(0, BK)[:, None]
-    v = v0 + tl.arange(0, BV)[None, :]
-    tl.store(ptr + base + k * V + v, x, mask=(k < K) & (v < V))
+    p, m = _state(ptr, base, K, V, v0, BK, BV)
+    tl.store(p, x.to(ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -97,33 +118,33 @@ def _decay(G, rows, cols, STRICT: tl.constexpr):
 
 
 @triton.jit
-def _system(E, W, G, beta, rows, cols, C: tl.constexpr):
-    """A = strictly_lower(diag(β)(E Wᵀ) ⊙ D) and T = (I + A)⁻¹ by forward substitution, one row at a time."""
-    A = tl.dot(E, tl.trans(W)) * _decay(G, rows, cols, True) * beta[:, None]
-    At = tl.trans(A)
+def _system(E, W, G, beta, rows, cols, C: tl.constexpr, DT: tl.constexpr):
+    """T = (I + A)⁻¹ for A = strictly_lower(diag(β)(E Wᵀ) ⊙ D), by forward substitution one row at a time."""
+    At = tl.trans(_dot(E, tl.trans(W), DT) * _decay(G, rows, cols, True) * beta[:, None])
     Tm = (rows == cols).to(tl.float32)
     for i in range(1, C):
         a_i = tl.sum(tl.where(cols == i, At, 0.), axis=1)                   # A[i, s] along s
         row = -tl.sum(a_i[:, None] * Tm, axis=0)                             # −Σ_s A[i, s] T[s, :]
         Tm = tl.where(rows == i, Tm + row[None, :], Tm)
-    return A, Tm
+    return Tm
 
 
 @triton.jit
-def _prep_kernel(w_ptr, e_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, Gc_ptr, wt_ptr, ut_ptr, H, K, V,
-                 C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+def _prep_kernel(w_ptr, e_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, Gc_ptr, T_ptr, wt_ptr, ut_ptr, H, K, V,
+                 C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, L, rows, cols, valid = _chunk_rows(chunks_ptr, i_c, C)
     G, beta, G_end = _gates(g_ptr, beta_ptr, bos, L, i_h, H, valid, C)
-    E = _load_rows(e_ptr, bos, i_h, H, K, 0, valid, BK, C)
-    W = _load_rows(w_ptr, bos, i_h, H, K, 0, valid, BK, C)
-    _, Tm = _system(E, W, G, beta, rows, cols, C)
+    E = _load_rows(e_ptr, bos, L, i_h, H, K, 0, BK, C)
+    W = _load_rows(w_ptr, bos, L, i_h, H, K, 0, BK, C)
+    Tm = _system(E, W, G, beta, rows, cols, C, DT)
     r = tl.arange(0, C)
     tl.store(Gc_ptr + (bos + r) * H + i_h, G, mask=valid)
-    _store_rows(wt_ptr, tl.dot(Tm, E * (beta * tl.exp(G))[:, None]), bos, i_h, H, K, 0, valid, BK, C)
+    _store_rows(T_ptr, Tm, bos, L, i_h, H, C, 0, C, C)
+    _store_rows(wt_ptr, _dot(Tm, E * (beta * tl.exp(G))[:, None], DT), bos, L, i_h, H, K, 0, BK, C)
     for v0 in range(0, V, BV):
-        Vt = _load_rows(v_ptr, bos, i_h, H, V, v0, valid, BV, C)
-        _store_rows(ut_ptr, tl.dot(Tm, Vt * beta[:, None]), bos, i_h, H, V, v0, valid, BV, C)
+        Vt = _load_rows(v_ptr, bos, L, i_h, H, V, v0, BV, C)
+        _store_rows(ut_ptr, _dot(Tm, Vt * beta[:, None], DT), bos, L, i_h, H, V, v0, BV, C)
 
 
 @triton.jit
@@ -142,46 +163,52 @@ def _chunk_at(bos, eos, j, C: tl.constexpr):
 
 
 @triton.jit
+def _chunk_gate(Gc_ptr, t0, L, i_h, H, valid, C: tl.constexpr):
+    r = tl.arange(0, C)
+    G = tl.load(Gc_ptr + (t0 + r) * H + i_h, mask=valid, other=0.)
+    return G, tl.sum(tl.where(r == L - 1, G, 0.), axis=0)
+
+
+@triton.jit
 def _states_kernel(w_ptr, wt_ptr, ut_ptr, Gc_ptr, s0_ptr, cu_ptr, coff_ptr, h_ptr, u_ptr, sT_ptr, H, K, V,
-                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     v0 = i_v * BV
     bos, eos, c0, n_c = _seq_range(cu_ptr, coff_ptr, i_n, C)
     S = _load_state(s0_ptr, i_nh.to(tl.int64) * K * V, K, V, v0, BK, BV)
-    r = tl.arange(0, C)
     for j in range(0, n_c):
         t0, L, valid = _chunk_at(bos, eos, j, C)
         _store_state(h_ptr, ((c0 + j).to(tl.int64) * H + i_h) * K * V, S, K, V, v0, BK, BV)
-        U = _load_rows(ut_ptr, t0, i_h, H, V, v0, valid, BV, C) - tl.dot(
-            _load_rows(wt_ptr, t0, i_h, H, K, 0, valid, BK, C), S)
-        _store_rows(u_ptr, U, t0, i_h, H, V, v0, valid, BV, C)
-        G = tl.load(Gc_ptr + (t0 + r) * H + i_h, mask=valid, other=0.)
-        G_end = tl.sum(tl.where(r == L - 1, G, 0.), axis=0)
-        Wd = _load_rows(w_ptr, t0, i_h, H, K, 0, valid, BK, C) * tl.exp(G_end - G)[:, None]
-        S = tl.exp(G_end) * S + tl.dot(tl.trans(Wd), U)
+        U = _load_rows(ut_ptr, t0, L, i_h, H, V, v0, BV, C) - _dot(
+            _load_rows(wt_ptr, t0, L, i_h, H, K, 0, BK, C), S, DT)
+        _store_rows(u_ptr, U, t0, L, i_h, H, V, v0, BV, C)
+        G, G_end = _chunk_gate(Gc_ptr, t0, L, i_h, H, valid, C)
+        Wd = _load_rows(w_ptr, t0, L, i_h, H, K, 0, BK, C) * tl.exp(G_end - G)[:, None]
+        S = tl.exp(G_end) * S + _dot(tl.trans(Wd), U, DT)
     _store_state(sT_ptr, i_nh.to(tl.int64) * K * V, S, K, V, v0, BK, BV)
 
 
 @triton.jit
 def _output_kernel(q_ptr, w_ptr, u_ptr, Gc_ptr, h_ptr, chunks_ptr, o_ptr, scale, H, K, V,
-                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr):
     i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     v0 = i_v * BV
     bos, L, rows, cols, valid = _chunk_rows(chunks_ptr, i_c, C)
     G = tl.load(Gc_ptr + (bos + tl.arange(0, C)) * H + i_h, mask=valid, other=0.)
-    Q = _load_rows(q_ptr, bos, i_h, H, K, 0, valid, BK, C)
-    W = _load_rows(w_ptr, bos, i_h, H, K, 0, valid, BK, C)
+    Q = _load_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C)
+    W = _load_rows(w_ptr, bos, L, i_h, H, K, 0, BK, C)
     S0 = _load_state(h_ptr, (i_c.to(tl.int64) * H + i_h) * K * V, K, V, v0, BK, BV)
-    U = _load_rows(u_ptr, bos, i_h, H, V, v0, valid, BV, C)
-    P = tl.dot(Q, tl.trans(W)) * _decay(G, rows, cols, False)
-    O = scale * (tl.exp(G)[:, None] * tl.dot(Q, S0) + tl.dot(P, U))
-    _store_rows(o_ptr, O, bos, i_h, H, V, v0, valid, BV, C)
+    U = _load_rows(u_ptr, bos, L, i_h, H, V, v0, BV, C)
+    P = _dot(Q, tl.trans(W), DT) * _decay(G, rows, cols, False)
+    O = scale * (tl.exp(G)[:, None] * _dot(Q, S0, DT) + _dot(P, U, DT))
+    _store_rows(o_ptr, O, bos, L, i_h, H, V, v0, BV, C)
 
 
 @triton.jit
 def _dstates_kernel(q_ptr, w_ptr, wt_ptr, Gc_ptr, do_ptr, dsT_ptr, cu_ptr, coff_ptr, du_ptr, dh_ptr, ds0_ptr,
-                    scale, H, K, V, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_DST: tl.constexpr):
+                    scale, H, K, V, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
+                    HAS_DST: tl.constexpr):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     v0 = i_v * BV
@@ -196,57 +223,54 @@ def _dstates_kernel(q_ptr, w_ptr, wt_ptr, Gc_ptr, do_ptr, dsT_ptr, cu_ptr, coff_
         j = n_c - 1 - jj
         t0, L, valid = _chunk_at(bos, eos, j, C)
         _store_state(dh_ptr, ((c0 + j).to(tl.int64) * H + i_h) * K * V, dS, K, V, v0, BK, BV)
-        G = tl.load(Gc_ptr + (t0 + r) * H + i_h, mask=valid, other=0.)
-        G_end = tl.sum(tl.where(r == L - 1, G, 0.), axis=0)
-        Q = _load_rows(q_ptr, t0, i_h, H, K, 0, valid, BK, C)
-        W = _load_rows(w_ptr, t0, i_h, H, K, 0, valid, BK, C)
-        dO = _load_rows(do_ptr, t0, i_h, H, V, v0, valid, BV, C)
-        P = tl.dot(Q, tl.trans(W)) * _decay(G, rows, cols, False)
-        dU = scale * tl.dot(tl.trans(P), dO) + tl.dot(W * tl.exp(G_end - G)[:, None], dS)
-        _store_rows(du_ptr, dU, t0, i_h, H, V, v0, valid, BV, C)
-        Wt = _load_rows(wt_ptr, t0, i_h, H, K, 0, valid, BK, C)
-        dS = (scale * tl.dot(tl.trans(Q * tl.exp(G)[:, None]), dO) + tl.exp(G_end) * dS
-              - tl.dot(tl.trans(Wt), dU))
+        G, G_end = _chunk_gate(Gc_ptr, t0, L, i_h, H, valid, C)
+        Q = _load_rows(q_ptr, t0, L, i_h, H, K, 0, BK, C)
+        W = _load_rows(w_ptr, t0, L, i_h, H, K, 0, BK, C)
+        dO = _load_rows(do_ptr, t0, L, i_h, H, V, v0, BV, C)
+        Pt = _dot(W, tl.trans(Q), DT) * tl.trans(_decay(G, rows, cols, False))
+        dU = scale * _dot(Pt, dO, DT) + _dot(W * tl.exp(G_end - G)[:, None], dS, DT)
+        _store_rows(du_ptr, dU, t0, L, i_h, H, V, v0, BV, C)
+        Wt = _load_rows(wt_ptr, t0, L, i_h, H, K, 0, BK, C)
+        dS = (scale * _dot(tl.trans(Q * tl.exp(G)[:, None]), dO, DT) + tl.exp(G_end) * dS
+              - _dot(tl.trans(Wt), dU, DT))
     _store_state(ds0_ptr, i_nh.to(tl.int64) * K * V, dS, K, V, v0, BK, BV)
 
 
 @triton.jit
-def _grads_kernel(q_ptr, w_ptr, e_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, h_ptr, dh_ptr, u_ptr, du_ptr, do_ptr,
-                  dq_ptr, dw_ptr, de_ptr, dv_ptr, dg_ptr, dbeta_ptr, scale, H, K, V,
-                  C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+def _grads_kernel(q_ptr, w_ptr, e_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, T_ptr, h_ptr, dh_ptr, u_ptr, du_ptr,
+                  do_ptr, dq_ptr, dw_ptr, de_ptr, dv_ptr, dg_ptr, dbeta_ptr, scale, H, K, V,
+                  C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, L, rows, cols, valid = _chunk_rows(chunks_ptr, i_c, C)
     G, beta, G_end = _gates(g_ptr, beta_ptr, bos, L, i_h, H, valid, C)
     eG = tl.exp(G)
-    Q = _load_rows(q_ptr, bos, i_h, H, K, 0, valid, BK, C)
-    W = _load_rows(w_ptr, bos, i_h, H, K, 0, valid, BK, C)
-    E = _load_rows(e_ptr, bos, i_h, H, K, 0, valid, BK, C)
-    A, Tm = _system(E, W, G, beta, rows, cols, C)
-    Wt = tl.dot(Tm, E * (beta * eG)[:, None])
+    Tm = _load_rows(T_ptr, bos, L, i_h, H, C, 0, C, C)
     base = (i_c.to(tl.int64) * H + i_h) * K * V
     dQ = tl.zeros([C, BK], dtype=tl.float32)        # Σ_v dO S_0ᵀ
     dWs = tl.zeros([C, BK], dtype=tl.float32)       # Σ_v U dS_Cᵀ
     dWt = tl.zeros([C, BK], dtype=tl.float32)       # dW̃ = −Σ_v dU S_0ᵀ
     dP = tl.zeros([C, C], dtype=tl.float32)         # Σ_v dO Uᵀ
-    dA = tl.zeros([C, C], dtype=tl.float32)
+    dA = tl.zeros([C, C], dtype=tl.float32)         # −Σ_v (Tᵀ dŨ) Ũᵀ
     dbeta = tl.zeros([C], dtype=tl.float32)
     dG_end = tl.sum(tl.zeros([C], dtype=tl.float32), axis=0)
     for v0 in range(0, V, BV):
         S0 = _load_state(h_ptr, base, K, V, v0, BK, BV)
         dSC = _load_state(dh_ptr, base, K, V, v0, BK, BV)
-        U = _load_rows(u_ptr, bos, i_h, H, V, v0, valid, BV, C)
-        dU = _load_rows(du_ptr, bos, i_h, H, V, v0, valid, BV, C)
-        dO = _load_rows(do_ptr, bos, i_h, H, V, v0, valid, BV, C)
-        Vt = _load_rows(v_ptr, bos, i_h, H, V, v0, valid, BV, C)
-        dQ += tl.dot(dO, tl.trans(S0))
-        dP += tl.dot(dO, tl.trans(U))
-        dWs += tl.dot(U, tl.trans(dSC))
-        dWt -= tl.dot(dU, tl.trans(S0))
+        U = _load_rows(u_ptr, bos, L, i_h, H, V, v0, BV, C)
+        dU = _load_rows(du_ptr, bos, L, i_h, H, V, v0, BV, C)
+        dO = _load_rows(do_ptr, bos, L, i_h, H, V, v0, BV, C)
+        Vt = _load_rows(v_ptr, bos, L, i_h, H, V, v0, BV, C)
+        dQ += _dot(dO, tl.trans(S0), DT)
+        dP += _dot(dO, tl.trans(U), DT)
+        dWs += _dot(U, tl.trans(dSC), DT)
+        dWt -= _dot(dU, tl.trans(S0), DT)
         dG_end += tl.sum(tl.sum(S0 * dSC, axis=1), axis=0)
-        dXv = tl.dot(tl.trans(Tm), dU)                                       # Tᵀ dŨ
-        _store_rows(dv_ptr, dXv * beta[:, None], bos, i_h, H, V, v0, valid, BV, C)
+        dXv = _dot(tl.trans(Tm), dU, DT)                                     # Tᵀ dŨ
+        _store_rows(dv_ptr, dXv * beta[:, None], bos, L, i_h, H, V, v0, BV, C)
         dbeta += tl.sum(Vt * dXv, axis=1)
-        dA -= tl.dot(dXv, tl.trans(tl.dot(Tm, Vt * beta[:, None])))        # −(Tᵀ dŨ) Ũᵀ
+        dA -= _dot(dXv, tl.trans(_dot(Tm, Vt * beta[:, None], DT)), DT)     # Ũ = T diag(β) V
+    Q = _load_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C)
+    W = _load_rows(w_ptr, bos, L, i_h, H, K, 0, BK, C)
     # o's state term scale·e^G Q S_0 and S_C's terms e^{G_C} S_0 + (e^{G_C − G} W)ᵀ U
     dQ = scale * eG[:, None] * dQ
     dG = tl.sum(Q * dQ, axis=1)
@@ -255,34 +279,36 @@ def _grads_kernel(q_ptr, w_ptr, e_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, h_ptr
     dG -= r_w
     dG_end = dG_end * tl.exp(G_end) + tl.sum(r_w, axis=0)
     # o's intra-chunk term scale·((Q Wᵀ) ⊙ D) U
+    QW = _dot(Q, tl.trans(W), DT)
     dPD = scale * dP * _decay(G, rows, cols, False)
-    M = dPD * tl.dot(Q, tl.trans(W))
+    M = dPD * QW
     dG += tl.sum(M, axis=1) - tl.sum(M, axis=0)
-    dQ += tl.dot(dPD, W)
-    dW = dWs + tl.dot(tl.trans(dPD), Q)
+    dQ += _dot(dPD, W, DT)
+    _store_rows(dq_ptr, dQ, bos, L, i_h, H, K, 0, BK, C)
+    dW = dWs + _dot(tl.trans(dPD), Q, DT)
     # W̃ = T diag(β e^G) E
-    dXe = tl.dot(tl.trans(Tm), dWt)
-    dE = (beta * eG)[:, None] * dXe
+    E = _load_rows(e_ptr, bos, L, i_h, H, K, 0, BK, C)
+    Eb = E * (beta * eG)[:, None]
+    dXe = _dot(tl.trans(Tm), dWt, DT)
     t_e = eG * tl.sum(E * dXe, axis=1)
     dbeta += t_e
     dG += beta * t_e
-    dA -= tl.dot(dXe, tl.trans(Wt))
+    dA -= _dot(dXe, tl.trans(_dot(Tm, Eb, DT)), DT)
     # A = strictly_lower(diag(β)(E Wᵀ) ⊙ D)
     dA = tl.where(cols < rows, dA, 0.)
-    M = dA * A
+    EWD = _dot(E, tl.trans(W), DT) * _decay(G, rows, cols, True)
+    M = dA * EWD
+    dbeta += tl.sum(M, axis=1)
+    M = M * beta[:, None]
     dG += tl.sum(M, axis=1) - tl.sum(M, axis=0)
-    dAD = dA * _decay(G, rows, cols, True)
-    dbeta += tl.sum(dAD * tl.dot(E, tl.trans(W)), axis=1)
+    dAD = dA * tl.where(cols < rows, tl.exp(tl.where(cols < rows, G[:, None] - G[None, :], 0.)), 0.)
     dAD = dAD * beta[:, None]
-    dE += tl.dot(dAD, W)
-    dW += tl.dot(tl.trans(dAD), E)
+    _store_rows(de_ptr, (beta * eG)[:, None] * dXe + _dot(dAD, W, DT), bos, L, i_h, H, K, 0, BK, C)
+    _store_rows(dw_ptr, dW + _dot(tl.trans(dAD), E, DT), bos, L, i_h, H, K, 0, BK, C)
     # G_t = Σ_{r≤t} g_r: dg is the reverse cumulative sum of dG (G_C is G at the last token)
     r = tl.arange(0, C)
     dG += tl.where(r == L - 1, dG_end, 0.)
     dg = tl.sum(dG, axis=0) - tl.cumsum(dG, axis=0) + dG
-    _store_rows(dq_ptr, dQ, bos, i_h, H, K, 0, valid, BK, C)
-    _store_rows(dw_ptr, dW, bos, i_h, H, K, 0, valid, BK, C)
-    _store_rows(de_ptr, dE, bos, i_h, H, K, 0, valid, BK, C)
     tl.store(dg_ptr + (bos + r) * H + i_h, dg.to(dg_ptr.dtype.element_ty), mask=valid)
     tl.store(dbeta_ptr + (bos + r) * H + i_h, dbeta.to(dbeta_ptr.dtype.element_ty), mask=valid)
 
@@ -312,27 +338,29 @@ def _blocks(K: int, V: int):
     return BK, BV
 
 
+_DT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
 def _forward(q, w, e, v, g, beta, s0, cu, coff, chunks, scale, need_o=True):
-    """Chunk-start states h [NC, H, K, V], pseudo-values U, G, final state and (need_o) the output."""
+    """Chunk-start states h [NC, H, K, V], T, pseudo-values U, G, W̃, final state and (need_o) the output. The
+    tensor-core operands (W̃, Ũ, U, h) are kept in the activations' dtype, T and G in fp32."""
     Ttot, H, K = q.shape
     V = v.shape[-1]
     BK, BV = _blocks(K, V)
     NC, N = chunks.shape[0], cu.numel() - 1
-    f32 = dict(dtype=torch.float32, device=q.device)
-    Gc = torch.empty(Ttot, H, **f32)
-    wt, ut = torch.empty(Ttot, H, K, **f32), torch.empty(Ttot, H, V, **f32)
-    _prep_kernel[(NC, H)](w, e, v, g, beta, chunks, Gc, wt, ut, H, K, V, C=CHUNK, BK=BK, BV=BV, num_warps=WARPS)
-    h = torch.empty(NC, H, K, V, **f32)
-    U = torch.empty(Ttot, H, V, **f32)
+    kw = dict(C=CHUNK, BK=BK, BV=BV, DT=_DT[q.dtype], num_warps=WARPS)
+    f32, act = dict(dtype=torch.float32, device=q.device), dict(dtype=q.dtype, device=q.device)
+    Gc, Tm = torch.empty(Ttot, H, **f32), torch.empty(Ttot, H, CHUNK, **f32)
+    wt, ut = torch.empty(Ttot, H, K, **act), torch.empty(Ttot, H, V, **act)
+    _prep_kernel[(NC, H)](w, e, v, g, beta, chunks, Gc, Tm, wt, ut, H, K, V, **kw)
+    h, U = torch.empty(NC, H, K, V, **act), torch.empty(Ttot, H, V, **act)
     sT = torch.empty(N, H, K, V, **f32)
-    _states_kernel[(triton.cdiv(V, BV), N * H)](w, wt, ut, Gc, s0, cu, coff, h, U, sT, H, K, V, C=CHUNK, BK=BK,
-                                                BV=BV, num_warps=WARPS)
+    _states_kernel[(triton.cdiv(V, BV), N * H)](w, wt, ut, Gc, s0, cu, coff, h, U, sT, H, K, V, **kw)
     o = None
     if need_o:
         o = torch.empty_like(v)
-        _output_kernel[(NC, H, triton.cdiv(V, BV))](q, w, U, Gc, h, chunks, o, scale, H, K, V, C=CHUNK, BK=BK,
-                                                    BV=BV, num_warps=WARPS)
-    return o, sT, h, U, Gc, wt
+        _output_kernel[(NC, H, triton.cdiv(V, BV))](q, w, U, Gc, h, chunks, o, scale, H, K, V, **kw)
+    return o, sT, h, U, Gc, Tm, wt
 
 
 class ChunkDeltaRuleFunction(torch.autograd.Function):
@@ -355,17 +383,17 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         B, T, H, K, V = ctx.shape
         BK, BV = _blocks(K, V)
         NC, N = chunks.shape[0], cu.numel() - 1
-        _, _, h, U, Gc, wt = _forward(q, w, e, v, g, beta, s0, cu, coff, chunks, ctx.scale, need_o=False)
+        kw = dict(C=CHUNK, BK=BK, BV=BV, DT=_DT[q.dtype], num_warps=WARPS)
+        _, _, h, U, Gc, Tm, wt = _forward(q, w, e, v, g, beta, s0, cu, coff, chunks, ctx.scale, need_o=False)
         do = torch.zeros_like(v) if do is None else do.reshape(B * T, H, V).contiguous()
-        f32 = dict(dtype=torch.float32, device=q.device)
-        dU, dh, ds0 = torch.empty(B * T, H, V, **f32), torch.empty(NC, H, K, V, **f32), torch.empty_like(s0)
+        dU, dh, ds0 = torch.empty_like(U), torch.empty_like(h), torch.empty_like(s0)
         _dstates_kernel[(triton.cdiv(V, BV), N * H)](
             q, w, wt, Gc, do, s0 if dsT is None else dsT.contiguous(), cu, coff, dU, dh, ds0, ctx.scale, H, K, V,
-            C=CHUNK, BK=BK, BV=BV, HAS_DST=dsT is not None, num_warps=WARPS)
+            HAS_DST=dsT is not None, **kw)
         dq, dw, de, dv = (torch.empty_like(x) for x in (q, w, e, v))
         dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
-        _grads_kernel[(NC, H)](q, w, e, v, g, beta, chunks, h, dh, U, dU, do, dq, dw, de, dv, dg, dbeta, ctx.scale,
-                               H, K, V, C=CHUNK, BK=BK, BV=BV, num_warps=WARPS)
+        _grads_kernel[(NC, H)](q, w, e, v, g, beta, chunks, Tm, h, dh, U, dU, do, dq, dw, de, dv, dg, dbeta,
+                               ctx.scale, H, K, V, **kw)
         shape = lambda x: x.view(B, T, *x.shape[1:])  # noqa: E731
         return (shape(dq), shape(dw), shape(de), shape(dv), shape(dg), shape(dbeta), ds0, None, None, None)
 

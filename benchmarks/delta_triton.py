@@ -1,0 +1,122 @@
+"""kalmix's chunked delta-rule kernels (kalmix/ops/common/delta_triton.py) on a GPU: accuracy against the fp64
+torch chunk path, then per-kernel and end-to-end timings next to fla's chunk_delta_rule / chunk_gated_delta_rule
+on the same shape. From the repository root:
+
+    python benchmarks/delta_triton.py [--configs WARPS,BLOCK_V ...]
+"""
+import argparse
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from kalmix.ops.common import delta_triton as dt
+from kalmix.ops.common.delta import chunk_delta_rule
+from kalmix.ops.common.testing import rel_err
+
+
+def inputs(B, T, H, K, V, dtype, dev, seed=0, same_keys=True):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q = r(B, T, H, K)
+    w = F.normalize(r(B, T, H, K), dim=-1)
+    e = w if same_keys else F.normalize(r(B, T, H, K), dim=-1)
+    v = r(B, T, H, V)
+    g = -0.3 * torch.rand(B, T, H, generator=gen, dtype=torch.float64)
+    beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64)
+    s0 = r(B, H, K, V)
+    acts = [x.to(dev, dtype) for x in (q, w, e, v)]
+    return acts + [x.to(dev, torch.float32 if dtype != torch.float64 else dtype) for x in (g, beta, s0)]
+
+
+def grads(f, xs, seed=1):
+    xs = [x.detach().requires_grad_() for x in xs]
+    o, S = f(*xs)
+    gen = torch.Generator().manual_seed(seed)
+    loss = sum((y * torch.randn(y.shape, generator=gen, dtype=torch.float64).to(y)).sum() for y in (o, S))
+    return [o.detach(), S.detach(), *torch.autograd.grad(loss, xs)]
+
+
+def checks(dev):
+    names = "o S dq dw de dv dg dbeta ds0".split()
+    print("== accuracy vs the fp64 torch chunk path (relative RMS)")
+    for dtype, T, same in ((torch.float32, 1000, False), (torch.float32, 1000, True), (torch.bfloat16, 1000, True),
+                           (torch.float32, 4097, True)):
+        B, H, K, V = 2, 4, 128, 128
+        ref = grads(lambda *x: chunk_delta_rule(*x[:6], scale=K ** -0.5, state=x[6]),
+                    inputs(B, T, H, K, V, torch.float64, dev, same_keys=same))
+        got = grads(lambda *x: dt.chunk_delta_rule_triton(*x[:6], scale=K ** -0.5, state=x[6]),
+                    inputs(B, T, H, K, V, dtype, dev, same_keys=same))
+        print(f"  {str(dtype)[6:]:8s} T={T} w=e={same!s:5s}",
+              " ".join(f"{n}={rel_err(a, b):.1e}" for n, a, b in zip(names, got, ref)))
+
+
+def timings(dev, configs):
+    B, T, H, K = 16, 2048, 8, 128
+    print(f"== timings, ms (do_bench median), bf16 B={B} T={T} H={H} K=V={K}")
+    from fla.ops import chunk_delta_rule as fla_delta, chunk_gated_delta_rule as fla_gdn
+    q, w, e, v, g, beta, s0 = inputs(B, T, H, K, K, torch.bfloat16, dev)
+    do = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
+    xs = [x.requires_grad_() for x in (q, w, v, g, beta)]
+    gb, bb = (x.detach().to(torch.bfloat16).requires_grad_() for x in (g, beta))
+    anchors = [("fla chunk_delta_rule", lambda: fla_delta(q, w, v, bb)[0], True),
+               ("fla chunk_gated_delta_rule", lambda: fla_gdn(q, w, v, gb, bb)[0], False)]
+    for name, f, bwd in anchors:
+        with torch.no_grad():
+            t_f = do_bench(f)
+        t_fb = f"{do_bench(lambda: f().backward(do)):.3f}" if bwd else "n/a (refused on Hopper)"
+        print(f"  {name:30s} fwd {t_f:7.3f}  fwd+bwd {t_fb}")
+    for warps, bv in configs:
+        dt.WARPS, dt.BLOCK_V = warps, bv
+        f = lambda: dt.chunk_delta_rule_triton(xs[0], xs[1], xs[1], xs[2], xs[3], xs[4], scale=K ** -0.5,  # noqa
+                                               state=s0)[0]
+        with torch.no_grad():
+            t_f = do_bench(f)
+        t_fb = do_bench(lambda: f().backward(do))
+        print(f"  kalmix warps={warps} BV={bv:3d}         fwd {t_f:7.3f}  fwd+bwd {t_fb:.3f}")
+        kernel_breakdown(q, w, v, g, beta, s0, do, K)
+
+
+def kernel_breakdown(q, w, v, g, beta, s0, do, K):
+    """Each kernel alone, on buffers from one forward (the backward's pieces as the backward runs them)."""
+    B, T, H, _ = q.shape
+    V = v.shape[-1]
+    qf, wf, vf, gf, bf = [x.reshape(B * T, *x.shape[2:]).contiguous().detach() for x in (q, w, v, g, beta)]
+    cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
+    coff, chunks = dt._chunk_table(cu, B, T, dt.CHUNK, False)
+    BK, BV = dt._blocks(K, V)
+    NC, N = chunks.shape[0], B
+    kw = dict(C=dt.CHUNK, BK=BK, BV=BV, DT=dt._DT[q.dtype], num_warps=dt.WARPS)
+    sc = K ** -0.5
+    o, sT, h, U, Gc, Tm, wt = dt._forward(qf, wf, wf, vf, gf, bf, s0, cu, coff, chunks, sc)
+    ut = torch.empty_like(U)
+    dof = do.reshape(B * T, H, V).contiguous()
+    dU, dh, ds0 = torch.empty_like(U), torch.empty_like(h), torch.empty_like(s0)
+    dq, dw, de, dv, dg, db = (torch.empty_like(x) for x in (qf, wf, wf, vf, gf, bf))
+    nv = triton_cdiv(V, BV)
+    runs = {
+        "prep": lambda: dt._prep_kernel[(NC, H)](wf, wf, vf, gf, bf, chunks, Gc, Tm, wt, ut, H, K, V, **kw),
+        "states": lambda: dt._states_kernel[(nv, N * H)](wf, wt, ut, Gc, s0, cu, coff, h, U, sT, H, K, V, **kw),
+        "output": lambda: dt._output_kernel[(NC, H, nv)](qf, wf, U, Gc, h, chunks, o, sc, H, K, V, **kw),
+        "dstates": lambda: dt._dstates_kernel[(nv, N * H)](qf, wf, wt, Gc, dof, s0, cu, coff, dU, dh, ds0, sc, H, K,
+                                                           V, HAS_DST=False, **kw),
+        "grads": lambda: dt._grads_kernel[(NC, H)](qf, wf, wf, vf, gf, bf, chunks, Tm, h, dh, U, dU, dof, dq, dw, de,
+                                                   dv, dg, db, sc, H, K, V, **kw),
+    }
+    print("    per kernel:", "  ".join(f"{k} {do_bench(f):.3f}" for k, f in runs.items()))
+
+
+def triton_cdiv(a, b):
+    return (a + b - 1) // b
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--configs", nargs="*", default=["4,64"], help="WARPS,BLOCK_V pairs to time")
+    p.add_argument("--skip-checks", action="store_true")
+    a = p.parse_args()
+    device = torch.device("cuda")
+    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    if not a.skip_checks:
+        checks(device)
+    timings(device, [tuple(int(x) for x in c.split(",")) for c in a.configs])
