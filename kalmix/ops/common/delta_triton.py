@@ -201,8 +201,8 @@ def _output_kernel(q_ptr, w_ptr, u_ptr, Gc_ptr, h_ptr, chunks_ptr, o_ptr, scale,
     S0 = _load_state(h_ptr, (i_c.to(tl.int64) * H + i_h) * K * V, K, V, v0, BK, BV)
     U = _load_rows(u_ptr, bos, L, i_h, H, V, v0, BV, C)
     P = _dot(Q, tl.trans(W), DT) * _decay(G, rows, cols, False)
-    O = scale * (tl.exp(G)[:, None] * _dot(Q, S0, DT) + _dot(P, U, DT))
-    _store_rows(o_ptr, O, bos, L, i_h, H, V, v0, BV, C)
+    out = scale * (tl.exp(G)[:, None] * _dot(Q, S0, DT) + _dot(P, U, DT))
+    _store_rows(o_ptr, out, bos, L, i_h, H, V, v0, BV, C)
 
 
 @triton.jit
