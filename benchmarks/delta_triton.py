@@ -2,7 +2,7 @@
 torch chunk path, then per-kernel and end-to-end timings next to fla's chunk_delta_rule / chunk_gated_delta_rule
 on the same shape. From the repository root:
 
-    python benchmarks/delta_triton.py [--configs WARPS,BLOCK_V ...]
+    python benchmarks/delta_triton.py [--configs KEY=VALUE,... ...]
 """
 import argparse
 
@@ -66,14 +66,14 @@ def timings(dev, configs):
             t_f = do_bench(f)
         t_fb = f"{do_bench(lambda: f().backward(do)):.3f}" if bwd else "n/a (refused on Hopper)"
         print(f"  {name:30s} fwd {t_f:7.3f}  fwd+bwd {t_fb}")
-    for warps, bv in configs:
-        dt.WARPS, dt.BLOCK_V = warps, bv
+    for cfg in configs:
+        dt.CONFIGS[16] = dict(dt.CONFIGS[16], **cfg)
         f = lambda: dt.chunk_delta_rule_triton(xs[0], xs[1], xs[1], xs[2], xs[3], xs[4], scale=K ** -0.5,  # noqa
                                                state=s0)[0]
         with torch.no_grad():
             t_f = do_bench(f)
         t_fb = do_bench(lambda: f().backward(do))
-        print(f"  kalmix warps={warps} BV={bv:3d}         fwd {t_f:7.3f}  fwd+bwd {t_fb:.3f}")
+        print(f"  kalmix {cfg}  fwd {t_f:7.3f}  fwd+bwd {t_fb:.3f}")
         kernel_breakdown(q, w, v, g, beta, s0, do, K)
 
 
@@ -84,24 +84,26 @@ def kernel_breakdown(q, w, v, g, beta, s0, do, K):
     qf, wf, vf, gf, bf = [x.reshape(B * T, *x.shape[2:]).contiguous().detach() for x in (q, w, v, g, beta)]
     cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
     coff, chunks = dt._chunk_table(cu, B, T, dt.CHUNK, False)
-    BK, BV = dt._blocks(K, V)
+    BK, BV, kw = dt._launch(q.dtype, K, V)
     NC, N = chunks.shape[0], B
-    kw = dict(C=dt.CHUNK, BK=BK, BV=BV, DT=dt._DT[q.dtype], num_warps=dt.WARPS)
     sc = K ** -0.5
     o, sT, h, U, Gc, Tm, wt = dt._forward(qf, wf, wf, vf, gf, bf, s0, cu, coff, chunks, sc)
     ut = torch.empty_like(U)
     dof = do.reshape(B * T, H, V).contiguous()
     dU, dh, ds0 = torch.empty_like(U), torch.empty_like(h), torch.empty_like(s0)
     dq, dw, de, dv, dg, db = (torch.empty_like(x) for x in (qf, wf, wf, vf, gf, bf))
+    dw32, dwt, dG = (torch.empty_like(x, dtype=torch.float32) for x in (wf, wf, gf))
     nv = triton_cdiv(V, BV)
     runs = {
-        "prep": lambda: dt._prep_kernel[(NC, H)](wf, wf, vf, gf, bf, chunks, Gc, Tm, wt, ut, H, K, V, **kw),
-        "states": lambda: dt._states_kernel[(nv, N * H)](wf, wt, ut, Gc, s0, cu, coff, h, U, sT, H, K, V, **kw),
-        "output": lambda: dt._output_kernel[(NC, H, nv)](qf, wf, U, Gc, h, chunks, o, sc, H, K, V, **kw),
+        "prep": lambda: dt._prep_kernel[(NC, H)](wf, wf, vf, gf, bf, chunks, Gc, Tm, wt, ut, H, K, V, **kw["prep"]),
+        "states": lambda: dt._states_kernel[(nv, N * H)](wf, wt, ut, Gc, s0, cu, coff, h, U, sT, H, K, V, **kw["states"]),
+        "output": lambda: dt._output_kernel[(NC, H, nv)](qf, wf, U, Gc, h, chunks, o, sc, H, K, V, **kw["output"]),
         "dstates": lambda: dt._dstates_kernel[(nv, N * H)](qf, wf, wt, Gc, dof, s0, cu, coff, dU, dh, ds0, sc, H, K,
-                                                           V, HAS_DST=False, **kw),
-        "grads": lambda: dt._grads_kernel[(NC, H)](qf, wf, wf, vf, gf, bf, chunks, Tm, h, dh, U, dU, dof, dq, dw, de,
-                                                   dv, dg, db, sc, H, K, V, **kw),
+                                                           V, HAS_DST=False, **kw["dstates"]),
+        "grads_qw": lambda: dt._grads_qw_kernel[(NC, H)](qf, wf, gf, bf, chunks, h, dh, U, dU, dof, dq, dw32, dwt,
+                                                         dG, sc, H, K, V, **kw["grads_qw"]),
+        "grads_wy": lambda: dt._grads_wy_kernel[(NC, H)](wf, wf, vf, gf, bf, chunks, Tm, dU, dwt, dG, dw32, dw, de, dv,
+                                                         dg, db, H, K, V, **kw["grads_wy"]),
     }
     print("    per kernel:", "  ".join(f"{k} {do_bench(f):.3f}" for k, f in runs.items()))
 
@@ -112,11 +114,12 @@ def triton_cdiv(a, b):
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
-    p.add_argument("--configs", nargs="*", default=["4,64"], help="WARPS,BLOCK_V pairs to time")
+    p.add_argument("--configs", nargs="*", default=[""],
+                   help="overrides of CONFIGS[16] to time, e.g. 'prep=8,BV=32' ('' = the defaults)")
     p.add_argument("--skip-checks", action="store_true")
     a = p.parse_args()
     device = torch.device("cuda")
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     if not a.skip_checks:
         checks(device)
-    timings(device, [tuple(int(x) for x in c.split(",")) for c in a.configs])
+    timings(device, [{k: int(x) for k, x in (kv.split("=") for kv in c.split(",") if kv)} for c in a.configs])

@@ -22,7 +22,8 @@ Kernels (every tensor laid out [tokens, H, *] with packed sequences; a chunk nev
     _states_kernel    per (sequence, head, V block), forward over chunks: chunk-start states h, U, final state
     _output_kernel    per (chunk, head, V block): O
     _dstates_kernel   per (sequence, head, V block), backward over chunks: dU, dS_C per chunk, dS of the start
-    _grads_kernel     per (chunk, head): dq, dw, de, dv, dg, dβ
+    _grads_qw_kernel  per (chunk, head): dq, dw and dg's terms from o and S_C, dW̃
+    _grads_wy_kernel  per (chunk, head): through T, W̃, Ũ: dv, de, dβ, the rest of dw, dg
 """
 from __future__ import annotations
 
@@ -34,8 +35,10 @@ import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 CHUNK = 64
-BLOCK_V = 64
-WARPS = 4
+# per operand width: the V block, the pipeline depth and each kernel's warps (fp32 operands need twice the
+# shared memory; the backward's per-chunk kernels hold three [C, K] fp32 accumulators)
+CONFIGS = {16: dict(BV=64, stages=2, prep=4, states=4, output=4, dstates=8, grads_qw=8, grads_wy=8),
+           32: dict(BV=32, stages=1, prep=8, states=8, output=8, dstates=8, grads_qw=8, grads_wy=8)}
 DOT_FP32 = tl.constexpr("ieee" if INTERPRET else "tf32x3")   # fp32 inputs: products accurate to ~fp32
 
 
@@ -118,15 +121,29 @@ def _decay(G, rows, cols, STRICT: tl.constexpr):
 
 
 @triton.jit
+def _dot32(a, b, DT: tl.constexpr):
+    """a @ b with fp32 operands (the triangular solve's): 3×TF32 for fp32 activations, one TF32 pass otherwise."""
+    if DT == tl.float32:
+        return tl.dot(a, b, input_precision=DOT_FP32)
+    else:
+        return tl.dot(a, b, input_precision="tf32")
+
+
+@triton.jit
 def _system(E, W, G, beta, rows, cols, C: tl.constexpr, DT: tl.constexpr):
-    """T = (I + A)⁻¹ for A = strictly_lower(diag(β)(E Wᵀ) ⊙ D), by forward substitution one row at a time."""
-    At = tl.trans(_dot(E, tl.trans(W), DT) * _decay(G, rows, cols, True) * beta[:, None])
-    Tm = (rows == cols).to(tl.float32)
-    for i in range(1, C):
-        a_i = tl.sum(tl.where(cols == i, At, 0.), axis=1)                   # A[i, s] along s
-        row = -tl.sum(a_i[:, None] * Tm, axis=0)                             # −Σ_s A[i, s] T[s, :]
-        Tm = tl.where(rows == i, Tm + row[None, :], Tm)
-    return Tm
+    """T = (I + A)⁻¹ for A = strictly_lower(diag(β)(E Wᵀ) ⊙ D), in four diagonal blocks: with Td the inverse of
+    I + (A's diagonal blocks) (forward substitution, the blocks' rows i together) and N = Td·(A's blocks below
+    the diagonal), which is nilpotent of order 4, T = (I + N)⁻¹ Td = (I − N)(I + N²) Td."""
+    BLK: tl.constexpr = C // 4
+    A = _dot(E, tl.trans(W), DT) * _decay(G, rows, cols, True) * beta[:, None]
+    diag = (rows // BLK) == (cols // BLK)
+    eye = (rows == cols).to(tl.float32)
+    Td = eye
+    for i in range(1, BLK):
+        sel = (rows % BLK) == i
+        Td = tl.where(sel, eye - _dot32(tl.where(sel & diag, A, 0.), Td, DT), Td)
+    N = _dot32(Td, tl.where(diag, 0., A), DT)
+    return _dot32(_dot32(eye - N, eye + _dot32(N, N, DT), DT), Td, DT)
 
 
 @triton.jit
@@ -237,21 +254,18 @@ def _dstates_kernel(q_ptr, w_ptr, wt_ptr, Gc_ptr, do_ptr, dsT_ptr, cu_ptr, coff_
 
 
 @triton.jit
-def _grads_kernel(q_ptr, w_ptr, e_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, T_ptr, h_ptr, dh_ptr, u_ptr, du_ptr,
-                  do_ptr, dq_ptr, dw_ptr, de_ptr, dv_ptr, dg_ptr, dbeta_ptr, scale, H, K, V,
-                  C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr):
+def _grads_qw_kernel(q_ptr, w_ptr, g_ptr, beta_ptr, chunks_ptr, h_ptr, dh_ptr, u_ptr, du_ptr, do_ptr,
+                     dq_ptr, dw_ptr, dwt_ptr, dG_ptr, scale, H, K, V,
+                     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr):
+    """Per chunk: dq; the parts of dw and of dG from o and S_C; dW̃ = −dU S_0ᵀ for _grads_wy_kernel."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, L, rows, cols, valid = _chunk_rows(chunks_ptr, i_c, C)
     G, beta, G_end = _gates(g_ptr, beta_ptr, bos, L, i_h, H, valid, C)
-    eG = tl.exp(G)
-    Tm = _load_rows(T_ptr, bos, L, i_h, H, C, 0, C, C)
     base = (i_c.to(tl.int64) * H + i_h) * K * V
     dQ = tl.zeros([C, BK], dtype=tl.float32)        # Σ_v dO S_0ᵀ
     dWs = tl.zeros([C, BK], dtype=tl.float32)       # Σ_v U dS_Cᵀ
     dWt = tl.zeros([C, BK], dtype=tl.float32)       # dW̃ = −Σ_v dU S_0ᵀ
     dP = tl.zeros([C, C], dtype=tl.float32)         # Σ_v dO Uᵀ
-    dA = tl.zeros([C, C], dtype=tl.float32)         # −Σ_v (Tᵀ dŨ) Ũᵀ
-    dbeta = tl.zeros([C], dtype=tl.float32)
     dG_end = tl.sum(tl.zeros([C], dtype=tl.float32), axis=0)
     for v0 in range(0, V, BV):
         S0 = _load_state(h_ptr, base, K, V, v0, BK, BV)
@@ -259,55 +273,70 @@ def _grads_kernel(q_ptr, w_ptr, e_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, T_ptr
         U = _load_rows(u_ptr, bos, L, i_h, H, V, v0, BV, C)
         dU = _load_rows(du_ptr, bos, L, i_h, H, V, v0, BV, C)
         dO = _load_rows(do_ptr, bos, L, i_h, H, V, v0, BV, C)
-        Vt = _load_rows(v_ptr, bos, L, i_h, H, V, v0, BV, C)
         dQ += _dot(dO, tl.trans(S0), DT)
         dP += _dot(dO, tl.trans(U), DT)
         dWs += _dot(U, tl.trans(dSC), DT)
         dWt -= _dot(dU, tl.trans(S0), DT)
         dG_end += tl.sum(tl.sum(S0 * dSC, axis=1), axis=0)
-        dXv = _dot(tl.trans(Tm), dU, DT)                                     # Tᵀ dŨ
-        _store_rows(dv_ptr, dXv * beta[:, None], bos, L, i_h, H, V, v0, BV, C)
-        dbeta += tl.sum(Vt * dXv, axis=1)
-        dA -= _dot(dXv, tl.trans(_dot(Tm, Vt * beta[:, None], DT)), DT)     # Ũ = T diag(β) V
+    _store_rows(dwt_ptr, dWt, bos, L, i_h, H, K, 0, BK, C)
     Q = _load_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C)
     W = _load_rows(w_ptr, bos, L, i_h, H, K, 0, BK, C)
     # o's state term scale·e^G Q S_0 and S_C's terms e^{G_C} S_0 + (e^{G_C − G} W)ᵀ U
-    dQ = scale * eG[:, None] * dQ
+    dQ = scale * tl.exp(G)[:, None] * dQ
     dG = tl.sum(Q * dQ, axis=1)
     dWs = tl.exp(G_end - G)[:, None] * dWs
     r_w = tl.sum(W * dWs, axis=1)
     dG -= r_w
     dG_end = dG_end * tl.exp(G_end) + tl.sum(r_w, axis=0)
     # o's intra-chunk term scale·((Q Wᵀ) ⊙ D) U
-    QW = _dot(Q, tl.trans(W), DT)
     dPD = scale * dP * _decay(G, rows, cols, False)
-    M = dPD * QW
+    M = dPD * _dot(Q, tl.trans(W), DT)
     dG += tl.sum(M, axis=1) - tl.sum(M, axis=0)
-    dQ += _dot(dPD, W, DT)
-    _store_rows(dq_ptr, dQ, bos, L, i_h, H, K, 0, BK, C)
-    dW = dWs + _dot(tl.trans(dPD), Q, DT)
-    # W̃ = T diag(β e^G) E
+    _store_rows(dq_ptr, dQ + _dot(dPD, W, DT), bos, L, i_h, H, K, 0, BK, C)
+    _store_rows(dw_ptr, dWs + _dot(tl.trans(dPD), Q, DT), bos, L, i_h, H, K, 0, BK, C)
+    r = tl.arange(0, C)
+    tl.store(dG_ptr + (bos + r) * H + i_h, dG + tl.where(r == L - 1, dG_end, 0.), mask=valid)
+
+
+@triton.jit
+def _grads_wy_kernel(w_ptr, e_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, T_ptr, du_ptr, dwt_ptr, dG_ptr, dw32_ptr,
+                     dw_ptr, de_ptr, dv_ptr, dg_ptr, dbeta_ptr, H, K, V,
+                     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr):
+    """Per chunk, through Ũ = T diag(β) V, W̃ = T diag(β e^G) E and T = (I + A)⁻¹: dv, de, dβ, the rest of dw
+    and dG, and dg (the reverse cumulative sum of dG: G_t = Σ_{r≤t} g_r)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    bos, L, rows, cols, valid = _chunk_rows(chunks_ptr, i_c, C)
+    G, beta, G_end = _gates(g_ptr, beta_ptr, bos, L, i_h, H, valid, C)
+    eG = tl.exp(G)
+    Tm = _load_rows(T_ptr, bos, L, i_h, H, C, 0, C, C)
+    dA = tl.zeros([C, C], dtype=tl.float32)         # −Σ_v (Tᵀ dŨ) Ũᵀ
+    dbeta = tl.zeros([C], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        dU = _load_rows(du_ptr, bos, L, i_h, H, V, v0, BV, C)
+        Vt = _load_rows(v_ptr, bos, L, i_h, H, V, v0, BV, C)
+        dXv = _dot(tl.trans(Tm), dU, DT)                                     # Tᵀ dŨ
+        _store_rows(dv_ptr, dXv * beta[:, None], bos, L, i_h, H, V, v0, BV, C)
+        dbeta += tl.sum(Vt * dXv, axis=1)
+        dA -= _dot(dXv, tl.trans(_dot(Tm, Vt * beta[:, None], DT)), DT)
     E = _load_rows(e_ptr, bos, L, i_h, H, K, 0, BK, C)
-    Eb = E * (beta * eG)[:, None]
-    dXe = _dot(tl.trans(Tm), dWt, DT)
+    W = _load_rows(w_ptr, bos, L, i_h, H, K, 0, BK, C)
+    dXe = _dot(tl.trans(Tm), _load_rows(dwt_ptr, bos, L, i_h, H, K, 0, BK, C), DT)     # Tᵀ dW̃
     t_e = eG * tl.sum(E * dXe, axis=1)
     dbeta += t_e
-    dG += beta * t_e
-    dA -= _dot(dXe, tl.trans(_dot(Tm, Eb, DT)), DT)
+    r = tl.arange(0, C)
+    dG = tl.load(dG_ptr + (bos + r) * H + i_h, mask=valid, other=0.) + beta * t_e
+    dA -= _dot(dXe, tl.trans(_dot(Tm, E * (beta * eG)[:, None], DT)), DT)
     # A = strictly_lower(diag(β)(E Wᵀ) ⊙ D)
+    D = _decay(G, rows, cols, True)
     dA = tl.where(cols < rows, dA, 0.)
-    EWD = _dot(E, tl.trans(W), DT) * _decay(G, rows, cols, True)
-    M = dA * EWD
+    M = dA * D * _dot(E, tl.trans(W), DT)
     dbeta += tl.sum(M, axis=1)
     M = M * beta[:, None]
     dG += tl.sum(M, axis=1) - tl.sum(M, axis=0)
-    dAD = dA * tl.where(cols < rows, tl.exp(tl.where(cols < rows, G[:, None] - G[None, :], 0.)), 0.)
-    dAD = dAD * beta[:, None]
+    dAD = dA * D * beta[:, None]
     _store_rows(de_ptr, (beta * eG)[:, None] * dXe + _dot(dAD, W, DT), bos, L, i_h, H, K, 0, BK, C)
-    _store_rows(dw_ptr, dW + _dot(tl.trans(dAD), E, DT), bos, L, i_h, H, K, 0, BK, C)
-    # G_t = Σ_{r≤t} g_r: dg is the reverse cumulative sum of dG (G_C is G at the last token)
-    r = tl.arange(0, C)
-    dG += tl.where(r == L - 1, dG_end, 0.)
+    dW = _load_rows(dw32_ptr, bos, L, i_h, H, K, 0, BK, C) + _dot(tl.trans(dAD), E, DT)
+    _store_rows(dw_ptr, dW, bos, L, i_h, H, K, 0, BK, C)
     dg = tl.sum(dG, axis=0) - tl.cumsum(dG, axis=0) + dG
     tl.store(dg_ptr + (bos + r) * H + i_h, dg.to(dg_ptr.dtype.element_ty), mask=valid)
     tl.store(dbeta_ptr + (bos + r) * H + i_h, dbeta.to(dbeta_ptr.dtype.element_ty), mask=valid)
@@ -332,10 +361,13 @@ def _chunk_table(cu: torch.Tensor, B: int, T: int, C: int, packed: bool):
     return coff.to(torch.int32), torch.stack([start, end], 1).to(torch.int32).contiguous()
 
 
-def _blocks(K: int, V: int):
+def _launch(dtype: torch.dtype, K: int, V: int):
+    """(BK, BV, {kernel: launch keywords}) for activations of ``dtype`` and head sizes K, V."""
+    cfg = CONFIGS[32 if dtype == torch.float32 else 16]
     BK = max(16, triton.next_power_of_2(K))
-    BV = max(16, min(BLOCK_V, triton.next_power_of_2(V)))
-    return BK, BV
+    BV = max(16, min(cfg["BV"], triton.next_power_of_2(V)))
+    kw = dict(C=CHUNK, BK=BK, BV=BV, DT=_DT[dtype], num_stages=cfg["stages"])
+    return BK, BV, {k: dict(kw, num_warps=w) for k, w in cfg.items() if k not in ("BV", "stages")}
 
 
 _DT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -346,20 +378,19 @@ def _forward(q, w, e, v, g, beta, s0, cu, coff, chunks, scale, need_o=True):
     tensor-core operands (W̃, Ũ, U, h) are kept in the activations' dtype, T and G in fp32."""
     Ttot, H, K = q.shape
     V = v.shape[-1]
-    BK, BV = _blocks(K, V)
+    BK, BV, kw = _launch(q.dtype, K, V)
     NC, N = chunks.shape[0], cu.numel() - 1
-    kw = dict(C=CHUNK, BK=BK, BV=BV, DT=_DT[q.dtype], num_warps=WARPS)
     f32, act = dict(dtype=torch.float32, device=q.device), dict(dtype=q.dtype, device=q.device)
     Gc, Tm = torch.empty(Ttot, H, **f32), torch.empty(Ttot, H, CHUNK, **f32)
     wt, ut = torch.empty(Ttot, H, K, **act), torch.empty(Ttot, H, V, **act)
-    _prep_kernel[(NC, H)](w, e, v, g, beta, chunks, Gc, Tm, wt, ut, H, K, V, **kw)
+    _prep_kernel[(NC, H)](w, e, v, g, beta, chunks, Gc, Tm, wt, ut, H, K, V, **kw["prep"])
     h, U = torch.empty(NC, H, K, V, **act), torch.empty(Ttot, H, V, **act)
     sT = torch.empty(N, H, K, V, **f32)
-    _states_kernel[(triton.cdiv(V, BV), N * H)](w, wt, ut, Gc, s0, cu, coff, h, U, sT, H, K, V, **kw)
+    _states_kernel[(triton.cdiv(V, BV), N * H)](w, wt, ut, Gc, s0, cu, coff, h, U, sT, H, K, V, **kw["states"])
     o = None
     if need_o:
         o = torch.empty_like(v)
-        _output_kernel[(NC, H, triton.cdiv(V, BV))](q, w, U, Gc, h, chunks, o, scale, H, K, V, **kw)
+        _output_kernel[(NC, H, triton.cdiv(V, BV))](q, w, U, Gc, h, chunks, o, scale, H, K, V, **kw["output"])
     return o, sT, h, U, Gc, Tm, wt
 
 
@@ -381,19 +412,22 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
     def backward(ctx, do, dsT):
         q, w, e, v, g, beta, s0, cu, coff, chunks = ctx.saved_tensors
         B, T, H, K, V = ctx.shape
-        BK, BV = _blocks(K, V)
+        BK, BV, kw = _launch(q.dtype, K, V)
         NC, N = chunks.shape[0], cu.numel() - 1
-        kw = dict(C=CHUNK, BK=BK, BV=BV, DT=_DT[q.dtype], num_warps=WARPS)
         _, _, h, U, Gc, Tm, wt = _forward(q, w, e, v, g, beta, s0, cu, coff, chunks, ctx.scale, need_o=False)
         do = torch.zeros_like(v) if do is None else do.reshape(B * T, H, V).contiguous()
         dU, dh, ds0 = torch.empty_like(U), torch.empty_like(h), torch.empty_like(s0)
         _dstates_kernel[(triton.cdiv(V, BV), N * H)](
             q, w, wt, Gc, do, s0 if dsT is None else dsT.contiguous(), cu, coff, dU, dh, ds0, ctx.scale, H, K, V,
-            HAS_DST=dsT is not None, **kw)
+            HAS_DST=dsT is not None, **kw["dstates"])
         dq, dw, de, dv = (torch.empty_like(x) for x in (q, w, e, v))
         dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
-        _grads_kernel[(NC, H)](q, w, e, v, g, beta, chunks, Tm, h, dh, U, dU, do, dq, dw, de, dv, dg, dbeta,
-                               ctx.scale, H, K, V, **kw)
+        dw32, dwt, dG = torch.empty_like(w, dtype=torch.float32), torch.empty_like(w, dtype=torch.float32), \
+            torch.empty_like(g, dtype=torch.float32)
+        _grads_qw_kernel[(NC, H)](q, w, g, beta, chunks, h, dh, U, dU, do, dq, dw32, dwt, dG, ctx.scale, H, K, V,
+                                  **kw["grads_qw"])
+        _grads_wy_kernel[(NC, H)](w, e, v, g, beta, chunks, Tm, dU, dwt, dG, dw32, dw, de, dv, dg, dbeta, H, K, V,
+                                  **kw["grads_wy"])
         shape = lambda x: x.view(B, T, *x.shape[1:])  # noqa: E731
         return (shape(dq), shape(dw), shape(de), shape(dv), shape(dg), shape(dbeta), ds0, None, None, None)
 
