@@ -96,7 +96,8 @@ def kernel_breakdown(q, w, v, g, beta, s0, do, K):
     nv = triton_cdiv(V, BV)
     runs = {
         "prep": lambda: dt._prep_kernel[(NC, H)](wf, wf, vf, gf, bf, chunks, Gc, Tm, wt, ut, H, K, V, **kw["prep"]),
-        "states": lambda: dt._states_kernel[(nv, N * H)](wf, wt, ut, Gc, s0, cu, coff, h, U, sT, H, K, V, **kw["states"]),
+        "states": lambda: dt._states_kernel[(nv, N * H)](wf, wt, ut, Gc, s0, cu, coff, h, U, sT, H, K, V,
+                                                         **kw["states"]),
         "output": lambda: dt._output_kernel[(NC, H, nv)](qf, wf, U, Gc, h, chunks, o, sc, H, K, V, **kw["output"]),
         "dstates": lambda: dt._dstates_kernel[(nv, N * H)](qf, wf, wt, Gc, dof, s0, cu, coff, dU, dh, ds0, sc, H, K,
                                                            V, HAS_DST=False, **kw["dstates"]),
