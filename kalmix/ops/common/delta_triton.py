@@ -39,16 +39,29 @@ CHUNK = 64
 # shared memory; the backward's per-chunk kernels hold three [C, K] fp32 accumulators)
 CONFIGS = {16: dict(BV=64, stages=2, prep=4, states=4, output=4, dstates=8, grads_qw=8, grads_wy=8),
            32: dict(BV=32, stages=1, prep=8, states=8, output=8, dstates=8, grads_qw=8, grads_wy=8)}
+CONFIGS[64] = CONFIGS[32]
 DOT_FP32 = tl.constexpr("ieee" if INTERPRET else "tf32x3")   # fp32 inputs: products accurate to ~fp32
 
 
 @triton.jit
 def _dot(a, b, DT: tl.constexpr):
-    """a @ b on tensor cores with both operands in DT (the activations' 16-bit dtype, or fp32 as 3×TF32)."""
+    """a @ b on tensor cores with both operands in DT (the activations' 16-bit dtype, or fp32 as 3×TF32; fp64
+    stays fp64)."""
     if DT == tl.float32:
         return tl.dot(a, b, input_precision=DOT_FP32)
+    elif DT == tl.float64:
+        return tl.dot(a, b)
     else:
         return tl.dot(a.to(DT), b.to(DT))
+
+
+@triton.jit
+def _acc(x):
+    """The arithmetic dtype: fp64 stays fp64, everything else becomes fp32."""
+    if x.dtype == tl.float64:
+        return x
+    else:
+        return x.to(tl.float32)
 
 
 @triton.jit
@@ -73,7 +86,7 @@ def _rows(ptr, bos, L, i_h, H, D, d0, BD: tl.constexpr, C: tl.constexpr):
 def _load_rows(ptr, bos, L, i_h, H, D, d0, BD: tl.constexpr, C: tl.constexpr):
     """That block as fp32 [C, BD], 0 outside the rows and columns."""
     p, m = _rows(ptr, bos, L, i_h, H, D, d0, BD, C)
-    return tl.load(p, mask=m, other=0.).to(tl.float32)
+    return _acc(tl.load(p, mask=m, other=0.))
 
 
 @triton.jit
@@ -93,7 +106,7 @@ def _state(ptr, base, K, V, v0, BK: tl.constexpr, BV: tl.constexpr):
 @triton.jit
 def _load_state(ptr, base, K, V, v0, BK: tl.constexpr, BV: tl.constexpr):
     p, m = _state(ptr, base, K, V, v0, BK, BV)
-    return tl.load(p, mask=m, other=0.).to(tl.float32)
+    return _acc(tl.load(p, mask=m, other=0.))
 
 
 @triton.jit
@@ -106,8 +119,8 @@ def _store_state(ptr, base, x, K, V, v0, BK: tl.constexpr, BV: tl.constexpr):
 def _gates(g_ptr, beta_ptr, bos, L, i_h, H, valid, C: tl.constexpr):
     """G_t (log decay from the chunk start) and β_t as [C] fp32, and G at the chunk's last token."""
     r = tl.arange(0, C)
-    g = tl.load(g_ptr + (bos + r) * H + i_h, mask=valid, other=0.).to(tl.float32)
-    beta = tl.load(beta_ptr + (bos + r) * H + i_h, mask=valid, other=0.).to(tl.float32)
+    g = _acc(tl.load(g_ptr + (bos + r) * H + i_h, mask=valid, other=0.))
+    beta = _acc(tl.load(beta_ptr + (bos + r) * H + i_h, mask=valid, other=0.))
     G = tl.cumsum(g, axis=0)
     G_end = tl.sum(tl.where(r == L - 1, G, 0.), axis=0)
     return G, beta, G_end
@@ -122,9 +135,12 @@ def _decay(G, rows, cols, STRICT: tl.constexpr):
 
 @triton.jit
 def _dot32(a, b, DT: tl.constexpr):
-    """a @ b with fp32 operands (the triangular solve's): 3×TF32 for fp32 activations, one TF32 pass otherwise."""
+    """a @ b with fp32 operands (the triangular solve's): 3×TF32 for fp32 activations, one TF32 pass for 16-bit
+    ones (fp64 stays fp64)."""
     if DT == tl.float32:
         return tl.dot(a, b, input_precision=DOT_FP32)
+    elif DT == tl.float64:
+        return tl.dot(a, b)
     else:
         return tl.dot(a, b, input_precision="tf32")
 
@@ -137,7 +153,7 @@ def _system(E, W, G, beta, rows, cols, C: tl.constexpr, DT: tl.constexpr):
     BLK: tl.constexpr = C // 4
     A = _dot(E, tl.trans(W), DT) * _decay(G, rows, cols, True) * beta[:, None]
     diag = (rows // BLK) == (cols // BLK)
-    eye = (rows == cols).to(tl.float32)
+    eye = (rows == cols).to(G.dtype)
     Td = eye
     for i in range(1, BLK):
         sel = (rows % BLK) == i
@@ -233,7 +249,7 @@ def _dstates_kernel(q_ptr, w_ptr, wt_ptr, Gc_ptr, do_ptr, dsT_ptr, cu_ptr, coff_
     if HAS_DST:
         dS = _load_state(dsT_ptr, i_nh.to(tl.int64) * K * V, K, V, v0, BK, BV)
     else:
-        dS = tl.zeros([BK, BV], dtype=tl.float32)
+        dS = tl.zeros([BK, BV], dtype=Gc_ptr.dtype.element_ty)
     r = tl.arange(0, C)
     rows, cols = r[:, None], r[None, :]
     for jj in range(0, n_c):
@@ -262,11 +278,11 @@ def _grads_qw_kernel(q_ptr, w_ptr, g_ptr, beta_ptr, chunks_ptr, h_ptr, dh_ptr, u
     bos, L, rows, cols, valid = _chunk_rows(chunks_ptr, i_c, C)
     G, beta, G_end = _gates(g_ptr, beta_ptr, bos, L, i_h, H, valid, C)
     base = (i_c.to(tl.int64) * H + i_h) * K * V
-    dQ = tl.zeros([C, BK], dtype=tl.float32)        # Σ_v dO S_0ᵀ
-    dWs = tl.zeros([C, BK], dtype=tl.float32)       # Σ_v U dS_Cᵀ
-    dWt = tl.zeros([C, BK], dtype=tl.float32)       # dW̃ = −Σ_v dU S_0ᵀ
-    dP = tl.zeros([C, C], dtype=tl.float32)         # Σ_v dO Uᵀ
-    dG_end = tl.sum(tl.zeros([C], dtype=tl.float32), axis=0)
+    dQ = tl.zeros([C, BK], dtype=G.dtype)           # Σ_v dO S_0ᵀ
+    dWs = tl.zeros([C, BK], dtype=G.dtype)          # Σ_v U dS_Cᵀ
+    dWt = tl.zeros([C, BK], dtype=G.dtype)          # dW̃ = −Σ_v dU S_0ᵀ
+    dP = tl.zeros([C, C], dtype=G.dtype)            # Σ_v dO Uᵀ
+    dG_end = tl.sum(tl.zeros([C], dtype=G.dtype), axis=0)
     for v0 in range(0, V, BV):
         S0 = _load_state(h_ptr, base, K, V, v0, BK, BV)
         dSC = _load_state(dh_ptr, base, K, V, v0, BK, BV)
@@ -309,8 +325,8 @@ def _grads_wy_kernel(w_ptr, e_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, T_ptr, du
     G, beta, G_end = _gates(g_ptr, beta_ptr, bos, L, i_h, H, valid, C)
     eG = tl.exp(G)
     Tm = _load_rows(T_ptr, bos, L, i_h, H, C, 0, C, C)
-    dA = tl.zeros([C, C], dtype=tl.float32)         # −Σ_v (Tᵀ dŨ) Ũᵀ
-    dbeta = tl.zeros([C], dtype=tl.float32)
+    dA = tl.zeros([C, C], dtype=G.dtype)            # −Σ_v (Tᵀ dŨ) Ũᵀ
+    dbeta = tl.zeros([C], dtype=G.dtype)
     for v0 in range(0, V, BV):
         dU = _load_rows(du_ptr, bos, L, i_h, H, V, v0, BV, C)
         Vt = _load_rows(v_ptr, bos, L, i_h, H, V, v0, BV, C)
@@ -363,14 +379,18 @@ def _chunk_table(cu: torch.Tensor, B: int, T: int, C: int, packed: bool):
 
 def _launch(dtype: torch.dtype, K: int, V: int):
     """(BK, BV, {kernel: launch keywords}) for activations of ``dtype`` and head sizes K, V."""
-    cfg = CONFIGS[32 if dtype == torch.float32 else 16]
+    cfg = CONFIGS[dtype.itemsize * 8 if dtype.is_floating_point and dtype.itemsize > 2 else 16]
     BK = max(16, triton.next_power_of_2(K))
     BV = max(16, min(cfg["BV"], triton.next_power_of_2(V)))
     kw = dict(C=CHUNK, BK=BK, BV=BV, DT=_DT[dtype], num_stages=cfg["stages"])
     return BK, BV, {k: dict(kw, num_warps=w) for k, w in cfg.items() if k not in ("BV", "stages")}
 
 
-_DT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+_DT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32, torch.float64: tl.float64}
+
+
+def _acc_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _forward(q, w, e, v, g, beta, s0, cu, coff, chunks, scale, need_o=True):
@@ -380,7 +400,7 @@ def _forward(q, w, e, v, g, beta, s0, cu, coff, chunks, scale, need_o=True):
     V = v.shape[-1]
     BK, BV, kw = _launch(q.dtype, K, V)
     NC, N = chunks.shape[0], cu.numel() - 1
-    f32, act = dict(dtype=torch.float32, device=q.device), dict(dtype=q.dtype, device=q.device)
+    f32, act = dict(dtype=_acc_dtype(q), device=q.device), dict(dtype=q.dtype, device=q.device)
     Gc, Tm = torch.empty(Ttot, H, **f32), torch.empty(Ttot, H, CHUNK, **f32)
     wt, ut = torch.empty(Ttot, H, K, **act), torch.empty(Ttot, H, V, **act)
     _prep_kernel[(NC, H)](w, e, v, g, beta, chunks, Gc, Tm, wt, ut, H, K, V, **kw["prep"])
@@ -422,8 +442,8 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
             HAS_DST=dsT is not None, **kw["dstates"])
         dq, dw, de, dv = (torch.empty_like(x) for x in (q, w, e, v))
         dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
-        dw32, dwt, dG = torch.empty_like(w, dtype=torch.float32), torch.empty_like(w, dtype=torch.float32), \
-            torch.empty_like(g, dtype=torch.float32)
+        acc = _acc_dtype(q)
+        dw32, dwt, dG = torch.empty_like(w, dtype=acc), torch.empty_like(w, dtype=acc), torch.empty_like(g, dtype=acc)
         _grads_qw_kernel[(NC, H)](q, w, g, beta, chunks, h, dh, U, dU, do, dq, dw32, dwt, dG, ctx.scale, H, K, V,
                                   **kw["grads_qw"])
         _grads_wy_kernel[(NC, H)](w, e, v, g, beta, chunks, Tm, dU, dwt, dG, dw32, dw, de, dv, dg, dbeta, H, K, V,
@@ -437,15 +457,18 @@ def chunk_delta_rule_triton(q, w, e, v, g, beta, *, scale: float, state: torch.T
     """The rule of the module docstring on GPU tensors (or under TRITON_INTERPRET).
 
     Args:
-        q, w, e: [B, T, H, K]; v: [B, T, H, V] (bf16/fp16/fp32); g (log γ <= 0), beta: [B, T, H].
-        state: [N, H, K, V] fp32 initial states (N = B, or the number of packed sequences).
+        q, w, e: [B, T, H, K]; v: [B, T, H, V], all of one dtype (bf16/fp16/fp32; fp64 runs in fp64);
+        g (log γ <= 0), beta: [B, T, H], any float dtype.
+        state: [N, H, K, V] initial states (N = B, or the number of packed sequences).
         cu_seqlens: [N + 1] offsets of packed sequences (B = 1).
     Returns:
-        o [B, T, H, V] in v's dtype, final state [N, H, K, V] fp32.
+        o [B, T, H, V] in v's dtype, final state [N, H, K, V] in fp32 (fp64 for fp64 inputs).
     """
     B, T = q.shape[:2]
     if cu_seqlens is None:
         cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
     else:
         cu = cu_seqlens.to(torch.int32)
-    return ChunkDeltaRuleFunction.apply(q, w, e, v, g, beta, state.float(), cu, cu_seqlens is not None, scale)
+    acc = _acc_dtype(q)
+    return ChunkDeltaRuleFunction.apply(q, w, e, v, g.to(acc), beta.to(acc), state.to(acc), cu, cu_seqlens is not None,
+                                        scale)
