@@ -13,13 +13,11 @@ from kalmix.ops.vla.op import variational_linear_attention
 
 # the impls each op has in this version (impl=None resolves to one of these or raises)
 AVAILABLE_IMPLS = {m._OP: tuple(m._IMPLS) for m in (_kalman, _gka, _kaczmarz, _vla)}
-_CUDA_ONLY = {m._OP: getattr(m, "_CUDA_ONLY", ()) for m in (_kalman, _gka, _kaczmarz, _vla)}
 
 
 def runnable_impls(op: str, device: torch.device) -> tuple[str, ...]:
-    """The impls of ``op`` that run on ``device``: on CPU, "triton" only under TRITON_INTERPRET=1 and never
-    the ones built on fla's kernels."""
-    return tuple(i for i in AVAILABLE_IMPLS[op] if device_refusal(i, device, _CUDA_ONLY[op]) is None)
+    """The impls of ``op`` that run on ``device``: on CPU, "triton" only under TRITON_INTERPRET=1."""
+    return tuple(i for i in AVAILABLE_IMPLS[op] if device_refusal(i, device) is None)
 
 
 __all__ = ["kalman_attention", "gated_kalmanet", "kaczmarz_attention", "variational_linear_attention",

@@ -6,8 +6,7 @@ from kalmix.ops import runnable_impls
 from kalmix.ops.common.testing import CASES, assert_close, outputs_and_grads, run_case
 
 TOL64 = 1e-6
-# every parallel impl of every op that runs on CPU tensors (triton in the interpreter); the impls on fla's
-# kernels are CUDA-only: tests/ops/test_kaczmarz_fla.py checks kalmix's side of them with a stand-in for fla
+# every parallel impl of every op that runs on CPU tensors (triton in the interpreter)
 PARALLEL = [(n, i) for n, c in CASES.items() for i in runnable_impls(c.fn.__name__, torch.device("cpu"))
             if i != "naive"]
 ALL = [(n, "naive") for n in CASES] + PARALLEL

@@ -86,10 +86,8 @@ def check_cu_seqlens(op: str, cu_seqlens, batch: int, seq_len: int, device: torc
     return len(cs) - 1
 
 
-def resolve_impl(op: str, impl: str | None, device: torch.device, available: Mapping[str, Callable],
-                 cuda_only: tuple[str, ...] = ()) -> Callable:
-    """Map ``impl`` (None = "triton" on CUDA, "torch" otherwise) to the function that runs it; ``cuda_only``
-    impls (fla's kernels) do not run under the interpreter.
+def resolve_impl(op: str, impl: str | None, device: torch.device, available: Mapping[str, Callable]) -> Callable:
+    """Map ``impl`` (None = "triton" on CUDA, "torch" otherwise) to the function that runs it.
 
     Never falls back: an impl that cannot run raises, naming the alternatives.
     """
@@ -102,20 +100,16 @@ def resolve_impl(op: str, impl: str | None, device: torch.device, available: Map
         raise NotImplementedError(
             f"{op}: impl={impl!r} is not available for this op in this version of kalmix "
             f"(it is the default for {device.type} tensors); pass impl= one of {others} explicitly")
-    why = device_refusal(impl, device, cuda_only)
+    why = device_refusal(impl, device)
     if why is not None:
         fail(op, why)
     return available[impl]
 
 
-def device_refusal(impl: str, device: torch.device, cuda_only: tuple[str, ...] = ()) -> str | None:
-    """Why ``impl`` cannot run on ``device`` (None when it can): off CUDA, "triton" needs the interpreter and
-    the ``cuda_only`` impls (fla's kernels) never run."""
+def device_refusal(impl: str, device: torch.device) -> str | None:
+    """Why ``impl`` cannot run on ``device`` (None when it can): off CUDA, "triton" needs the interpreter."""
     if device.type == "cuda":
         return None
-    if impl in cuda_only:
-        return (f"impl={impl!r} runs fla's kernels, which need CUDA tensors (also under TRITON_INTERPRET), got "
-                f"tensors on {device}; use impl='torch'")
     if impl == "triton" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         return f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got tensors on {device}"
     return None

@@ -382,7 +382,9 @@ def _launch(dtype: torch.dtype, K: int, V: int):
     cfg = CONFIGS[dtype.itemsize * 8 if dtype.is_floating_point and dtype.itemsize > 2 else 16]
     BK = max(16, triton.next_power_of_2(K))
     BV = max(16, min(cfg["BV"], triton.next_power_of_2(V)))
-    kw = dict(C=CHUNK, BK=BK, BV=BV, DT=_DT[dtype], num_stages=cfg["stages"])
+    # the interpreter's dot overflows on 16-bit operands (numpy has no bf16): there they are multiplied in fp32
+    DT = tl.float32 if INTERPRET and dtype.itemsize == 2 else _DT[dtype]
+    kw = dict(C=CHUNK, BK=BK, BV=BV, DT=DT, num_stages=cfg["stages"])
     return BK, BV, {k: dict(kw, num_warps=w) for k, w in cfg.items() if k not in ("BV", "stages")}
 
 

@@ -8,11 +8,10 @@ from kalmix.ops.common.checks import (check_cu_seqlens, check_gates, check_range
 from kalmix.ops.common.varlen import run_packed
 from kalmix.ops.kaczmarz.chunk import kaczmarz_chunk
 from kalmix.ops.kaczmarz.naive import kaczmarz_naive
-from kalmix.ops.kaczmarz.on_fla import kaczmarz_fla
+from kalmix.ops.kaczmarz.fused import kaczmarz_fused
 
 _OP = "kaczmarz_attention"
-_IMPLS = {"naive": kaczmarz_naive, "torch": kaczmarz_chunk, "triton": kaczmarz_fla}
-_CUDA_ONLY = ("triton",)        # fla's kernels: not under the interpreter
+_IMPLS = {"naive": kaczmarz_naive, "torch": kaczmarz_chunk, "triton": kaczmarz_fused}
 
 
 def kaczmarz_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, eta: torch.Tensor, *,
@@ -28,7 +27,7 @@ def kaczmarz_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
         initial_state: [B, H, K, V] (B = number of sequences with ``cu_seqlens``); default zeros.
         cu_seqlens: [N + 1] offsets of packed sequences (B must be 1).
         impl: "naive" | "torch" | "triton" | None (triton on CUDA, torch otherwise). "triton" runs fla's
-            chunk_gated_delta_rule (CUDA only; see on_fla.py for the training path on Hopper).
+            chunk_gated_delta_rule, or kalmix's own chunk kernels where fla cannot (fused.py says where).
     Returns:
         o [B, T, H, V], final state [B, H, K, V] (fp32, fp64 for fp64 inputs) or None.
     """
@@ -46,7 +45,7 @@ def kaczmarz_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     if not eps >= 0:
         raise ValueError(f"{_OP}: `eps` must be >= 0, got {eps}")
     n_seq = check_cu_seqlens(_OP, cu_seqlens, B, T, q.device)
-    fn = resolve_impl(_OP, impl, q.device, _IMPLS, _CUDA_ONLY)
+    fn = resolve_impl(_OP, impl, q.device, _IMPLS)
     dt = compute_dtype(q)
     if initial_state is None:
         initial_state = q.new_zeros(n_seq, H, K, V, dtype=dt)
@@ -54,7 +53,7 @@ def kaczmarz_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
         check_tensor(_OP, "initial_state", initial_state, (n_seq, H, K, V), "[B, H, K, V] (B = number of sequences)")
         check_same(_OP, "q", q, {"initial_state": initial_state}, dtype=False)
     scale = K ** -0.5 if scale is None else scale
-    if fn is kaczmarz_fla:      # fla takes the activations in their dtype and packs sequences itself
+    if fn is kaczmarz_fused:    # the kernels take the activations in their dtype and pack sequences themselves
         o, S = fn(q, k, v, g, eta, state=initial_state.to(dt), eps=eps, scale=scale, cu_seqlens=cu_seqlens)
         return o.to(q.dtype), (S if output_final_state else None)
     (o,), (S,) = run_packed(fn, cu_seqlens, [x.to(dt) for x in (q, k, v, g, eta)], (initial_state.to(dt),),

@@ -1,7 +1,7 @@
-"""kaczmarz_attention(impl="triton") on fla: fla's kernels need CUDA, so these CPU tests check kalmix's side of
-it — the reparameterisation, packing, and the backward recomputed through the torch path where fla refuses
-its gated backward — with a stand-in for fla's chunk_gated_delta_rule (kalmix's own chunked gated delta rule).
-benchmarks/kaczmarz_fla.py runs the real thing on a GPU."""
+"""kaczmarz_attention(impl="triton"): the choice between fla's kernels and kalmix's own, the reparameterisation
+and packing. kalmix's kernels run here in the interpreter; fla's need CUDA, so its branch runs with a stand-in
+for fla's chunk_gated_delta_rule (kalmix's chunked torch delta rule). benchmarks/kaczmarz_fla.py runs both
+engines on a GPU."""
 import logging
 
 import pytest
@@ -11,7 +11,7 @@ from kalmix import ops
 from kalmix.ops.common.delta import chunk_delta_rule
 from kalmix.ops.common.testing import CASES, assert_close
 from kalmix.ops.common.varlen import run_packed
-from kalmix.ops.kaczmarz import on_fla
+from kalmix.ops.kaczmarz import fused
 
 
 def _gdn_stand_in(q, k, v, g, beta, *, scale, state, cu_seqlens):
@@ -40,54 +40,72 @@ def _outputs_and_grads(fn, args, state):
     return [o.detach().double(), S.detach().double()], [x.double() for x in torch.autograd.grad(loss, xs)]
 
 
-@pytest.mark.parametrize("refused", [False, True])
+@pytest.mark.parametrize("engine", ["fla", "kalmix"])
 @pytest.mark.parametrize("packed", [False, True])
-def test_fla_path_matches_the_loop(monkeypatch, caplog, refused, packed):
-    monkeypatch.setattr(on_fla, "_fla_gdn", _gdn_stand_in)
-    monkeypatch.setattr(on_fla, "fla_gated_backward_refused", lambda device: refused)
-    monkeypatch.setattr(on_fla, "_told", False)
-    cu = torch.tensor([0, 9, 9, 30]) if packed else None
-    args, state = _draw(30, seed=4, n_seq=3 if packed else 2, B=1 if packed else None)
+def test_both_engines_match_the_loop(monkeypatch, engine, packed):
+    calls = []
+
+    def stand_in(*a, **kw):
+        calls.append(1)
+        return _gdn_stand_in(*a, **kw)
+    monkeypatch.setattr(fused, "_fla_gdn", stand_in)
+    monkeypatch.setattr(fused, "engine", lambda device, dtype, needs_grad: engine)
+    cu = torch.tensor([0, 9, 9, 70]) if packed else None
+    args, state = _draw(70, seed=4, n_seq=3 if packed else 2, B=1 if packed else None)
     eps, scale = 1e-3, 0.4
 
-    def fla_fn(xs):
+    def fused_fn(xs):
         xs = [x.float() for x in xs]
-        return on_fla.kaczmarz_fla(*xs[:5], state=xs[5], eps=eps, scale=scale, cu_seqlens=cu)
+        return fused.kaczmarz_fused(*xs[:5], state=xs[5], eps=eps, scale=scale, cu_seqlens=cu)
 
     def ref_fn(xs):
         return ops.kaczmarz_attention(*xs[:5], initial_state=xs[5], eps=eps, scale=scale, cu_seqlens=cu,
                                       output_final_state=True, impl="naive")
-    with caplog.at_level(logging.WARNING, logger="kalmix"):
-        out, grad = _outputs_and_grads(fla_fn, args, state)
+    out, grad = _outputs_and_grads(fused_fn, args, state)
     ref_out, ref_grad = _outputs_and_grads(ref_fn, args, state)
     for i, (x, r) in enumerate(zip(out + grad, ref_out + ref_grad)):
         assert_close(f"output/grad {i}", x, r, 2e-5)
-    assert ("recomputes through kalmix's chunked torch path" in caplog.text) == refused
+    assert bool(calls) == (engine == "fla")
+
+
+def test_engine_choice(monkeypatch):
+    """fla wherever it runs both ways; kalmix's kernels for training where fla refuses its gated backward, for
+    fp64 and off CUDA."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for refused in (False, True):
+        monkeypatch.setattr(fused, "fla_gated_backward_refused", lambda device, r=refused: r)
+        assert fused.engine(cuda, torch.bfloat16, needs_grad=False) == "fla"
+        assert fused.engine(cuda, torch.bfloat16, needs_grad=True) == ("kalmix" if refused else "fla")
+        assert fused.engine(cuda, torch.float64, needs_grad=False) == "kalmix"
+        assert fused.engine(cpu, torch.float32, needs_grad=False) == "kalmix"
+
+
+def test_standing_in_for_fla_on_a_gpu_is_logged_once(monkeypatch, caplog):
+    monkeypatch.setattr(fused, "_told", False)
+    with caplog.at_level(logging.WARNING, logger="kalmix"):
+        fused.announce(torch.bfloat16)
+        fused.announce(torch.bfloat16)
+    assert caplog.text.count("kalmix's own chunked Triton kernels run the op forward and backward") == 1
+    assert "fla refuses its gated backward" in caplog.text
 
 
 def test_reparameterisation_is_the_kaczmarz_step():
     """Gated DeltaNet on (k, v) / sqrt(‖k‖² + eps) with β = η equals the raw-key loop, zero keys included."""
     args, state = _draw(20, seed=5)
     q, k, v, g, eta = args
-    k_hat, v_hat, beta = on_fla.reparameterise(k, v, eta, 1e-2)
-    assert beta.dtype == torch.float32 and (k_hat[0, 3] == 0).all() and (k_hat.norm(dim=-1) <= 1).all()
+    k_hat, v_hat, beta = fused.reparameterise(k, v, eta, 1e-2)
+    assert beta.dtype == torch.float64 and (k_hat[0, 3] == 0).all() and (k_hat.norm(dim=-1) <= 1).all()
     o, S = chunk_delta_rule(q, k_hat, k_hat, v_hat, g, beta.double(), scale=0.3, state=state)
     ref_o, ref_S = ops.kaczmarz_attention(q, k, v, g, eta, initial_state=state, eps=1e-2, scale=0.3,
                                           output_final_state=True, impl="naive")
-    assert_close("o", o, ref_o, 1e-6)          # β passes through fp32
-    assert_close("S", S, ref_S, 1e-6)
+    assert_close("o", o, ref_o, 1e-12)
+    assert_close("S", S, ref_S, 1e-12)
 
 
 def test_zero_key_without_eps_writes_nothing_and_has_finite_gradients():
     k = torch.zeros(1, 2, 1, 4, requires_grad=True)
     v, eta = torch.randn(1, 2, 1, 3, requires_grad=True), torch.rand(1, 2, 1, requires_grad=True)
-    k_hat, v_hat, beta = on_fla.reparameterise(k, v, eta, 0.0)
+    k_hat, v_hat, beta = fused.reparameterise(k, v, eta, 0.0)
     assert (k_hat == 0).all() and (v_hat == 0).all()
     (k_hat.sum() + v_hat.sum() + beta.sum()).backward()
     assert all(torch.isfinite(t.grad).all() for t in (k, v, eta))
-
-
-def test_fp64_is_refused_with_the_alternatives():
-    args, state = _draw(4, seed=6)
-    with pytest.raises(ValueError, match="bf16/fp16/fp32 inputs; use impl='torch'"):
-        on_fla.kaczmarz_fla(*args, state=state, eps=1e-6, scale=1.0)

@@ -1,0 +1,79 @@
+"""kalmix's chunked delta-rule kernels (interpreter on CPU) against the fp64 chunked torch path: separate write
+and erase keys, partial chunks, several V blocks, a head size that is not a power of two, packed sequences
+around the chunk length, fp32 in the ill-conditioned regime of near-identical keys, and each gradient source."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kalmix.ops.common import delta_triton as dt
+from kalmix.ops.common.delta import chunk_delta_rule
+from kalmix.ops.common.testing import assert_close
+from kalmix.ops.common.varlen import run_packed
+
+
+def _inputs(B, T, H, K, V, n_seq, seed, similar_keys=False):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q = r(B, T, H, K)
+    if similar_keys:        # every key within a few degrees of one direction, full steps, no decay
+        w = F.normalize(F.normalize(r(K), dim=0) + 0.05 * r(B, T, H, K), dim=-1)
+        e, g, beta = w.clone(), torch.zeros(B, T, H, dtype=torch.float64), torch.ones(B, T, H, dtype=torch.float64)
+    else:
+        w, e = F.normalize(r(B, T, H, K), dim=-1), F.normalize(r(B, T, H, K), dim=-1)
+        g = -0.5 * torch.rand(B, T, H, generator=gen, dtype=torch.float64)
+        beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64)
+    return [q, w, e, r(B, T, H, V), g, beta, r(n_seq, H, K, V)]
+
+
+def _reference(xs, scale, cu=None):
+    def core(q, w, e, v, g, beta, *, state):
+        o, S = chunk_delta_rule(q, w, e, v, g, beta, scale=scale, state=state[0])
+        return (o,), (S,)
+    (o,), (S,) = run_packed(core, cu, xs[:6], (xs[6],))
+    return o, S
+
+
+def _outputs_and_grads(fn, xs, dtype, wrt_o=True, wrt_S=True, tied=False):
+    """Outputs and gradients (zeros where an input does not reach the loss); ``tied`` runs e = w as one leaf,
+    whose gradient then lands on w."""
+    xs = [x.to(dtype).requires_grad_() for x in xs]
+    o, S = fn([xs[0], xs[1], xs[1], *xs[3:]] if tied else xs)
+    gen = torch.Generator().manual_seed(1)
+    loss = sum((t.double() * torch.randn(t.shape, generator=gen, dtype=torch.float64)).sum()
+               for t, use in ((o, wrt_o), (S, wrt_S)) if use)
+    grads = torch.autograd.grad(loss, xs, allow_unused=True)
+    return [o.detach(), S.detach()] + [torch.zeros_like(x) if d is None else d for x, d in zip(xs, grads)]
+
+
+def _compare(xs, dtype, tol, cu=None, **kw):
+    scale = 0.3
+    ref = _outputs_and_grads(lambda x: _reference(x, scale, cu), xs, torch.float64, **kw)
+    got = _outputs_and_grads(lambda x: dt.chunk_delta_rule_triton(*x[:6], scale=scale, state=x[6], cu_seqlens=cu),
+                             xs, dtype, **kw)
+    for name, x, r in zip("o S dq dw de dv dg dbeta dS0".split(), got, ref):
+        assert_close(name, x, r, tol)
+
+
+def test_partial_chunks_several_v_blocks_odd_head_size():
+    """T = 150 ends in a partial chunk; V = 40 spans two V blocks of 32 (the last partial); K = 20 pads to 32."""
+    assert dt.CONFIGS[64]["BV"] < 40
+    _compare(_inputs(2, 150, 2, 20, 40, 2, seed=0), torch.float64, 1e-12)
+
+
+def test_packed_sequences_around_the_chunk_length():
+    C = dt.CHUNK
+    lens = [C, 1, 0, C + 1, 2 * C - 3]
+    cu = torch.tensor([0] + lens).cumsum(0)
+    _compare(_inputs(1, int(cu[-1]), 1, 16, 16, len(lens), seed=1), torch.float64, 1e-12, cu=cu)
+
+
+@pytest.mark.parametrize("wrt_o,wrt_S", [(True, False), (False, True)])
+def test_each_gradient_source_alone(wrt_o, wrt_S):
+    _compare(_inputs(1, 70, 1, 16, 16, 1, seed=2), torch.float64, 1e-12, wrt_o=wrt_o, wrt_S=wrt_S)
+
+
+def test_fp32_with_near_identical_keys():
+    """Unit steps on keys a few degrees apart make I + A far from the identity; fp32 must still track the fp64
+    path. The keys are tied (w = e, as in Kaczmarz/GDN): here the gradients through w and e alone are
+    ill-conditioned (fp32 torch misses them by 20%) while their sum, the key's gradient, is not."""
+    _compare(_inputs(1, 130, 1, 16, 16, 1, seed=3, similar_keys=True), torch.float32, 2e-5, tied=True)
