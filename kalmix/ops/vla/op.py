@@ -7,10 +7,11 @@ from kalmix.ops.common.checks import (check_cu_seqlens, check_same, check_tensor
                                       resolve_impl)
 from kalmix.ops.common.varlen import run_packed
 from kalmix.ops.vla.chunk import vla_chunk
+from kalmix.ops.vla.fused import vla_fused
 from kalmix.ops.vla.naive import vla_naive
 
 _OP = "variational_linear_attention"
-_IMPLS = {"naive": vla_naive, "torch": vla_chunk}
+_IMPLS = {"naive": vla_naive, "torch": vla_chunk, "triton": vla_fused}
 
 
 def variational_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, u: torch.Tensor, *,

@@ -1,23 +1,23 @@
-"""kaczmarz_attention(impl="triton") on a GPU: fla's chunk_gated_delta_rule on the reparameterised inputs, checked
-against the fp64 chunked torch path (outputs, final state, every gradient; also through the torch-backward path
-used where fla refuses its gated backward), then timed next to fla's GDN and DeltaNet. From the repository root:
+"""kaczmarz_attention(impl="triton") on a GPU with each engine (fla's chunk_gated_delta_rule, kalmix's own chunk
+kernels), checked against the fp64 chunked torch path (outputs, final state, every gradient where the engine
+trains), then timed next to fla's GDN and DeltaNet. From the repository root:
 
-    python benchmarks/kaczmarz_fla.py
+    python benchmarks/kaczmarz_fused.py
 """
 import torch
 from triton.testing import do_bench
 
 from kalmix import ops
-from kalmix.ops.common.testing import CASES, outputs_and_grads, rel_err
-from kalmix.ops.kaczmarz import on_fla
+from kalmix.ops.common.testing import CASES, outputs_and_grads, rel_err, run_case
+from kalmix.ops.kaczmarz import fused
 
 
 def checks(dev):
     names = ["o", "S", "dq", "dk", "dv", "dg", "deta", "dS0"]
-    refused = on_fla.fla_gated_backward_refused(dev)
+    refused = fused.fla_gated_backward_refused(dev)
     print(f"== accuracy vs the fp64 torch path (relative RMS); fla's gated backward refused here: {refused}")
-    for forced in sorted({refused, True}):
-        on_fla.fla_gated_backward_refused = (lambda d, f=forced: f)
+    for eng in ("fla", "kalmix"):
+        fused.engine = (lambda device, dtype, needs_grad, e=eng: e)
         for dt, T, cu in ((torch.float32, 1000, None), (torch.bfloat16, 1000, None),
                           (torch.float32, 1001, torch.tensor([0, 300, 301, 301, 1001], device=dev))):
             gen = torch.Generator().manual_seed(T)
@@ -26,11 +26,15 @@ def checks(dev):
             state = CASES["kaczmarz"].state(B if cu is None else 4, 4, 64, 64, torch.float64, gen).to(dev)
             ref_out, ref_grad = outputs_and_grads(CASES["kaczmarz"], args, state, "torch", cu_seqlens=cu)
             x = [a.to(dt) if i < 3 else a.float() for i, a in enumerate(args)]
-            out, grad = outputs_and_grads(CASES["kaczmarz"], x, state.float(), "triton", cu_seqlens=cu)
+            if eng == "fla" and refused:
+                with torch.no_grad():
+                    out, grad = run_case(CASES["kaczmarz"], x, state.float(), "triton", cu_seqlens=cu), []
+            else:
+                out, grad = outputs_and_grads(CASES["kaczmarz"], x, state.float(), "triton", cu_seqlens=cu)
             ref, got = ref_out + ref_grad, out + grad
-            print(f"  torch backward={forced!s:5s} {str(dt)[6:]:8s} T={T} varlen={cu is not None!s:5s}",
+            print(f"  {eng:6s} {str(dt)[6:]:8s} T={T} varlen={cu is not None!s:5s}",
                   " ".join(f"{n}={rel_err(a.double(), b):.1e}" for n, a, b in zip(names, got, ref)))
-    on_fla.fla_gated_backward_refused = _refused
+    fused.engine = _engine
 
 
 def timings(dev):
@@ -47,6 +51,7 @@ def timings(dev):
     kn, gb, bb = (t.detach().to(torch.bfloat16).requires_grad_() for t in
                   (torch.nn.functional.normalize(k.detach().float(), dim=-1), g, eta))
     rows = [("kaczmarz_attention triton", lambda: ops.kaczmarz_attention(*xs, impl="triton")[0]),
+            ("  kalmix kernels forced", lambda: forced_kalmix(*xs)),
             ("fla chunk_gated_delta_rule", lambda: chunk_gated_delta_rule(q, kn, v, gb, bb)[0]),
             ("fla chunk_delta_rule", lambda: chunk_delta_rule(q, kn, v, bb)[0])]
     for name, f in rows:
@@ -59,7 +64,15 @@ def timings(dev):
         print(f"  {name:28s} fwd {t_f:7.3f}  fwd+bwd {t_fb}")
 
 
-_refused = on_fla.fla_gated_backward_refused
+def forced_kalmix(*xs):
+    fused.engine = (lambda device, dtype, needs_grad: "kalmix")
+    try:
+        return ops.kaczmarz_attention(*xs, impl="triton")[0]
+    finally:
+        fused.engine = _engine
+
+
+_engine = fused.engine
 
 if __name__ == "__main__":
     device = torch.device("cuda")
