@@ -24,10 +24,11 @@ def test_triton_impl_not_available_is_an_error_not_a_fallback(name):
         CASES[name].fn(*draw(name), impl="triton")
 
 
-def test_fla_backed_impl_on_cpu_is_an_error_not_a_fallback():
-    """kaczmarz's triton impl runs fla's kernels: CPU tensors are refused even under TRITON_INTERPRET."""
-    with pytest.raises(ValueError, match=r"impl='triton' runs fla's kernels, which need CUDA tensors"):
-        ops.kaczmarz_attention(*draw("kaczmarz"), impl="triton")
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if "triton" in AVAILABLE_IMPLS[c.fn.__name__]])
+def test_triton_impl_on_cpu_without_the_interpreter_is_an_error_not_a_fallback(monkeypatch, name):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match=r"impl='triton' needs CUDA tensors \(or TRITON_INTERPRET=1\)"):
+        CASES[name].fn(*draw(name), impl="triton")
 
 
 @pytest.mark.parametrize("name", list(CASES))
