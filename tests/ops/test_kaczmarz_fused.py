@@ -109,3 +109,25 @@ def test_zero_key_without_eps_writes_nothing_and_has_finite_gradients():
     assert (k_hat == 0).all() and (v_hat == 0).all()
     (k_hat.sum() + v_hat.sum() + beta.sum()).backward()
     assert all(torch.isfinite(t.grad).all() for t in (k, v, eta))
+
+
+def test_fused_reparameterisation_and_its_gradient_match_torch():
+    """The kernels' k̂, v̂ and their backward against autograd through the formula, over rows that span several
+    programs (a zero key with eps > 0 included)."""
+    gen = torch.Generator().manual_seed(7)
+    k, v = torch.randn(3, 11, 2, 5, generator=gen, dtype=torch.float64), torch.randn(3, 11, 2, 7, generator=gen,
+                                                                                       dtype=torch.float64)
+    k[1, 4, 0] = 0.0
+    dk_hat, dv_hat = torch.randn_like(k), torch.randn_like(v)
+    eps = 1e-3
+    grads = []
+    for fused_path in (True, False):
+        kk, vv = k.clone().requires_grad_(), v.clone().requires_grad_()
+        if fused_path:
+            k_hat, v_hat, _ = fused.reparameterise(kk, vv, torch.ones(3, 11, 2, dtype=torch.float64), eps)
+        else:
+            c = ((kk * kk).sum(-1, keepdim=True) + eps).rsqrt()
+            k_hat, v_hat = kk * c, vv * c
+        grads.append([k_hat, v_hat, *torch.autograd.grad((k_hat * dk_hat).sum() + (v_hat * dv_hat).sum(), (kk, vv))])
+    for name, x, r in zip(["k_hat", "v_hat", "dk", "dv"], *grads):
+        assert_close(name, x.detach(), r.detach(), 1e-12)
