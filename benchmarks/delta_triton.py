@@ -8,11 +8,12 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+import triton
 from triton.testing import do_bench
 
 from kalmix.ops.common import delta_triton as dt
 from kalmix.ops.common.delta import chunk_delta_rule
-from kalmix.ops.common.testing import rel_err
+from kalmix.ops.common.testing import random_functional_grads, rel_err
 
 
 def inputs(B, T, H, K, V, dtype, dev, seed=0, same_keys=True):
@@ -29,12 +30,10 @@ def inputs(B, T, H, K, V, dtype, dev, seed=0, same_keys=True):
     return acts + [x.to(dev, torch.float32 if dtype != torch.float64 else dtype) for x in (g, beta, s0)]
 
 
-def grads(f, xs, seed=1):
+def grads(f, xs):
     xs = [x.detach().requires_grad_() for x in xs]
     o, S = f(*xs)
-    gen = torch.Generator().manual_seed(seed)
-    loss = sum((y * torch.randn(y.shape, generator=gen, dtype=torch.float64).to(y)).sum() for y in (o, S))
-    return [o.detach(), S.detach(), *torch.autograd.grad(loss, xs)]
+    return [o.detach(), S.detach(), *random_functional_grads((o, S), xs)]
 
 
 def checks(dev):
@@ -93,7 +92,7 @@ def kernel_breakdown(q, w, v, g, beta, s0, do, K):
     dU, dh, ds0 = torch.empty_like(U), torch.empty_like(h), torch.empty_like(s0)
     dq, dw, de, dv, dg, db = (torch.empty_like(x) for x in (qf, wf, wf, vf, gf, bf))
     dw32, dwt, dG = (torch.empty_like(x, dtype=torch.float32) for x in (wf, wf, gf))
-    nv = triton_cdiv(V, BV)
+    nv = triton.cdiv(V, BV)
     runs = {
         "prep": lambda: dt._prep_kernel[(NC, H)](wf, wf, vf, gf, bf, chunks, Gc, Tm, wt, ut, H, K, V, **kw["prep"]),
         "states": lambda: dt._states_kernel[(nv, N * H)](wf, wt, ut, Gc, s0, cu, coff, h, U, sT, H, K, V,
@@ -107,10 +106,6 @@ def kernel_breakdown(q, w, v, g, beta, s0, do, K):
                                                          dg, db, H, K, V, **kw["grads_wy"]),
     }
     print("    per kernel:", "  ".join(f"{k} {do_bench(f):.3f}" for k, f in runs.items()))
-
-
-def triton_cdiv(a, b):
-    return (a + b - 1) // b
 
 
 if __name__ == "__main__":

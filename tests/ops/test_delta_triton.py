@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from kalmix.ops.common import delta_triton as dt
 from kalmix.ops.common.delta import chunk_delta_rule
-from kalmix.ops.common.testing import assert_close
+from kalmix.ops.common.testing import assert_close, random_functional_grads
 from kalmix.ops.common.varlen import run_packed
 
 
@@ -38,11 +38,8 @@ def _outputs_and_grads(fn, xs, dtype, wrt_o=True, wrt_S=True, tied=False):
     whose gradient then lands on w."""
     xs = [x.to(dtype).requires_grad_() for x in xs]
     o, S = fn([xs[0], xs[1], xs[1], *xs[3:]] if tied else xs)
-    gen = torch.Generator().manual_seed(1)
-    loss = sum((t.double() * torch.randn(t.shape, generator=gen, dtype=torch.float64)).sum()
-               for t, use in ((o, wrt_o), (S, wrt_S)) if use)
-    grads = torch.autograd.grad(loss, xs, allow_unused=True)
-    return [o.detach(), S.detach()] + [torch.zeros_like(x) if d is None else d for x, d in zip(xs, grads)]
+    grads = random_functional_grads([t for t, use in ((o, wrt_o), (S, wrt_S)) if use], xs)
+    return [o.detach(), S.detach()] + grads
 
 
 def _compare(xs, dtype, tol, cu=None, **kw):
@@ -56,7 +53,7 @@ def _compare(xs, dtype, tol, cu=None, **kw):
 
 def test_partial_chunks_several_v_blocks_odd_head_size():
     """T = 150 ends in a partial chunk; V = 40 spans two V blocks of 32 (the last partial); K = 20 pads to 32."""
-    assert dt.CONFIGS[64]["BV"] < 40
+    assert dt.CONFIGS[32]["BV"] < 40          # the config of fp32 and fp64 activations
     _compare(_inputs(2, 150, 2, 20, 40, 2, seed=0), torch.float64, 1e-12)
 
 

@@ -33,13 +33,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kalmix.ops.common.checks import compute_dtype
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 CHUNK = 64
-# per operand width: the V block, the pipeline depth and each kernel's warps (fp32 operands need twice the
-# shared memory; the backward's per-chunk kernels hold three [C, K] fp32 accumulators)
+# per operand width (16-bit activations, or fp32/fp64): the V block, the pipeline depth and each kernel's warps
+# (fp32 operands need twice the shared memory; the backward's per-chunk kernels hold three [C, K] fp32 accumulators)
 CONFIGS = {16: dict(BV=64, stages=2, prep=4, states=4, output=4, dstates=8, grads_qw=8, grads_wy=8),
            32: dict(BV=32, stages=1, prep=8, states=8, output=8, dstates=8, grads_qw=8, grads_wy=8)}
-CONFIGS[64] = CONFIGS[32]
 DOT_FP32 = tl.constexpr("ieee" if INTERPRET else "tf32x3")   # fp32 inputs: products accurate to ~fp32
 
 
@@ -116,14 +117,19 @@ def _store_state(ptr, base, x, K, V, v0, BK: tl.constexpr, BV: tl.constexpr):
 
 
 @triton.jit
+def _last(G, L, C: tl.constexpr):
+    """G at row L − 1 (the chunk's last token) of a [C] vector."""
+    return tl.sum(tl.where(tl.arange(0, C) == L - 1, G, 0.), axis=0)
+
+
+@triton.jit
 def _gates(g_ptr, beta_ptr, bos, L, i_h, H, valid, C: tl.constexpr):
     """G_t (log decay from the chunk start) and β_t as [C] fp32, and G at the chunk's last token."""
     r = tl.arange(0, C)
     g = _acc(tl.load(g_ptr + (bos + r) * H + i_h, mask=valid, other=0.))
     beta = _acc(tl.load(beta_ptr + (bos + r) * H + i_h, mask=valid, other=0.))
     G = tl.cumsum(g, axis=0)
-    G_end = tl.sum(tl.where(r == L - 1, G, 0.), axis=0)
-    return G, beta, G_end
+    return G, beta, _last(G, L, C)
 
 
 @triton.jit
@@ -197,9 +203,9 @@ def _chunk_at(bos, eos, j, C: tl.constexpr):
 
 @triton.jit
 def _chunk_gate(Gc_ptr, t0, L, i_h, H, valid, C: tl.constexpr):
-    r = tl.arange(0, C)
-    G = tl.load(Gc_ptr + (t0 + r) * H + i_h, mask=valid, other=0.)
-    return G, tl.sum(tl.where(r == L - 1, G, 0.), axis=0)
+    """The stored G of the chunk at t0 as [C] and its value at the last token."""
+    G = tl.load(Gc_ptr + (t0 + tl.arange(0, C)) * H + i_h, mask=valid, other=0.)
+    return G, _last(G, L, C)
 
 
 @triton.jit
@@ -228,7 +234,7 @@ def _output_kernel(q_ptr, w_ptr, u_ptr, Gc_ptr, h_ptr, chunks_ptr, o_ptr, scale,
     i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     v0 = i_v * BV
     bos, L, rows, cols, valid = _chunk_rows(chunks_ptr, i_c, C)
-    G = tl.load(Gc_ptr + (bos + tl.arange(0, C)) * H + i_h, mask=valid, other=0.)
+    G, _ = _chunk_gate(Gc_ptr, bos, L, i_h, H, valid, C)
     Q = _load_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C)
     W = _load_rows(w_ptr, bos, L, i_h, H, K, 0, BK, C)
     S0 = _load_state(h_ptr, (i_c.to(tl.int64) * H + i_h) * K * V, K, V, v0, BK, BV)
@@ -379,7 +385,7 @@ def _chunk_table(cu: torch.Tensor, B: int, T: int, C: int, packed: bool):
 
 def _launch(dtype: torch.dtype, K: int, V: int):
     """(BK, BV, {kernel: launch keywords}) for activations of ``dtype`` and head sizes K, V."""
-    cfg = CONFIGS[dtype.itemsize * 8 if dtype.is_floating_point and dtype.itemsize > 2 else 16]
+    cfg = CONFIGS[16 if dtype.itemsize == 2 else 32]
     BK = max(16, triton.next_power_of_2(K))
     BV = max(16, min(cfg["BV"], triton.next_power_of_2(V)))
     # the interpreter's dot overflows on 16-bit operands (numpy has no bf16): there they are multiplied in fp32
@@ -391,10 +397,6 @@ def _launch(dtype: torch.dtype, K: int, V: int):
 _DT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32, torch.float64: tl.float64}
 
 
-def _acc_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def _forward(q, w, e, v, g, beta, s0, cu, coff, chunks, scale, need_o=True):
     """Chunk-start states h [NC, H, K, V], T, pseudo-values U, G, W̃, final state and (need_o) the output. The
     tensor-core operands (W̃, Ũ, U, h) are kept in the activations' dtype, T and G in fp32."""
@@ -402,7 +404,7 @@ def _forward(q, w, e, v, g, beta, s0, cu, coff, chunks, scale, need_o=True):
     V = v.shape[-1]
     BK, BV, kw = _launch(q.dtype, K, V)
     NC, N = chunks.shape[0], cu.numel() - 1
-    f32, act = dict(dtype=_acc_dtype(q), device=q.device), dict(dtype=q.dtype, device=q.device)
+    f32, act = dict(dtype=compute_dtype(q), device=q.device), dict(dtype=q.dtype, device=q.device)
     Gc, Tm = torch.empty(Ttot, H, **f32), torch.empty(Ttot, H, CHUNK, **f32)
     wt, ut = torch.empty(Ttot, H, K, **act), torch.empty(Ttot, H, V, **act)
     _prep_kernel[(NC, H)](w, e, v, g, beta, chunks, Gc, Tm, wt, ut, H, K, V, **kw["prep"])
@@ -444,7 +446,7 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
             HAS_DST=dsT is not None, **kw["dstates"])
         dq, dw, de, dv = (torch.empty_like(x) for x in (q, w, e, v))
         dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
-        acc = _acc_dtype(q)
+        acc = compute_dtype(q)
         dw32, dwt, dG = torch.empty_like(w, dtype=acc), torch.empty_like(w, dtype=acc), torch.empty_like(g, dtype=acc)
         _grads_qw_kernel[(NC, H)](q, w, g, beta, chunks, h, dh, U, dU, do, dq, dw32, dwt, dG, ctx.scale, H, K, V,
                                   **kw["grads_qw"])
@@ -471,6 +473,6 @@ def chunk_delta_rule_triton(q, w, e, v, g, beta, *, scale: float, state: torch.T
         cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
     else:
         cu = cu_seqlens.to(torch.int32)
-    acc = _acc_dtype(q)
+    acc = compute_dtype(q)
     return ChunkDeltaRuleFunction.apply(q, w, e, v, g.to(acc), beta.to(acc), state.to(acc), cu, cu_seqlens is not None,
                                         scale)

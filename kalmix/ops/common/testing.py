@@ -108,6 +108,16 @@ def outputs_and_grads(case: OpCase, args, state, impl: str, seed: int = 1, **kw)
     return [o.detach() for o in outs], list(grads)
 
 
+def random_functional_grads(outs, leaves, seed: int = 1) -> list[torch.Tensor]:
+    """Gradients w.r.t. ``leaves`` of Σ_i ⟨r_i, outs_i⟩ in fp64 for fixed Gaussian r_i (drawn on the CPU from
+    ``seed``, so every impl and device sees the same functional); zeros for a leaf the outputs do not reach."""
+    gen = torch.Generator().manual_seed(seed)
+    loss = sum((o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device)).sum()
+               for o in outs)
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    return [torch.zeros_like(x) if d is None else d for x, d in zip(leaves, grads)]
+
+
 def kalman_realistic_inputs(T, dtype, seed=0, B=1, H=1, N=16, D=8):
     """The regime of trained layers: decay near 1, tiny process noise, value precision up to 1e4."""
     gen = torch.Generator().manual_seed(seed)

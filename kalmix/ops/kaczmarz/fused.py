@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kalmix.ops.common.checks import compute_dtype
 from kalmix.ops.common.delta_triton import chunk_delta_rule_triton
 
 _OP = "kaczmarz_attention"
@@ -98,7 +99,7 @@ class _Reparameterise(torch.autograd.Function):
         K, V = k.shape[-1], v.shape[-1]
         k, v = k.contiguous(), v.contiguous()
         n = k.numel() // K
-        acc = torch.float64 if k.dtype == torch.float64 else torch.float32
+        acc = compute_dtype(k)
         kh, vh, c = torch.empty_like(k), torch.empty_like(v), torch.empty(n, dtype=acc, device=k.device)
         meta = dict(R=_ROWS, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V),
                     ACC=tl.float64 if acc == torch.float64 else tl.float32)
@@ -122,7 +123,7 @@ def reparameterise(k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor, eps: flo
     """(k̂, v̂, β) of the module docstring in one fused pass over k and v (a Triton kernel each way): k̂, v̂ in k's
     and v's dtype (the arithmetic in fp32, fp64 for fp64), β = η in fp32 (fp64 for fp64 k)."""
     k_hat, v_hat = _Reparameterise.apply(k, v, float(eps))
-    return k_hat, v_hat, eta.to(torch.float64 if k.dtype == torch.float64 else torch.float32)
+    return k_hat, v_hat, eta.to(compute_dtype(k))
 
 
 def _fla_gdn(q, k, v, g, beta, *, scale, state, cu_seqlens):

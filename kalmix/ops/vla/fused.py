@@ -8,8 +8,8 @@ from kalmix.ops.vla.chunk import vla_chunk
 
 
 def _s_path(fq, alpha, kh, v, *, scale, state):
-    ones = fq.new_ones(fq.shape[:3])
-    return chunk_delta_rule_triton(fq, alpha, kh, v, ones - 1, ones, scale=scale, state=state)
+    no_decay, unit_step = fq.new_zeros(fq.shape[:3]), fq.new_ones(fq.shape[:3])
+    return chunk_delta_rule_triton(fq, alpha, kh, v, no_decay, unit_step, scale=scale, state=state)
 
 
 def vla_fused(q, k, v, u, *, state, eps):
