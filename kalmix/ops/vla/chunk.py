@@ -41,11 +41,12 @@ def write_directions(kh: torch.Tensor, uh: torch.Tensor, A: torch.Tensor, chunk_
     return torch.cat(alphas, dim=2).transpose(1, 2), A
 
 
-def vla_chunk(q, k, v, u, *, state, eps, s_path=chunk_delta_rule):
-    """The op on one sequence or a batch; ``s_path`` runs S's delta rule (chunk_delta_rule's signature)."""
+def vla_chunk(q, k, v, u, *, state, eps, a_path=write_directions, s_path=chunk_delta_rule):
+    """The op on one sequence or a batch; ``a_path`` computes α̂ (write_directions' signature), ``s_path`` runs S's
+    delta rule (chunk_delta_rule's signature)."""
     S, A, n = state
     kh = F.normalize(k, dim=-1)
-    alpha, A = write_directions(kh, F.normalize(u, dim=-1), A)
+    alpha, A = a_path(kh, F.normalize(u, dim=-1), A)
     fq = feature_map(q)
     # S_t = (I − α̂_t k̂_tᵀ) S_{t-1} + α̂_t v_tᵀ: the delta rule with write key α̂ and erase key k̂
     o, S = s_path(fq, alpha, kh, v, scale=1.0, state=S)

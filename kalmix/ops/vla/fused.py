@@ -1,9 +1,10 @@
-"""impl="triton" of variational linear attention: the A path (write directions α̂) as in chunk.py, and S's
-identity-plus-low-rank delta rule S_t = (I − α̂_t k̂_tᵀ) S_{t-1} + α̂_t v_tᵀ on kalmix's chunked Triton kernels
-(kalmix/ops/common/delta_triton.py: write key α̂, erase key k̂, β = 1, no decay)."""
+"""impl="triton" of variational linear attention: the A path (write directions α̂) on kalmix's sequential Triton
+kernels (apath_triton.py), and S's identity-plus-low-rank delta rule S_t = (I − α̂_t k̂_tᵀ) S_{t-1} + α̂_t v_tᵀ on
+kalmix's chunked Triton kernels (kalmix/ops/common/delta_triton.py: write key α̂, erase key k̂, β = 1, no decay)."""
 from __future__ import annotations
 
 from kalmix.ops.common.delta_triton import chunk_delta_rule_triton
+from kalmix.ops.vla.apath_triton import write_directions_triton
 from kalmix.ops.vla.chunk import vla_chunk
 
 
@@ -13,4 +14,4 @@ def _s_path(fq, alpha, kh, v, *, scale, state):
 
 
 def vla_fused(q, k, v, u, *, state, eps):
-    return vla_chunk(q, k, v, u, state=state, eps=eps, s_path=_s_path)
+    return vla_chunk(q, k, v, u, state=state, eps=eps, a_path=write_directions_triton, s_path=_s_path)

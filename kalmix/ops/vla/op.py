@@ -25,7 +25,7 @@ def variational_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         q, k, u: [B, T, H, K] (u: penalty directions); v: [B, T, H, V].
         lambda0: A_0 = I / lambda0 (> 0) when no initial state is given; eps: floor of the normaliser.
         initial_state: (S [B, H, K, V], A [B, H, K, K] symmetric positive definite, n [B, H, K]);
-            default (0, I / lambda0, 0).
+            default (0, I / lambda0, 0). The op reads A as (A + Aᵀ)/2, so A's gradient is symmetric.
         cu_seqlens: [N + 1] offsets of packed sequences (B must be 1).
         impl: "naive" | "torch" | "triton" | None (triton on CUDA, torch otherwise).
     Returns:
@@ -60,6 +60,7 @@ def variational_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         A = initial_state[1].detach()
         if not torch.allclose(A, A.transpose(-1, -2), rtol=1e-5, atol=1e-6 * float(A.abs().max())):
             fail(_OP, "`initial_state[1]` (A) must be symmetric positive definite")
-    (o,), final = run_packed(fn, cu_seqlens, [x.to(dt) for x in (q, k, v, u)],
-                             tuple(s.to(dt) for s in initial_state), eps=eps)
+    S, A, n = (s.to(dt) for s in initial_state)
+    # A is symmetric: every impl runs on (A + Aᵀ)/2, so dA is symmetric and the same whatever an impl's formulas
+    (o,), final = run_packed(fn, cu_seqlens, [x.to(dt) for x in (q, k, v, u)], (S, 0.5 * (A + A.mT), n), eps=eps)
     return o.to(q.dtype), (final if output_final_state else None)

@@ -1,0 +1,204 @@
+"""VLA's A path (the write directions α̂) as sequential Triton kernels, forward and backward.
+
+Per head, A_t = (A_0⁻¹ + Σ_{s≤t} û_s û_sᵀ)⁻¹ and α̂_t = a_t/‖a_t‖ with a_t = A_t k̂_t. One program per (batch,
+head) keeps A [K, K] in fp32 registers and walks sub-chunks of C = 16 tokens; for a sub-chunk with rows û, k̂:
+
+    G = I + U A Uᵀ = R Rᵀ (Cholesky),  Y = R⁻¹ U,  W = Y A (rows w_t = z_t/√δ_t)
+    a = K A − tril(K Wᵀ) W,            A ← A − Wᵀ W
+
+Backward (README.md, "A path backward"): with P_t = A_t A⁻¹ = I − Σ_{s≤t} w_s y_sᵀ, b_t = A_t ∂a_t, and Ā the
+(symmetric) gradient of the sub-chunk's end state,
+
+    ∂k̂_t = b_t
+    ∂û_s = −Σ_{t≥s} [(a_t·û_s) b_t + (b_t·û_s) a_t] − 2 A_C Ā A_C û_s
+    Ā ← P_Cᵀ Ā P_C + sym Σ_t (P_tᵀ ∂a_t)(P_tᵀ k̂_t)ᵀ
+
+The forward saves A every SAVE sub-chunks; the backward recomputes the sub-chunk starts of one segment into a
+per-program scratch and walks them in reverse. Only the symmetric part of dA_0 is meaningful (A is symmetric;
+the op differentiates through (A + Aᵀ)/2).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kalmix.ops.common.checks import fail
+from kalmix.ops.common.delta_triton import _DT, _dot, _load_rows, _load_state, _store_rows, _store_state
+
+C_SUB = 16      # tokens per sub-chunk (one unblocked 16×16 Cholesky each)
+SAVE = 4        # the forward keeps A every SAVE sub-chunks for the backward
+MAX_K = 128     # A [K, K] lives in registers
+WARPS = dict(fwd=8, bwd=8)
+
+
+@triton.jit
+def _chol_inv(G, rows, cols, C: tl.constexpr):
+    """R⁻¹ for the Cholesky factor R (lower) of the SPD [C, C] matrix G, of which only the lower triangle is read."""
+    r = tl.arange(0, C)
+    R = tl.zeros_like(G)
+    for j in tl.static_range(C):
+        col = tl.sum(tl.where(cols == j, G, 0.), axis=1)                     # G[:, j] (rows >= j are current)
+        l_col = tl.where(r >= j, col, 0.) / tl.sqrt(tl.sum(tl.where(r == j, col, 0.), axis=0))
+        R += tl.where(cols == j, l_col[:, None], 0.)
+        G -= l_col[:, None] * l_col[None, :]                                   # downdate the trailing block
+    X = tl.zeros_like(G)
+    eye = (rows == cols).to(G.dtype)
+    for i in tl.static_range(C):
+        r_i = tl.sum(tl.where(rows == i, R, 0.), axis=0)                      # row i of R
+        x_i = (tl.sum(tl.where(rows == i, eye, 0.), axis=0) - tl.sum(r_i[:, None] * X, axis=0)) \
+            / tl.sum(tl.where(r == i, r_i, 0.), axis=0)
+        X = tl.where(rows == i, x_i[None, :], X)
+    return X
+
+
+@triton.jit
+def _factor(U, A, rows, cols, DT: tl.constexpr, C: tl.constexpr):
+    """U A, R⁻¹ and W = R⁻¹ U A for the sub-chunk rows U [C, BK] and start state A [BK, BK]."""
+    UA = _dot(U, A, DT)
+    G = (rows == cols).to(A.dtype) + _dot(U, tl.trans(UA), DT)
+    Rinv = _chol_inv(G, rows, cols, C)
+    return UA, Rinv, _dot(Rinv, UA, DT)
+
+
+@triton.jit
+def _directions(Kh, A, W, rows, cols, DT: tl.constexpr):
+    """a = A_t k̂_t for every row (unnormalised), tril(K Wᵀ), ‖a‖ floored like F.normalize."""
+    KW = tl.where(cols <= rows, _dot(Kh, tl.trans(W), DT), 0.)
+    a = _dot(Kh, A, DT) - _dot(KW, W, DT)
+    return a, KW, tl.maximum(tl.sqrt(tl.sum(a * a, axis=1)), 1e-12)
+
+
+@triton.jit
+def _apath_fwd_kernel(k_ptr, u_ptr, a0_ptr, al_ptr, aT_ptr, asv_ptr, T, H, K, NSEG,
+                      STORE: tl.constexpr, SAVE: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
+    i_bh = tl.program_id(0)
+    i_b, i_h = i_bh // H, i_bh % H
+    rows, cols = tl.arange(0, C)[:, None], tl.arange(0, C)[None, :]
+    A = _load_state(a0_ptr, i_bh * K * K, K, K, 0, BK, BK)
+    for j in range(0, tl.cdiv(T, C)):
+        if STORE:
+            if j % SAVE == 0:
+                _store_state(asv_ptr, (i_bh * NSEG + j // SAVE).to(tl.int64) * K * K, A, K, K, 0, BK, BK)
+        t0, L = i_b * T + j * C, tl.minimum(C, T - j * C)
+        Kh = _load_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C)
+        U = _load_rows(u_ptr, t0, L, i_h, H, K, 0, BK, C)
+        UA, Rinv, W = _factor(U, A, rows, cols, DT, C)
+        a, KW, nrm = _directions(Kh, A, W, rows, cols, DT)
+        _store_rows(al_ptr, a / nrm[:, None], t0, L, i_h, H, K, 0, BK, C)
+        A -= _dot(tl.trans(W), W, DT)
+    _store_state(aT_ptr, i_bh * K * K, A, K, K, 0, BK, BK)
+
+
+@triton.jit
+def _apath_bwd_kernel(k_ptr, u_ptr, asv_ptr, dal_ptr, daT_ptr, scr_ptr, dk_ptr, du_ptr, da0_ptr, T, H, K, NSEG,
+                      HAS_DAT: tl.constexpr, SAVE: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                      DT: tl.constexpr):
+    i_bh = tl.program_id(0)
+    i_b, i_h = i_bh // H, i_bh % H
+    rows, cols = tl.arange(0, C)[:, None], tl.arange(0, C)[None, :]
+    if HAS_DAT:
+        Ab = _load_state(daT_ptr, i_bh * K * K, K, K, 0, BK, BK)
+    else:
+        Ab = tl.zeros([BK, BK], dtype=DT)
+    NS = tl.cdiv(T, C)
+    for i in range(0, NSEG):
+        seg = NSEG - 1 - i
+        n_sub = tl.minimum(SAVE, NS - seg * SAVE)
+        # the sub-chunk starts of this segment, recomputed from its saved start into the scratch
+        A = _load_state(asv_ptr, (i_bh * NSEG + seg).to(tl.int64) * K * K, K, K, 0, BK, BK)
+        for jj in range(0, n_sub):
+            _store_state(scr_ptr, (i_bh * SAVE + jj) * K * K, A, K, K, 0, BK, BK)
+            if jj < n_sub - 1:
+                t0, L = i_b * T + (seg * SAVE + jj) * C, tl.minimum(C, T - (seg * SAVE + jj) * C)
+                U = _load_rows(u_ptr, t0, L, i_h, H, K, 0, BK, C)
+                _, _, W = _factor(U, A, rows, cols, DT, C)
+                A -= _dot(tl.trans(W), W, DT)
+        tl.debug_barrier()
+        for ii in range(0, n_sub):
+            jj = n_sub - 1 - ii
+            A = _load_state(scr_ptr, (i_bh * SAVE + jj) * K * K, K, K, 0, BK, BK)
+            t0, L = i_b * T + (seg * SAVE + jj) * C, tl.minimum(C, T - (seg * SAVE + jj) * C)
+            Kh = _load_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C)
+            U = _load_rows(u_ptr, t0, L, i_h, H, K, 0, BK, C)
+            dal = _load_rows(dal_ptr, t0, L, i_h, H, K, 0, BK, C)
+            UA, Rinv, W = _factor(U, A, rows, cols, DT, C)
+            Y = _dot(Rinv, U, DT)
+            a, KW, nrm = _directions(Kh, A, W, rows, cols, DT)
+            al = a / nrm[:, None]
+            da = tl.where(nrm[:, None] > 1e-12, dal - al * tl.sum(al * dal, axis=1)[:, None], dal) / nrm[:, None]
+            DW = tl.where(cols <= rows, _dot(da, tl.trans(W), DT), 0.)
+            Bm = _dot(da, A, DT) - _dot(DW, W, DT)                                   # rows b_t = A_t ∂a_t
+            _store_rows(dk_ptr, Bm, t0, L, i_h, H, K, 0, BK, C)
+            # ∂û: the sub-chunk's own directions (t >= s), then the end state through A_C = A − WᵀW
+            up = cols >= rows
+            dU = -_dot(tl.where(up, _dot(U, tl.trans(a), DT), 0.), Bm, DT) \
+                - _dot(tl.where(up, _dot(U, tl.trans(Bm), DT), 0.), a, DT)
+            UAC = UA - _dot(_dot(U, tl.trans(W), DT), W, DT)                         # rows (A_C û_s)ᵀ
+            X = _dot(UAC, Ab, DT)
+            dU -= 2. * (_dot(X, A, DT) - _dot(_dot(X, tl.trans(W), DT), W, DT))
+            _store_rows(du_ptr, dU, t0, L, i_h, H, K, 0, BK, C)
+            # Ā ← P_Cᵀ Ā P_C + sym Σ_t (P_tᵀ ∂a_t)(P_tᵀ k̂_t)ᵀ with P_tᵀ x_t = x_t − Σ_{s≤t} (w_s·x_t) y_s
+            Z = _dot(W, Ab, DT)
+            Pd = da - _dot(DW, Y, DT)
+            Pk = Kh - _dot(KW, Y, DT)
+            Ab += _dot(tl.trans(Y), _dot(_dot(Z, tl.trans(W), DT), Y, DT) - Z, DT) - _dot(tl.trans(Z), Y, DT) \
+                + 0.5 * (_dot(tl.trans(Pd), Pk, DT) + _dot(tl.trans(Pk), Pd, DT))
+        tl.debug_barrier()
+    _store_state(da0_ptr, i_bh * K * K, Ab, K, K, 0, BK, BK)
+
+
+def _config(kh: torch.Tensor):
+    B, T, H, K = kh.shape
+    if K > MAX_K:
+        fail("variational_linear_attention", f"impl='triton' keeps A [K, K] in registers: K <= {MAX_K}, got {K}; "
+             "use impl='torch'")
+    if kh.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"the A path runs in fp32 or fp64, got {kh.dtype}")
+    return dict(C=C_SUB, BK=max(16, triton.next_power_of_2(K)), DT=_DT[kh.dtype])
+
+
+class APathFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, kh, uh, A0):
+        B, T, H, K = kh.shape
+        kw = _config(kh)
+        kh, uh, A0 = kh.contiguous(), uh.contiguous(), A0.contiguous()
+        nseg = triton.cdiv(triton.cdiv(T, C_SUB), SAVE)
+        alpha, AT = torch.empty_like(kh), torch.empty_like(A0)
+        store = any(ctx.needs_input_grad)
+        asv = torch.empty(B * H * nseg if store else 1, K, K, dtype=kh.dtype, device=kh.device)
+        _apath_fwd_kernel[(B * H,)](kh, uh, A0, alpha, AT, asv, T, H, K, nseg, STORE=store, SAVE=SAVE,
+                                    num_warps=WARPS["fwd"], **kw)
+        if store:
+            ctx.save_for_backward(kh, uh, asv)
+        ctx.set_materialize_grads(False)
+        return alpha, AT
+
+    @staticmethod
+    def backward(ctx, dalpha, dAT):
+        kh, uh, asv = ctx.saved_tensors
+        B, T, H, K = kh.shape
+        kw = _config(kh)
+        nseg = asv.shape[0] // (B * H)
+        dalpha = torch.zeros_like(kh) if dalpha is None else dalpha.contiguous()
+        if dAT is not None:
+            dAT = (0.5 * (dAT + dAT.transpose(-1, -2))).contiguous()
+        scratch = torch.empty(B * H * SAVE, K, K, dtype=kh.dtype, device=kh.device)
+        dk, du = torch.empty_like(kh), torch.empty_like(uh)
+        dA0 = torch.empty(B, H, K, K, dtype=kh.dtype, device=kh.device)
+        _apath_bwd_kernel[(B * H,)](kh, uh, asv, dalpha, dAT if dAT is not None else dalpha, scratch, dk, du, dA0,
+                                    T, H, K, nseg, HAS_DAT=dAT is not None, SAVE=SAVE, num_warps=WARPS["bwd"], **kw)
+        return dk, du, dA0
+
+
+def write_directions_triton(kh: torch.Tensor, uh: torch.Tensor, A: torch.Tensor):
+    """α̂ and the final A as ``chunk.write_directions`` computes them, on the kernels above.
+
+    Args:
+        kh, uh: [B, T, H, K] unit keys and penalty directions (fp32 or fp64); A: [B, H, K, K] symmetric positive
+            definite, K <= 128.
+    Returns:
+        alpha [B, T, H, K], A [B, H, K, K].
+    """
+    return APathFunction.apply(kh, uh, A)
