@@ -13,8 +13,9 @@ Backward (README.md, "A path backward"): with P_t = A_t A⁻¹ = I − Σ_{s≤t
     ∂û_s = −Σ_{t≥s} [(a_t·û_s) b_t + (b_t·û_s) a_t] − 2 A_C Ā A_C û_s
     Ā ← P_Cᵀ Ā P_C + sym Σ_t (P_tᵀ ∂a_t)(P_tᵀ k̂_t)ᵀ
 
-The forward saves A every SAVE sub-chunks; the backward recomputes the sub-chunk starts of one segment into a
-per-program scratch and walks them in reverse. Only the symmetric part of dA_0 is meaningful (A is symmetric;
+The forward saves A every SAVE sub-chunks and, per token, its row of R⁻¹, w_t and ‖a_t‖; the backward rebuilds
+the sub-chunk starts of one segment (A ← A − WᵀW) into a per-program scratch and walks them in reverse, with no
+factorisation. Only the symmetric part of dA_0 is meaningful (A is symmetric;
 the op differentiates through (A + Aᵀ)/2).
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ from kalmix.ops.common.delta_triton import _DT, _dot, _load_rows, _load_state, _
 C_SUB = 16      # tokens per sub-chunk (one unblocked 16×16 Cholesky each)
 SAVE = 4        # the forward keeps A every SAVE sub-chunks for the backward
 MAX_K = 128     # A [K, K] lives in registers
-WARPS = dict(fwd=8, bwd=8)
+WARPS = dict(fwd=8, bwd=8)   # (no software pipelining: every sub-chunk depends on the last)
 
 
 @triton.jit
@@ -70,30 +71,37 @@ def _directions(Kh, A, W, rows, cols, DT: tl.constexpr):
 
 
 @triton.jit
-def _apath_fwd_kernel(k_ptr, u_ptr, a0_ptr, al_ptr, aT_ptr, asv_ptr, T, H, K, NSEG,
+def _apath_fwd_kernel(k_ptr, u_ptr, a0_ptr, al_ptr, aT_ptr, asv_ptr, rinv_ptr, w_ptr, nrm_ptr, T, H, K, NSEG,
                       STORE: tl.constexpr, SAVE: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
+    """One (batch, head) per program: α̂ and the final A; with STORE, A every SAVE sub-chunks and per token the row
+    of its sub-chunk's R⁻¹, w_t and ‖a_t‖ for the backward."""
     i_bh = tl.program_id(0)
     i_b, i_h = i_bh // H, i_bh % H
     rows, cols = tl.arange(0, C)[:, None], tl.arange(0, C)[None, :]
     A = _load_state(a0_ptr, i_bh * K * K, K, K, 0, BK, BK)
     for j in range(0, tl.cdiv(T, C)):
-        if STORE:
-            if j % SAVE == 0:
-                _store_state(asv_ptr, (i_bh * NSEG + j // SAVE).to(tl.int64) * K * K, A, K, K, 0, BK, BK)
         t0, L = i_b * T + j * C, tl.minimum(C, T - j * C)
         Kh = _load_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C)
         U = _load_rows(u_ptr, t0, L, i_h, H, K, 0, BK, C)
         UA, Rinv, W = _factor(U, A, rows, cols, DT, C)
         a, KW, nrm = _directions(Kh, A, W, rows, cols, DT)
         _store_rows(al_ptr, a / nrm[:, None], t0, L, i_h, H, K, 0, BK, C)
+        if STORE:
+            if j % SAVE == 0:
+                _store_state(asv_ptr, (i_bh * NSEG + j // SAVE).to(tl.int64) * K * K, A, K, K, 0, BK, BK)
+            _store_rows(rinv_ptr, Rinv, t0, L, i_h, H, C, 0, C, C)
+            _store_rows(w_ptr, W, t0, L, i_h, H, K, 0, BK, C)
+            tl.store(nrm_ptr + (t0 + tl.arange(0, C)) * H + i_h, nrm, mask=tl.arange(0, C) < L)
         A -= _dot(tl.trans(W), W, DT)
     _store_state(aT_ptr, i_bh * K * K, A, K, K, 0, BK, BK)
 
 
 @triton.jit
-def _apath_bwd_kernel(k_ptr, u_ptr, asv_ptr, dal_ptr, daT_ptr, scr_ptr, dk_ptr, du_ptr, da0_ptr, T, H, K, NSEG,
-                      HAS_DAT: tl.constexpr, SAVE: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                      DT: tl.constexpr):
+def _apath_bwd_kernel(k_ptr, u_ptr, al_ptr, asv_ptr, rinv_ptr, w_ptr, nrm_ptr, dal_ptr, daT_ptr, scr_ptr, dk_ptr,
+                      du_ptr, da0_ptr, T, H, K, NSEG, HAS_DAT: tl.constexpr, SAVE: tl.constexpr, C: tl.constexpr,
+                      BK: tl.constexpr, DT: tl.constexpr):
+    """One (batch, head) per program, backwards over segments of SAVE sub-chunks: their start states from the
+    saved one (A ← A − WᵀW) into a per-program scratch, then the sub-chunks in reverse (module docstring)."""
     i_bh = tl.program_id(0)
     i_b, i_h = i_bh // H, i_bh % H
     rows, cols = tl.arange(0, C)[:, None], tl.arange(0, C)[None, :]
@@ -105,14 +113,12 @@ def _apath_bwd_kernel(k_ptr, u_ptr, asv_ptr, dal_ptr, daT_ptr, scr_ptr, dk_ptr, 
     for i in range(0, NSEG):
         seg = NSEG - 1 - i
         n_sub = tl.minimum(SAVE, NS - seg * SAVE)
-        # the sub-chunk starts of this segment, recomputed from its saved start into the scratch
         A = _load_state(asv_ptr, (i_bh * NSEG + seg).to(tl.int64) * K * K, K, K, 0, BK, BK)
         for jj in range(0, n_sub):
             _store_state(scr_ptr, (i_bh * SAVE + jj) * K * K, A, K, K, 0, BK, BK)
             if jj < n_sub - 1:
                 t0, L = i_b * T + (seg * SAVE + jj) * C, tl.minimum(C, T - (seg * SAVE + jj) * C)
-                U = _load_rows(u_ptr, t0, L, i_h, H, K, 0, BK, C)
-                _, _, W = _factor(U, A, rows, cols, DT, C)
+                W = _load_rows(w_ptr, t0, L, i_h, H, K, 0, BK, C)
                 A -= _dot(tl.trans(W), W, DT)
         tl.debug_barrier()
         for ii in range(0, n_sub):
@@ -121,11 +127,13 @@ def _apath_bwd_kernel(k_ptr, u_ptr, asv_ptr, dal_ptr, daT_ptr, scr_ptr, dk_ptr, 
             t0, L = i_b * T + (seg * SAVE + jj) * C, tl.minimum(C, T - (seg * SAVE + jj) * C)
             Kh = _load_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C)
             U = _load_rows(u_ptr, t0, L, i_h, H, K, 0, BK, C)
+            W = _load_rows(w_ptr, t0, L, i_h, H, K, 0, BK, C)
+            al = _load_rows(al_ptr, t0, L, i_h, H, K, 0, BK, C)
             dal = _load_rows(dal_ptr, t0, L, i_h, H, K, 0, BK, C)
-            UA, Rinv, W = _factor(U, A, rows, cols, DT, C)
-            Y = _dot(Rinv, U, DT)
-            a, KW, nrm = _directions(Kh, A, W, rows, cols, DT)
-            al = a / nrm[:, None]
+            Y = _dot(_load_rows(rinv_ptr, t0, L, i_h, H, C, 0, C, C), U, DT)
+            nrm = tl.load(nrm_ptr + (t0 + tl.arange(0, C)) * H + i_h, mask=tl.arange(0, C) < L, other=1.)
+            a = al * nrm[:, None]
+            KW = tl.where(cols <= rows, _dot(Kh, tl.trans(W), DT), 0.)
             da = tl.where(nrm[:, None] > 1e-12, dal - al * tl.sum(al * dal, axis=1)[:, None], dal) / nrm[:, None]
             DW = tl.where(cols <= rows, _dot(da, tl.trans(W), DT), 0.)
             Bm = _dot(da, A, DT) - _dot(DW, W, DT)                                   # rows b_t = A_t ∂a_t
@@ -134,7 +142,7 @@ def _apath_bwd_kernel(k_ptr, u_ptr, asv_ptr, dal_ptr, daT_ptr, scr_ptr, dk_ptr, 
             up = cols >= rows
             dU = -_dot(tl.where(up, _dot(U, tl.trans(a), DT), 0.), Bm, DT) \
                 - _dot(tl.where(up, _dot(U, tl.trans(Bm), DT), 0.), a, DT)
-            UAC = UA - _dot(_dot(U, tl.trans(W), DT), W, DT)                         # rows (A_C û_s)ᵀ
+            UAC = _dot(U, A, DT) - _dot(_dot(U, tl.trans(W), DT), W, DT)             # rows (A_C û_s)ᵀ
             X = _dot(UAC, Ab, DT)
             dU -= 2. * (_dot(X, A, DT) - _dot(_dot(X, tl.trans(W), DT), W, DT))
             _store_rows(du_ptr, dU, t0, L, i_h, H, K, 0, BK, C)
@@ -167,17 +175,22 @@ class APathFunction(torch.autograd.Function):
         nseg = triton.cdiv(triton.cdiv(T, C_SUB), SAVE)
         alpha, AT = torch.empty_like(kh), torch.empty_like(A0)
         store = any(ctx.needs_input_grad)
-        asv = torch.empty(B * H * nseg if store else 1, K, K, dtype=kh.dtype, device=kh.device)
-        _apath_fwd_kernel[(B * H,)](kh, uh, A0, alpha, AT, asv, T, H, K, nseg, STORE=store, SAVE=SAVE,
-                                    num_warps=WARPS["fwd"], **kw)
+        f = dict(dtype=kh.dtype, device=kh.device)
         if store:
-            ctx.save_for_backward(kh, uh, asv)
+            asv, rinv = torch.empty(B * H * nseg, K, K, **f), torch.empty(B, T, H, C_SUB, **f)
+            w, nrm = torch.empty_like(kh), torch.empty(B, T, H, **f)
+        else:
+            asv = rinv = w = nrm = alpha    # not written
+        _apath_fwd_kernel[(B * H,)](kh, uh, A0, alpha, AT, asv, rinv, w, nrm, T, H, K, nseg, STORE=store, SAVE=SAVE,
+                                    num_warps=WARPS["fwd"], num_stages=1, **kw)
+        if store:
+            ctx.save_for_backward(kh, uh, alpha, asv, rinv, w, nrm)
         ctx.set_materialize_grads(False)
         return alpha, AT
 
     @staticmethod
     def backward(ctx, dalpha, dAT):
-        kh, uh, asv = ctx.saved_tensors
+        kh, uh, alpha, asv, rinv, w, nrm = ctx.saved_tensors
         B, T, H, K = kh.shape
         kw = _config(kh)
         nseg = asv.shape[0] // (B * H)
@@ -187,8 +200,9 @@ class APathFunction(torch.autograd.Function):
         scratch = torch.empty(B * H * SAVE, K, K, dtype=kh.dtype, device=kh.device)
         dk, du = torch.empty_like(kh), torch.empty_like(uh)
         dA0 = torch.empty(B, H, K, K, dtype=kh.dtype, device=kh.device)
-        _apath_bwd_kernel[(B * H,)](kh, uh, asv, dalpha, dAT if dAT is not None else dalpha, scratch, dk, du, dA0,
-                                    T, H, K, nseg, HAS_DAT=dAT is not None, SAVE=SAVE, num_warps=WARPS["bwd"], **kw)
+        _apath_bwd_kernel[(B * H,)](kh, uh, alpha, asv, rinv, w, nrm, dalpha, dalpha if dAT is None else dAT, scratch,
+                                    dk, du, dA0, T, H, K, nseg, HAS_DAT=dAT is not None, SAVE=SAVE,
+                                    num_warps=WARPS["bwd"], num_stages=1, **kw)
         return dk, du, dA0
 
 

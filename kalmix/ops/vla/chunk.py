@@ -41,15 +41,36 @@ def write_directions(kh: torch.Tensor, uh: torch.Tensor, A: torch.Tensor, chunk_
     return torch.cat(alphas, dim=2).transpose(1, 2), A
 
 
+def normaliser(fq: torch.Tensor, fk: torch.Tensor, n: torch.Tensor, chunk_size: int = CHUNK):
+    """den_t = φ(q_t) · (n + Σ_{s≤t} φ(k_s)) by chunks (two small matmuls per chunk instead of a [B, T, H, K]
+    running sum), and the final n.
+
+    Args:
+        fq, fk: [B, T, H, K] features; n: [B, H, K] running sum before the first token.
+    Returns:
+        den [B, T, H], n [B, H, K].
+    """
+    B, T, H, K = fq.shape
+    NC = -(-T // chunk_size)
+    pad = NC * chunk_size - T
+    fqc, fkc = (F.pad(x, (0, 0, 0, 0, 0, pad)).view(B, NC, chunk_size, H, K).transpose(2, 3) for x in (fq, fk))
+    sums = fkc.sum(3)                                                         # [B, NC, H, K]
+    start = n[:, None] + sums.cumsum(1) - sums                                # n before each chunk
+    den = (fqc @ start[..., None])[..., 0] + (fqc @ fkc.mT).tril().sum(-1)    # [B, NC, H, C]
+    return den.transpose(2, 3).reshape(B, NC * chunk_size, H)[:, :T], start[:, -1] + sums[:, -1]
+
+
 def vla_chunk(q, k, v, u, *, state, eps, a_path=write_directions, s_path=chunk_delta_rule):
     """The op on one sequence or a batch; ``a_path`` computes α̂ (write_directions' signature), ``s_path`` runs S's
-    delta rule (chunk_delta_rule's signature)."""
+    delta rule (chunk_delta_rule's signature) on operands in the activations' dtype, everything else runs in the
+    state's dtype."""
     S, A, n = state
+    act = v.dtype
+    q, k, u = (x.to(S.dtype) for x in (q, k, u))
     kh = F.normalize(k, dim=-1)
     alpha, A = a_path(kh, F.normalize(u, dim=-1), A)
     fq = feature_map(q)
     # S_t = (I − α̂_t k̂_tᵀ) S_{t-1} + α̂_t v_tᵀ: the delta rule with write key α̂ and erase key k̂
-    o, S = s_path(fq, alpha, kh, v, scale=1.0, state=S)
-    ncum = n[:, None] + feature_map(k).cumsum(1)                              # [B, T, H, K]
-    o = o / (fq * ncum).sum(-1).clamp_min(eps)[..., None]
-    return (o,), (S, A, ncum[:, -1])
+    o, S = s_path(fq.to(act), alpha.to(act), kh.to(act), v, scale=1.0, state=S)
+    den, n = normaliser(fq, feature_map(k), n)
+    return (o.to(S.dtype) / den.clamp_min(eps)[..., None],), (S, A, n)

@@ -62,5 +62,7 @@ def variational_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             fail(_OP, "`initial_state[1]` (A) must be symmetric positive definite")
     S, A, n = (s.to(dt) for s in initial_state)
     # A is symmetric: every impl runs on (A + Aᵀ)/2, so dA is symmetric and the same whatever an impl's formulas
-    (o,), final = run_packed(fn, cu_seqlens, [x.to(dt) for x in (q, k, v, u)], (S, 0.5 * (A + A.mT), n), eps=eps)
+    # the triton impl takes 16-bit activations as they are (its S path multiplies 16-bit operands, the rest is fp32)
+    acts = [x if fn is vla_fused else x.to(dt) for x in (q, k, v, u)]
+    (o,), final = run_packed(fn, cu_seqlens, acts, (S, 0.5 * (A + A.mT), n), eps=eps)
     return o.to(q.dtype), (final if output_final_state else None)

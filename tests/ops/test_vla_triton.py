@@ -1,0 +1,71 @@
+"""VLA's triton pieces in the interpreter: the A-path kernels against the chunked torch A path (values and every
+gradient, partial sub-chunks and segments, padded K), the chunked normaliser against a running sum."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kalmix.ops.common.testing import assert_close, random_functional_grads
+from kalmix.ops.vla import apath_triton
+from kalmix.ops.vla.apath_triton import write_directions_triton
+from kalmix.ops.vla.chunk import normaliser, write_directions
+
+
+def _inputs(B, T, H, K, seed, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    kh, uh = (F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), dim=-1) for _ in range(2))
+    X = torch.randn(B, H, K, K, generator=gen, dtype=torch.float64)
+    A0 = X @ X.mT / K + 0.5 * torch.eye(K, dtype=torch.float64)
+    return [x.to(dtype) for x in (kh, uh, A0)]
+
+
+def _run(fn, xs, final_grad=True):
+    xs = [x.detach().requires_grad_() for x in xs]
+    alpha, A = fn(*xs)
+    grads = random_functional_grads((alpha, A) if final_grad else (alpha,), xs)
+    grads[-1] = 0.5 * (grads[-1] + grads[-1].mT)           # only A's symmetric part is meaningful
+    return [alpha.detach(), A.detach(), *grads]
+
+
+@pytest.mark.parametrize("T,K,final_grad", [(150, 20, True), (16, 8, False), (5, 16, True)])
+def test_kernels_match_torch_a_path_fp64(T, K, final_grad):
+    """T = 150: ten sub-chunks in three segments, the last ones partial; K = 20 pads to 32."""
+    xs = _inputs(2, T, 2, K, seed=T)
+    ref = _run(write_directions, xs, final_grad)
+    got = _run(write_directions_triton, xs, final_grad)
+    for name, x, r in zip("alpha A dk du dA0".split(), got, ref):
+        assert_close(name, x, r, 1e-11)
+
+
+def test_inference_call_matches_and_keys_shape():
+    xs = _inputs(1, 40, 3, 8, seed=3)
+    alpha, A = write_directions_triton(*xs)
+    ref_alpha, ref_A = write_directions(*xs)
+    assert_close("alpha", alpha, ref_alpha, 1e-11)
+    assert_close("A", A, ref_A, 1e-11)
+
+
+def test_fp32_against_fp64_with_strong_evidence():
+    """Repeated penalty directions shrink A along them by orders of magnitude (the regime where fp32 drifts)."""
+    kh, uh, A0 = _inputs(1, 200, 2, 16, seed=5)
+    uh = F.normalize(uh[:, :4].repeat(1, 50, 1, 1) + 0.05 * uh, dim=-1)
+    ref = _run(write_directions, [kh, uh, A0])
+    got = _run(write_directions_triton, [x.float() for x in (kh, uh, A0)])
+    for name, x, r in zip("alpha A dk du dA0".split(), got, ref):
+        assert_close(name, x, r, 2e-4)
+
+
+def test_head_dim_beyond_registers_is_refused():
+    xs = _inputs(1, 4, 1, apath_triton.MAX_K + 1, seed=0, dtype=torch.float32)
+    with pytest.raises(ValueError, match="impl='torch'"):
+        write_directions_triton(*xs)
+
+
+@pytest.mark.parametrize("T", [1, 64, 100])
+def test_normaliser_matches_running_sum(T):
+    gen = torch.Generator().manual_seed(T)
+    fq, fk = (torch.rand(2, T, 3, 5, generator=gen, dtype=torch.float64) for _ in range(2))
+    n0 = torch.rand(2, 3, 5, generator=gen, dtype=torch.float64)
+    ncum = n0[:, None] + fk.cumsum(1)
+    den, n = normaliser(fq, fk, n0, chunk_size=16)
+    assert_close("den", den, (fq * ncum).sum(-1), 1e-13)
+    assert_close("n", n, ncum[:, -1], 1e-13)
