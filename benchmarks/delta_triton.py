@@ -4,13 +4,12 @@ on the same shape. From the repository root:
 
     python benchmarks/delta_triton.py [--configs KEY=VALUE,... ...]
 """
-import argparse
-
 import torch
 import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
+from _gpu_script import run
 from kalmix.ops.common import delta_triton as dt
 from kalmix.ops.common.delta import chunk_delta_rule
 from kalmix.ops.common.testing import random_functional_grads, rel_err
@@ -109,13 +108,4 @@ def kernel_breakdown(q, w, v, g, beta, s0, do, K):
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    p.add_argument("--configs", nargs="*", default=[""],
-                   help="overrides of CONFIGS[16] to time, e.g. 'prep=8,BV=32' ('' = the defaults)")
-    p.add_argument("--skip-checks", action="store_true")
-    a = p.parse_args()
-    device = torch.device("cuda")
-    print(torch.cuda.get_device_name(), "torch", torch.__version__)
-    if not a.skip_checks:
-        checks(device)
-    timings(device, [{k: int(x) for k, x in (kv.split("=") for kv in c.split(",") if kv)} for c in a.configs])
+    run(checks, timings, "overrides of CONFIGS[16] to time, e.g. 'prep=8,BV=32' ('' = the defaults)")

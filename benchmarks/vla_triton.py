@@ -4,12 +4,11 @@ chunk_delta_rule and SDPA on the same tokens. From the repository root:
 
     python benchmarks/vla_triton.py [--configs KEY=VALUE,... ...]   (keys: fwd, bwd (warps), save)
 """
-import argparse
-
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
+from _gpu_script import run
 from kalmix import ops
 from kalmix.ops.common.testing import random_functional_grads, rel_err
 from kalmix.ops.vla import apath_triton as ap
@@ -89,13 +88,4 @@ def timings(dev, configs):
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    p.add_argument("--configs", nargs="*", default=[""],
-                   help="A-path settings to time, e.g. 'fwd=16,bwd=16,save=8' ('' = the defaults)")
-    p.add_argument("--skip-checks", action="store_true")
-    a = p.parse_args()
-    device = torch.device("cuda")
-    print(torch.cuda.get_device_name(), "torch", torch.__version__)
-    if not a.skip_checks:
-        checks(device)
-    timings(device, [{k: int(x) for k, x in (kv.split("=") for kv in c.split(",") if kv)} for c in a.configs])
+    run(checks, timings, "A-path settings to time, e.g. 'fwd=16,bwd=16,save=8' ('' = the defaults)")

@@ -6,7 +6,7 @@ head) keeps A [K, K] in fp32 registers and walks sub-chunks of C = 16 tokens; fo
     G = I + U A Uᵀ = R Rᵀ (Cholesky),  Y = R⁻¹ U,  W = Y A (rows w_t = z_t/√δ_t)
     a = K A − tril(K Wᵀ) W,            A ← A − Wᵀ W
 
-Backward (README.md, "A path backward"): with P_t = A_t A⁻¹ = I − Σ_{s≤t} w_s y_sᵀ, b_t = A_t ∂a_t, and Ā the
+Backward (README.md, `impl="triton"`): with P_t = A_t A⁻¹ = I − Σ_{s≤t} w_s y_sᵀ, b_t = A_t ∂a_t, and Ā the
 (symmetric) gradient of the sub-chunk's end state,
 
     ∂k̂_t = b_t
@@ -15,8 +15,8 @@ Backward (README.md, "A path backward"): with P_t = A_t A⁻¹ = I − Σ_{s≤t
 
 The forward saves A every SAVE sub-chunks and, per token, its row of R⁻¹, w_t and ‖a_t‖; the backward rebuilds
 the sub-chunk starts of one segment (A ← A − WᵀW) into a per-program scratch and walks them in reverse, with no
-factorisation. Only the symmetric part of dA_0 is meaningful (A is symmetric;
-the op differentiates through (A + Aᵀ)/2).
+factorisation. Only the symmetric part of dA_0 is meaningful (A is symmetric; the op differentiates through
+(A + Aᵀ)/2).
 """
 from __future__ import annotations
 
@@ -71,6 +71,12 @@ def _directions(Kh, A, W, rows, cols, DT: tl.constexpr):
 
 
 @triton.jit
+def _sub_chunk(i_b, T, j, C: tl.constexpr):
+    """First token row and length of sub-chunk j of sequence i_b (sequences of T tokens laid end to end)."""
+    return i_b * T + j * C, tl.minimum(C, T - j * C)
+
+
+@triton.jit
 def _apath_fwd_kernel(k_ptr, u_ptr, a0_ptr, al_ptr, aT_ptr, asv_ptr, rinv_ptr, w_ptr, nrm_ptr, T, H, K, NSEG,
                       STORE: tl.constexpr, SAVE: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
     """One (batch, head) per program: α̂ and the final A; with STORE, A every SAVE sub-chunks and per token the row
@@ -80,7 +86,7 @@ def _apath_fwd_kernel(k_ptr, u_ptr, a0_ptr, al_ptr, aT_ptr, asv_ptr, rinv_ptr, w
     rows, cols = tl.arange(0, C)[:, None], tl.arange(0, C)[None, :]
     A = _load_state(a0_ptr, i_bh * K * K, K, K, 0, BK, BK)
     for j in range(0, tl.cdiv(T, C)):
-        t0, L = i_b * T + j * C, tl.minimum(C, T - j * C)
+        t0, L = _sub_chunk(i_b, T, j, C)
         Kh = _load_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C)
         U = _load_rows(u_ptr, t0, L, i_h, H, K, 0, BK, C)
         UA, Rinv, W = _factor(U, A, rows, cols, DT, C)
@@ -117,14 +123,14 @@ def _apath_bwd_kernel(k_ptr, u_ptr, al_ptr, asv_ptr, rinv_ptr, w_ptr, nrm_ptr, d
         for jj in range(0, n_sub):
             _store_state(scr_ptr, (i_bh * SAVE + jj) * K * K, A, K, K, 0, BK, BK)
             if jj < n_sub - 1:
-                t0, L = i_b * T + (seg * SAVE + jj) * C, tl.minimum(C, T - (seg * SAVE + jj) * C)
+                t0, L = _sub_chunk(i_b, T, seg * SAVE + jj, C)
                 W = _load_rows(w_ptr, t0, L, i_h, H, K, 0, BK, C)
                 A -= _dot(tl.trans(W), W, DT)
         tl.debug_barrier()
         for ii in range(0, n_sub):
             jj = n_sub - 1 - ii
             A = _load_state(scr_ptr, (i_bh * SAVE + jj) * K * K, K, K, 0, BK, BK)
-            t0, L = i_b * T + (seg * SAVE + jj) * C, tl.minimum(C, T - (seg * SAVE + jj) * C)
+            t0, L = _sub_chunk(i_b, T, seg * SAVE + jj, C)
             Kh = _load_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C)
             U = _load_rows(u_ptr, t0, L, i_h, H, K, 0, BK, C)
             W = _load_rows(w_ptr, t0, L, i_h, H, K, 0, BK, C)

@@ -60,9 +60,9 @@ def variational_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         A = initial_state[1].detach()
         if not torch.allclose(A, A.transpose(-1, -2), rtol=1e-5, atol=1e-6 * float(A.abs().max())):
             fail(_OP, "`initial_state[1]` (A) must be symmetric positive definite")
-    S, A, n = (s.to(dt) for s in initial_state)
-    # A is symmetric: every impl runs on (A + Aᵀ)/2, so dA is symmetric and the same whatever an impl's formulas
     # the triton impl takes 16-bit activations as they are (its S path multiplies 16-bit operands, the rest is fp32)
     acts = [x if fn is vla_fused else x.to(dt) for x in (q, k, v, u)]
+    S, A, n = (s.to(dt) for s in initial_state)
+    # A is symmetric: every impl runs on (A + Aᵀ)/2, so dA is symmetric and the same whatever an impl's formulas
     (o,), final = run_packed(fn, cu_seqlens, acts, (S, 0.5 * (A + A.mT), n), eps=eps)
     return o.to(q.dtype), (final if output_final_state else None)
