@@ -91,7 +91,9 @@ CASES = {
 
 def run_case(case: OpCase, args, state, impl: str, **kw):
     """Call the op with every output requested; returns the flat list of outputs."""
-    extra = {"output_variance": True} if case.name == "kalman" else {}
+    # GKA at ridge 0.3: 30 Chebyshev steps reach ~1e-13 (κ <= 4.3), so impl="triton"'s implicit-differentiation
+    # gradients equal autograd through the steps; ridge 0.02 is tested against the exact solve in test_gka_triton
+    extra = {"kalman": {"output_variance": True}, "gka": {"ridge": 0.3}}.get(case.name, {})
     out = case.fn(*args, initial_state=state, output_final_state=True, impl=impl, **extra, **kw)
     return [x for x in flatten_outputs(out) if x is not None]
 

@@ -7,10 +7,11 @@ from kalmix.ops.common.checks import (check_cu_seqlens, check_gates, check_range
                                       compute_dtype, fail, resolve_impl)
 from kalmix.ops.common.varlen import run_packed
 from kalmix.ops.gka.chunk import gka_chunk
+from kalmix.ops.gka.fused import gka_fused
 from kalmix.ops.gka.naive import gka_naive
 
 _OP = "gated_kalmanet"
-_IMPLS = {"naive": gka_naive, "torch": gka_chunk}
+_IMPLS = {"naive": gka_naive, "torch": gka_chunk, "triton": gka_fused}
 
 
 def gated_kalmanet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None = None,
@@ -31,7 +32,9 @@ def gated_kalmanet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         num_iters: Chebyshev iterations; None = exact solve (reference); 0 = plain gated linear attention.
         initial_state: (H [B, H, K, K] symmetric PSD, U [B, H, K, V]); default zeros.
         cu_seqlens: [N + 1] offsets of packed sequences (B must be 1).
-        impl: "naive" | "torch" | "triton" | None (triton on CUDA, torch otherwise).
+        impl: "naive" | "torch" | "triton" | None (triton on CUDA, torch otherwise). "triton" takes K <= 128 and
+            num_iters >= 0, and differentiates the solve implicitly (the exact solve's gradient, evaluated with
+            the same Chebyshev solver) where "torch" and "naive" differentiate through the iterations.
     Returns:
         o [B, T, H, V], (H, U) final state (fp32, fp64 for fp64 inputs) or None.
     """
@@ -70,6 +73,10 @@ def gated_kalmanet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     beta = q.new_ones(B, T, H) if beta is None else beta
     alpha = q.new_ones(B, T, H) if alpha is None else alpha
     scale = K ** -0.5 if scale is None else scale
+    if fn is gka_fused:     # the kernels take the activations in their dtype and pack sequences themselves
+        o, final = fn(q, k, v, g, beta, alpha, state=initial_state, scale=scale, ridge=ridge, num_iters=num_iters,
+                      cu_seqlens=cu_seqlens)
+        return o, (final if output_final_state else None)
     (o,), final = run_packed(fn, cu_seqlens, [x.to(dt) for x in (q, k, v, g, beta, alpha)],
                              tuple(s.to(dt) for s in initial_state), scale=scale, ridge=ridge, num_iters=num_iters,
                              **hints)

@@ -1,0 +1,443 @@
+"""impl="triton" of Gated KalmaNet: chunked Triton kernels, forward and an implicit-differentiation backward.
+
+Per chunk of C tokens with start states (H_c, U_c), G_t the log decay since the chunk start, Γ_t = e^{G_t} and
+M[t, s] = β_s e^{G_t − G_s} (s <= t), every H_t acts without being formed (README of kalmix/ops/gka):
+
+    H_t x_t = Γ_t H_c x_t + Σ_s M[t, s] (k_s · x_t) k_s       all t at once: Γ ⊙ (X H_c) + (M ⊙ X Kᵀ) K
+    ‖H_t‖² = Γ_t² ‖H_c‖² + 2 Γ_t Σ_s M[t, s] k_sᵀ H_c k_s + Σ_{s, s'} M[t, s] M[t, s'] (k_s · k_s')²
+
+so Chebyshev runs the whole chunk's systems together on tensor cores (the iterate in fp32, operands in the
+activations' dtype; fp32 inputs as 3×TF32). The backward differentiates the solve implicitly: with
+dq̃_t = scale·U_t do_t and dx_t = α_t dq̃_t, it solves y_t = (H_t + λ_t I)⁻¹ dx_t with the same solver, and
+the solve hands H_t the gradient dH_t = −y_t x_tᵀ + c_t H_t, c_t = −ridge (x_t · y_t)/‖H_t‖. The state adjoints
+run backwards over chunks as D_c = Γ_C D_{c+1} + Σ_t Γ_t dH_t (U's likewise); every chunk then differentiates
+its own equations (README, "Triton kernels").
+
+Kernels (every tensor laid out [tokens, H, *] with packed sequences; a chunk never crosses a sequence):
+    _states_kernel    per (sequence, head, column block of H or U), forward over chunks: chunk-start states
+    _fwd_kernel       per (chunk, head): ‖H_t‖, the Chebyshev solve, q̃, o
+    _solve_bwd_kernel per (chunk, head): dq̃, the adjoint solve y, dq, dα, c_t and m_s = Σ_t M[t, s] c_t Γ_t
+    _dstates_kernel   per (sequence, head, column block), backward over chunks: chunk-end state gradients
+    _grads_kernel     per (chunk, head): dk, dv, dβ, dg
+Chunk-start states are recomputed by the backward, never stored.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kalmix.ops.common.checks import compute_dtype, fail
+from kalmix.ops.common.delta_triton import (_DT, DOT_FP32, INTERPRET, _chunk_at, _chunk_rows, _chunk_table, _decay,
+                                            _dot, _gates, _load_rows, _load_state, _seq_range, _store_rows,
+                                            _store_state)
+
+_OP = "gated_kalmanet"
+CHUNK = 64
+MAX_K = 128         # H_c [K, K] is one register tile
+BV = 64
+WARPS = dict(states=4, fwd=8, solve_bwd=8, dstates=4, grads=8)
+
+
+@triton.jit
+def _dotf(a, b):
+    """a @ b of fp32 operands to about fp32 accuracy (3×TF32; fp64 stays fp64): the norm's terms."""
+    if a.dtype == tl.float64:
+        return tl.dot(a, b)
+    else:
+        return tl.dot(a, b, input_precision=DOT_FP32)
+
+
+@triton.jit
+def _scan(x_ptr, D, d0, k_ptr, g_ptr, beta_ptr, s0_ptr, h_ptr, sT_ptr, cu_ptr, coff_ptr, i_nh, H, K,
+          C: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, DT: tl.constexpr):
+    """Columns d0..d0+BD of S_t = γ_t S_{t−1} + β_t k_t x_tᵀ ([K, D]) at every chunk start of one sequence."""
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, eos, c0, n_c = _seq_range(cu_ptr, coff_ptr, i_n, C)
+    S = _load_state(s0_ptr, i_nh.to(tl.int64) * K * D, K, D, d0, BK, BD)
+    for j in range(0, n_c):
+        t0, L, valid = _chunk_at(bos, eos, j, C)
+        _store_state(h_ptr, ((c0 + j).to(tl.int64) * H + i_h) * K * D, S, K, D, d0, BK, BD)
+        G, beta, G_end = _gates(g_ptr, beta_ptr, t0, L, i_h, H, valid, C)
+        Kd = _load_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C) * (beta * tl.exp(G_end - G))[:, None]
+        S = tl.exp(G_end) * S + _dot(tl.trans(Kd), _load_rows(x_ptr, t0, L, i_h, H, D, d0, BD, C), DT)
+    _store_state(sT_ptr, i_nh.to(tl.int64) * K * D, S, K, D, d0, BK, BD)
+
+
+@triton.jit
+def _states_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, u0_ptr, cu_ptr, coff_ptr, h_ptr, u_ptr, hT_ptr, uT_ptr,
+                   H, K, V, NBK, C: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, DT: tl.constexpr):
+    """H's column blocks first (values k), then U's (values v)."""
+    i_b, i_nh = tl.program_id(0), tl.program_id(1)
+    if i_b < NBK:
+        _scan(k_ptr, K, i_b * BD, k_ptr, g_ptr, beta_ptr, h0_ptr, h_ptr, hT_ptr, cu_ptr, coff_ptr, i_nh, H, K,
+              C, BK, BD, DT)
+    else:
+        _scan(v_ptr, V, (i_b - NBK) * BD, k_ptr, g_ptr, beta_ptr, u0_ptr, u_ptr, uT_ptr, cu_ptr, coff_ptr, i_nh, H,
+              K, C, BK, BD, DT)
+
+
+@triton.jit
+def _hnorm(Kc, Hc, M, Gam, DT: tl.constexpr):
+    """‖H_t‖_F per row from the chunk expansion (every term >= 0 for PSD H_c), and k_sᵀ H_c k_s."""
+    kHk = tl.sum(_dot(Kc, Hc, DT) * Kc, axis=1)
+    Kg = _dot(Kc, tl.trans(Kc), DT)
+    sq = (Gam * Gam * tl.sum(tl.sum(Hc * Hc, axis=1), axis=0) + 2. * Gam * tl.sum(M * kHk[None, :], axis=1)
+          + tl.sum(_dotf(M, Kg * Kg) * M, axis=1))
+    return tl.sqrt(tl.maximum(sq, 0.)), kHk, Kg
+
+
+@triton.jit
+def _chebyshev(R, Hc, Kc, M, Gam, hnorm, coef_ptr, n_iters, DT: tl.constexpr):
+    """X ≈ (H_t + ridge‖H_t‖ I)⁻¹ r_t for every row t of R [C, K]; coef holds 2/(1 + 2 ridge), ridge, then per
+    step (ω_i, the weight of ξ_{i−1}) as in kalmix/ops/common/chebyshev.py."""
+    step = tl.load(coef_ptr) / hnorm                            # 2/(L + μ) per row
+    X_prev = R * 0.
+    X = step[:, None] * R
+    for i in range(n_iters):
+        omega = tl.load(coef_ptr + 2 + 2 * i)
+        keep = tl.load(coef_ptr + 3 + 2 * i)
+        HX = Gam[:, None] * _dot(X, Hc, DT) + _dot(M * _dot(X, tl.trans(Kc), DT), Kc, DT)
+        X, X_prev = keep * X + (1. - omega) * X_prev - (omega * step)[:, None] * (HX - R), X
+    return X
+
+
+@triton.jit
+def _chunk(g_ptr, beta_ptr, chunks_ptr, i_c, i_h, H, C: tl.constexpr):
+    """The chunk's rows, its G, β, G at its last token, Γ = e^G and M[t, s] = β_s e^{G_t − G_s} (s <= t)."""
+    bos, L, rows, cols, valid = _chunk_rows(chunks_ptr, i_c, C)
+    G, beta, G_end = _gates(g_ptr, beta_ptr, bos, L, i_h, H, valid, C)
+    Md = _decay(G, rows, cols, False)
+    return bos, L, rows, cols, valid, G, beta, G_end, tl.exp(G), Md, Md * beta[None, :]
+
+
+@triton.jit
+def _acc_load(ptr, bos, i_h, H, valid, C: tl.constexpr):
+    """A [tokens, H] per-token scalar of the chunk as [C] (0 past its end)."""
+    return tl.load(ptr + (bos + tl.arange(0, C)) * H + i_h, mask=valid, other=0.)
+
+
+@triton.jit
+def _fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_ptr, h_ptr, u_ptr, coef_ptr, o_ptr, x_ptr,
+                hn_ptr, scale, n_iters, H, K, V, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                DT: tl.constexpr, SOLVE: tl.constexpr, STORE: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    bos, L, rows, cols, valid, G, beta, G_end, Gam, Md, M = _chunk(g_ptr, beta_ptr, chunks_ptr, i_c, i_h, H, C)
+    Q = _load_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C)
+    Kc = _load_rows(k_ptr, bos, L, i_h, H, K, 0, BK, C)
+    base = i_c.to(tl.int64) * H + i_h
+    if SOLVE:
+        Hc = _load_state(h_ptr, base * K * K, K, K, 0, BK, BK)
+        hnorm, _, _ = _hnorm(Kc, Hc, M, Gam, DT)
+        X = _chebyshev(Q, Hc, Kc, M, Gam, hnorm, coef_ptr, n_iters, DT)
+        alpha = _acc_load(alpha_ptr, bos, i_h, H, valid, C)
+        Qt = Q + alpha[:, None] * (X - Q)
+        if STORE:
+            _store_rows(x_ptr, X, bos, L, i_h, H, K, 0, BK, C)
+            tl.store(hn_ptr + (bos + tl.arange(0, C)) * H + i_h, hnorm, mask=valid)
+    else:
+        Qt = Q
+    P = M * _dot(Qt, tl.trans(Kc), DT)
+    for v0 in range(0, V, BV):
+        U0 = _load_state(u_ptr, base * K * V, K, V, v0, BK, BV)
+        out = Gam[:, None] * _dot(Qt, U0, DT) + _dot(P, _load_rows(v_ptr, bos, L, i_h, H, V, v0, BV, C), DT)
+        _store_rows(o_ptr, scale * out, bos, L, i_h, H, V, v0, BV, C)
+
+
+@triton.jit
+def _solve_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_ptr, h_ptr, u_ptr, coef_ptr, x_ptr,
+                      hn_ptr, do_ptr, dq_ptr, dalpha_ptr, y_ptr, c_ptr, m_ptr, scale, n_iters, H, K, V,
+                      C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, SOLVE: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    bos, L, rows, cols, valid, G, beta, G_end, Gam, Md, M = _chunk(g_ptr, beta_ptr, chunks_ptr, i_c, i_h, H, C)
+    Kc = _load_rows(k_ptr, bos, L, i_h, H, K, 0, BK, C)
+    base = i_c.to(tl.int64) * H + i_h
+    dQt = Kc * 0.                                                # scale·U_t do_t = Γ dO U_cᵀ + (M ⊙ dO Vᵀ) K
+    for v0 in range(0, V, BV):
+        U0 = _load_state(u_ptr, base * K * V, K, V, v0, BK, BV)
+        dO = _load_rows(do_ptr, bos, L, i_h, H, V, v0, BV, C)
+        Vc = _load_rows(v_ptr, bos, L, i_h, H, V, v0, BV, C)
+        dQt += Gam[:, None] * _dot(dO, tl.trans(U0), DT) + _dot(M * _dot(dO, tl.trans(Vc), DT), Kc, DT)
+    dQt = scale * dQt
+    r = tl.arange(0, C)
+    if SOLVE:
+        Hc = _load_state(h_ptr, base * K * K, K, K, 0, BK, BK)
+        hnorm = tl.load(hn_ptr + (bos + r) * H + i_h, mask=valid, other=1.)
+        alpha = _acc_load(alpha_ptr, bos, i_h, H, valid, C)
+        X = _load_rows(x_ptr, bos, L, i_h, H, K, 0, BK, C)
+        Q = _load_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C)
+        Y = _chebyshev(alpha[:, None] * dQt, Hc, Kc, M, Gam, hnorm, coef_ptr, n_iters, DT)
+        cvec = tl.where(valid, -tl.load(coef_ptr + 1) * tl.sum(X * Y, axis=1) / hnorm, 0.)
+        _store_rows(y_ptr, Y, bos, L, i_h, H, K, 0, BK, C)
+        tl.store(c_ptr + (bos + r) * H + i_h, cvec, mask=valid)
+        tl.store(m_ptr + (bos + r) * H + i_h, tl.sum(M * (cvec * Gam)[:, None], axis=0), mask=valid)
+        tl.store(dalpha_ptr + (bos + r) * H + i_h, tl.sum(dQt * (X - Q), axis=1), mask=valid)
+        dQt = (1. - alpha)[:, None] * dQt + Y
+    else:
+        tl.store(dalpha_ptr + (bos + r) * H + i_h, tl.zeros([C], dtype=G.dtype), mask=valid)
+    _store_rows(dq_ptr, dQt, bos, L, i_h, H, K, 0, BK, C)
+
+
+@triton.jit
+def _dscan(D, d0, dsT_ptr, ds0_ptr, dst_ptr, h_ptr, q_ptr, k_ptr, x_ptr, y_ptr, alpha_ptr, c_ptr, m_ptr,
+           do_ptr, g_ptr, beta_ptr, cu_ptr, coff_ptr, scale, i_nh, H, K, IS_H: tl.constexpr, C: tl.constexpr,
+           BK: tl.constexpr, BD: tl.constexpr, DT: tl.constexpr, SOLVE: tl.constexpr, HAS_DST: tl.constexpr):
+    """Columns d0..d0+BD of the chunk-end gradients of H (IS_H: D_c = Γ_C D_{c+1} + Σ_t Γ_t dH_t) or of U
+    (E_c = Γ_C E_{c+1} + scale Σ_t Γ_t q̃_t do_tᵀ), backwards over one sequence's chunks."""
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, eos, c0, n_c = _seq_range(cu_ptr, coff_ptr, i_n, C)
+    if HAS_DST:
+        S = _load_state(dsT_ptr, i_nh.to(tl.int64) * K * D, K, D, d0, BK, BD)
+    else:
+        S = tl.zeros([BK, BD], dtype=dst_ptr.dtype.element_ty)
+    for jj in range(0, n_c):
+        j = n_c - 1 - jj
+        t0, L, valid = _chunk_at(bos, eos, j, C)
+        base = (c0 + j).to(tl.int64) * H + i_h
+        _store_state(dst_ptr, base * K * D, S, K, D, d0, BK, BD)
+        G, beta, G_end = _gates(g_ptr, beta_ptr, t0, L, i_h, H, valid, C)
+        Gam = tl.exp(G)
+        S = tl.exp(G_end) * S
+        if IS_H:
+            if SOLVE:
+                # Σ_t Γ_t dH_t = −(ΓY)ᵀX + (Σ_t Γ_t² c_t) H_c + Kᵀ diag(m) K
+                cvec = _acc_load(c_ptr, t0, i_h, H, valid, C)
+                mvec = _acc_load(m_ptr, t0, i_h, H, valid, C)
+                Y = _load_rows(y_ptr, t0, L, i_h, H, K, 0, BK, C)
+                Xd = _load_rows(x_ptr, t0, L, i_h, H, K, d0, BD, C)
+                Kc = _load_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C)
+                Kd = _load_rows(k_ptr, t0, L, i_h, H, K, d0, BD, C)
+                Hc = _load_state(h_ptr, base * K * D, K, D, d0, BK, BD)
+                S += (tl.sum(Gam * Gam * cvec, axis=0) * Hc - _dot(tl.trans(Gam[:, None] * Y), Xd, DT)
+                      + _dot(tl.trans(Kc * mvec[:, None]), Kd, DT))
+        else:
+            Q = _load_rows(q_ptr, t0, L, i_h, H, K, 0, BK, C)
+            if SOLVE:
+                alpha = _acc_load(alpha_ptr, t0, i_h, H, valid, C)
+                Q += alpha[:, None] * (_load_rows(x_ptr, t0, L, i_h, H, K, 0, BK, C) - Q)
+            S += scale * _dot(tl.trans(Gam[:, None] * Q), _load_rows(do_ptr, t0, L, i_h, H, D, d0, BD, C), DT)
+    _store_state(ds0_ptr, i_nh.to(tl.int64) * K * D, S, K, D, d0, BK, BD)
+
+
+@triton.jit
+def _dstates_kernel(q_ptr, k_ptr, x_ptr, y_ptr, alpha_ptr, c_ptr, m_ptr, do_ptr, g_ptr, beta_ptr, h_ptr, dhT_ptr,
+                    duT_ptr, cu_ptr, coff_ptr, dh_ptr, du_ptr, dh0_ptr, du0_ptr, scale, H, K, V, NBK,
+                    C: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, DT: tl.constexpr, SOLVE: tl.constexpr,
+                    HAS_DST: tl.constexpr):
+    i_b, i_nh = tl.program_id(0), tl.program_id(1)
+    if i_b < NBK:
+        _dscan(K, i_b * BD, dhT_ptr, dh0_ptr, dh_ptr, h_ptr, q_ptr, k_ptr, x_ptr, y_ptr, alpha_ptr, c_ptr,
+               m_ptr, do_ptr, g_ptr, beta_ptr, cu_ptr, coff_ptr, scale, i_nh, H, K, True, C, BK, BD, DT, SOLVE,
+               HAS_DST)
+    else:
+        _dscan(V, (i_b - NBK) * BD, duT_ptr, du0_ptr, du_ptr, h_ptr, q_ptr, k_ptr, x_ptr, y_ptr, alpha_ptr,
+               c_ptr, m_ptr, do_ptr, g_ptr, beta_ptr, cu_ptr, coff_ptr, scale, i_nh, H, K, False, C, BK, BD, DT,
+               SOLVE, HAS_DST)
+
+
+@triton.jit
+def _grads_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_ptr, h_ptr, u_ptr, dh_ptr, du_ptr, x_ptr,
+                  y_ptr, c_ptr, m_ptr, do_ptr, dk_ptr, dv_ptr, dg_ptr, dbeta_ptr, scale, H, K, V,
+                  C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, SOLVE: tl.constexpr):
+    """Per chunk, with D, E the gradients of its end states and b_s = β_s e^{G_C − G_s} their write weights."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    bos, L, rows, cols, valid, G, beta, G_end, Gam, Md, M = _chunk(g_ptr, beta_ptr, chunks_ptr, i_c, i_h, H, C)
+    Kc = _load_rows(k_ptr, bos, L, i_h, H, K, 0, BK, C)
+    Qt = _load_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C)
+    if SOLVE:
+        alpha = _acc_load(alpha_ptr, bos, i_h, H, valid, C)
+        X = _load_rows(x_ptr, bos, L, i_h, H, K, 0, BK, C)
+        Qt += alpha[:, None] * (X - Qt)
+    base = i_c.to(tl.int64) * H + i_h
+    QtK = _dot(Qt, tl.trans(Kc), DT)
+    PU = M * QtK
+    dOV = QtK * 0.                                  # dO Vᵀ
+    VE = Kc * 0.                                    # V Eᵀ
+    e = Gam * 0.                                    # k_sᵀ D k_s + k_sᵀ E v_s
+    dGam = Gam * 0.                                 # ∂/∂Γ_t of the Γ_t H_c, Γ_t U_c terms
+    dGe = tl.sum(Gam * 0., axis=0)                  # ⟨D, H_c⟩ + ⟨E, U_c⟩
+    bend = beta * tl.exp(G_end - G)
+    for v0 in range(0, V, BV):
+        U0 = _load_state(u_ptr, base * K * V, K, V, v0, BK, BV)
+        E = _load_state(du_ptr, base * K * V, K, V, v0, BK, BV)
+        Vc = _load_rows(v_ptr, bos, L, i_h, H, V, v0, BV, C)
+        dO = _load_rows(do_ptr, bos, L, i_h, H, V, v0, BV, C)
+        dOV += _dot(dO, tl.trans(Vc), DT)
+        dGam += scale * tl.sum(dO * _dot(Qt, U0, DT), axis=1)
+        KE = _dot(Kc, E, DT)
+        e += tl.sum(KE * Vc, axis=1)
+        VE += _dot(Vc, tl.trans(E), DT)
+        dGe += tl.sum(tl.sum(E * U0, axis=1), axis=0)
+        _store_rows(dv_ptr, scale * _dot(tl.trans(PU), dO, DT) + bend[:, None] * KE, bos, L, i_h, H, V, v0, BV, C)
+    dM = scale * dOV * QtK
+    dK = scale * _dot(tl.trans(M * dOV), Qt, DT)
+    Dm = _load_state(dh_ptr, base * K * K, K, K, 0, BK, BK)
+    Hc = _load_state(h_ptr, base * K * K, K, K, 0, BK, BK)
+    KD = _dot(Kc, Dm, DT)
+    e += tl.sum(KD * Kc, axis=1)
+    dK += bend[:, None] * (VE + KD + _dot(Kc, tl.trans(Dm), DT))
+    dGe += tl.sum(tl.sum(Dm * Hc, axis=1), axis=0)
+    if SOLVE:
+        Y = _load_rows(y_ptr, bos, L, i_h, H, K, 0, BK, C)
+        cvec = _acc_load(c_ptr, bos, i_h, H, valid, C)
+        mvec = _acc_load(m_ptr, bos, i_h, H, valid, C)
+        KH = _dot(Kc, Hc, DT)
+        kHk = tl.sum(KH * Kc, axis=1)
+        Kg = _dot(Kc, tl.trans(Kc), DT)
+        XK = _dot(X, tl.trans(Kc), DT)
+        YK = _dot(Y, tl.trans(Kc), DT)
+        N = _dotf(tl.trans(M * cvec[:, None]), M)                # Mᵀ diag(c) M
+        # dH_t = −y_t x_tᵀ + c_t H_t, through H_t = Γ_t H_c + Σ_s M[t, s] k_s k_sᵀ
+        dK += (2. * mvec[:, None] * KH + 2. * _dot(N * Kg, Kc, DT) - _dot(tl.trans(M * XK), Y, DT)
+               - _dot(tl.trans(M * YK), X, DT))
+        dM += cvec[:, None] * (Gam[:, None] * kHk[None, :] + _dotf(M, Kg * Kg)) - YK * XK
+        dGam += cvec * (Gam * tl.sum(tl.sum(Hc * Hc, axis=1), axis=0) + tl.sum(M * kHk[None, :], axis=1)) - tl.sum(
+            _dot(Y, Hc, DT) * X, axis=1)
+    _store_rows(dk_ptr, dK, bos, L, i_h, H, K, 0, BK, C)
+    P = dM * M
+    eb = e * bend
+    r = tl.arange(0, C)
+    dG = tl.sum(P, axis=1) - tl.sum(P, axis=0) + Gam * dGam - eb
+    dG += tl.where(r == L - 1, tl.sum(eb, axis=0) + tl.exp(G_end) * dGe, 0.)
+    dG = tl.where(valid, dG, 0.)
+    dg = tl.sum(dG, axis=0) - tl.cumsum(dG, axis=0) + dG
+    tl.store(dg_ptr + (bos + r) * H + i_h, dg, mask=valid)
+    tl.store(dbeta_ptr + (bos + r) * H + i_h, tl.sum(dM * Md, axis=0) + e * tl.exp(G_end - G), mask=valid)
+
+
+def _coefficients(ridge: float, n_iters: int, dtype, device) -> torch.Tensor:
+    """[2/(1 + 2 ridge), ridge, then (ω_i, the weight of ξ_{i−1}) for i = 1..n] in fp64 arithmetic."""
+    rho2 = (1.0 / (1.0 + 2.0 * ridge)) ** 2
+    coef, omega = [2.0 / (1.0 + 2.0 * ridge), ridge], 2.0
+    for _ in range(n_iters):
+        omega = 4.0 / (4.0 - rho2 * omega)
+        coef += [omega, omega * (1.0 - 2.0 * ridge / (1.0 + 2.0 * ridge))]
+    return torch.tensor(coef, dtype=dtype, device=device)
+
+
+def _launch(dtype: torch.dtype, K: int, V: int):
+    """(BK, BD, {kernel: launch keywords}) for activations of ``dtype``."""
+    BK = max(16, triton.next_power_of_2(K))
+    BD = max(16, min(BV, triton.next_power_of_2(V)))
+    # the interpreter's dot overflows on 16-bit operands (numpy has no bf16): there they are multiplied in fp32
+    DT = tl.float32 if INTERPRET and dtype.itemsize == 2 else _DT[dtype]
+    kw = dict(C=CHUNK, BK=BK, DT=DT, num_stages=1)
+    return BK, BD, {k: dict(kw, num_warps=w) for k, w in WARPS.items()}
+
+
+def _states(k, v, g, beta, h0, u0, cu, coff, NC):
+    """Chunk-start states h [NC, H, K, K], u [NC, H, K, V] (in the activations' dtype) and the final states."""
+    Ttot, H, K = k.shape
+    V = v.shape[-1]
+    BK, BD, kw = _launch(k.dtype, K, V)
+    N = cu.numel() - 1
+    act = dict(dtype=k.dtype, device=k.device)
+    h, u = torch.empty(NC, H, K, K, **act), torch.empty(NC, H, K, V, **act)
+    hT, uT = torch.empty_like(h0), torch.empty_like(u0)
+    nbk = triton.cdiv(K, BD)
+    _states_kernel[(nbk + triton.cdiv(V, BD), N * H)](k, v, g, beta, h0, u0, cu, coff, h, u, hT, uT, H, K, V, nbk,
+                                                      BD=BD, **kw["states"])
+    return h, u, hT, uT
+
+
+def _forward(q, k, v, g, beta, alpha, h0, u0, cu, coff, chunks, scale, ridge, n_iters, store):
+    Ttot, H, K = q.shape
+    V = v.shape[-1]
+    BK, BD, kw = _launch(q.dtype, K, V)
+    NC = chunks.shape[0]
+    h, u, hT, uT = _states(k, v, g, beta, h0, u0, cu, coff, NC)
+    acc = dict(dtype=compute_dtype(q), device=q.device)
+    o = torch.empty_like(v)
+    x = torch.empty(Ttot, H, K, **acc) if store else o
+    hn = torch.empty(Ttot, H, **acc) if store else o
+    coef = _coefficients(ridge, n_iters, acc["dtype"], q.device)
+    _fwd_kernel[(NC, H)](q, k, v, g, beta, alpha, chunks, h, u, coef, o, x, hn, scale, n_iters, H, K, V, BV=BD,
+                         SOLVE=n_iters > 0, STORE=store, **kw["fwd"])
+    return o, hT, uT, x, hn
+
+
+def _flatten(q, k, v, g, beta, alpha, cu, packed):
+    """[B·T, H, *] contiguous views and the chunk table."""
+    B, T = q.shape[:2]
+    flat = [x.reshape(B * T, *x.shape[2:]).contiguous() for x in (q, k, v, g, beta, alpha)]
+    return flat, _chunk_table(cu, B, T, CHUNK, packed)
+
+
+class GKAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, alpha, h0, u0, cu, packed, scale, ridge, n_iters):
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        flat, (coff, chunks) = _flatten(q, k, v, g, beta, alpha, cu, packed)
+        h0, u0 = h0.contiguous(), u0.contiguous()
+        o, hT, uT, x, hn = _forward(*flat, h0, u0, cu, coff, chunks, scale, ridge, n_iters, store=True)
+        ctx.save_for_backward(*flat, h0, u0, cu, coff, chunks, x, hn)
+        ctx.args, ctx.shape = (scale, ridge, n_iters), (B, T, H, K, V)
+        ctx.set_materialize_grads(False)
+        return o.view(B, T, H, V), hT, uT
+
+    @staticmethod
+    def backward(ctx, do, dhT, duT):
+        q, k, v, g, beta, alpha, h0, u0, cu, coff, chunks, x, hn = ctx.saved_tensors
+        scale, ridge, n_iters = ctx.args
+        B, T, H, K, V = ctx.shape
+        BK, BD, kw = _launch(q.dtype, K, V)
+        NC, N = chunks.shape[0], cu.numel() - 1
+        h, u, _, _ = _states(k, v, g, beta, h0, u0, cu, coff, NC)
+        do = torch.zeros_like(v) if do is None else do.reshape(B * T, H, V).contiguous()
+        acc = compute_dtype(q)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dalpha, dg, dbeta = torch.empty_like(alpha), torch.empty_like(g), torch.empty_like(beta)
+        y = torch.empty_like(x)
+        cvec, mvec = torch.empty_like(hn), torch.empty_like(hn)
+        coef = _coefficients(ridge, n_iters, acc, q.device)
+        solve = n_iters > 0
+        _solve_bwd_kernel[(NC, H)](q, k, v, g, beta, alpha, chunks, h, u, coef, x, hn, do, dq, dalpha, y, cvec, mvec,
+                                   scale, n_iters, H, K, V, BV=BD, SOLVE=solve, **kw["solve_bwd"])
+        dh, du = torch.empty(NC, H, K, K, dtype=acc, device=q.device), torch.empty(NC, H, K, V, dtype=acc,
+                                                                                   device=q.device)
+        dh0, du0 = torch.empty_like(h0), torch.empty_like(u0)
+        has_dst = dhT is not None or duT is not None
+        dhT = torch.zeros_like(h0) if dhT is None else dhT.contiguous()
+        duT = torch.zeros_like(u0) if duT is None else duT.contiguous()
+        nbk = triton.cdiv(K, BD)
+        _dstates_kernel[(nbk + triton.cdiv(V, BD), N * H)](
+            q, k, x, y, alpha, cvec, mvec, do, g, beta, h, dhT, duT, cu, coff, dh, du, dh0, du0, scale, H, K, V, nbk,
+            BD=BD, SOLVE=solve, HAS_DST=has_dst, **kw["dstates"])
+        _grads_kernel[(NC, H)](q, k, v, g, beta, alpha, chunks, h, u, dh, du, x, y, cvec, mvec, do, dk, dv, dg, dbeta,
+                               scale, H, K, V, BV=BD, SOLVE=solve, **kw["grads"])
+        shape = lambda t: t.view(B, T, *t.shape[1:])  # noqa: E731
+        return (shape(dq), shape(dk), shape(dv), shape(dg), shape(dbeta), shape(dalpha), dh0, du0,
+                None, None, None, None, None)
+
+
+def gka_fused(q, k, v, g, beta, alpha, *, state, scale, ridge, num_iters, cu_seqlens=None):
+    """The op on GPU tensors (or under TRITON_INTERPRET), sequences packed by ``cu_seqlens`` in the kernels.
+
+    Args:
+        q, k: [B, T, H, K] (K <= 128); v: [B, T, H, V], one dtype (bf16/fp16/fp32; fp64 runs in fp64);
+        g, beta, alpha: [B, T, H]; state: (H [N, H, K, K], U [N, H, K, V]) in the compute dtype.
+    Returns:
+        o [B, T, H, V] in v's dtype, (H, U) final states in the compute dtype.
+    """
+    B, T, H, K = q.shape
+    if K > MAX_K:
+        fail(_OP, f"impl='triton' keeps H_c [K, K] in registers and takes K <= {MAX_K}, got K = {K}; "
+                  "use impl='torch'")
+    if num_iters is None:
+        fail(_OP, "num_iters=None (the exact solve, a reference) runs with impl='torch' or 'naive' only")
+    if cu_seqlens is None:
+        cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
+    else:
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    acc = compute_dtype(q)
+    h0, u0 = (s.to(acc).contiguous() for s in state)
+    g, beta, alpha = (x.to(acc) for x in (g, beta, alpha))
+    packed, ridge, num_iters = cu_seqlens is not None, float(ridge), int(num_iters)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta, alpha, h0, u0)):
+        o, hT, uT = GKAFunction.apply(q, k, v, g, beta, alpha, h0, u0, cu, packed, scale, ridge, num_iters)
+    else:                                                   # inference: nothing kept for a backward
+        flat, (coff, chunks) = _flatten(q, k, v, g, beta, alpha, cu, packed)
+        o, hT, uT, _, _ = _forward(*flat, h0, u0, cu, coff, chunks, scale, ridge, num_iters, store=False)
+        o = o.view(v.shape)
+    return o, (hT, uT)
