@@ -43,6 +43,15 @@ def test_matches_exact_solve_with_gradients_fp64(T, K, V, final_grad):
         assert_close(name, x, r, 1e-9)
 
 
+@pytest.mark.parametrize("C", [16, 64])
+def test_other_chunk_lengths(C, monkeypatch):
+    """fp64 runs at fp32's chunk length (32); 16-bit activations use 64."""
+    monkeypatch.setitem(fused.CONFIGS[32], "C", C)
+    args, state = layer_inputs(1, 100, 2, 8, 8, seed=C)
+    for name, x, r in zip(NAMES, run("triton", args, state, 120), run("torch", args, state, None)):
+        assert_close(name, x, r, 1e-9)
+
+
 def test_gradients_converge_to_the_exact_solves_with_the_steps():
     args, state = layer_inputs(1, 90, 2, 16, 8, seed=1)
     ref = run("torch", args, state, None)

@@ -16,9 +16,11 @@ its own equations (README, "Triton kernels").
 Kernels (every tensor laid out [tokens, H, *] with packed sequences; a chunk never crosses a sequence):
     _states_kernel    per (sequence, head, column block of H or U), forward over chunks: chunk-start states
     _fwd_kernel       per (chunk, head): ‖H_t‖, the Chebyshev solve, q̃, o
-    _solve_bwd_kernel per (chunk, head): dq̃, the adjoint solve y, dq, dα, c_t and m_s = Σ_t M[t, s] c_t Γ_t
+    _solve_bwd_kernel per (chunk, head): dq̃, the adjoint solve y, dq, dα, c_t, m_s = Σ_t M[t, s] c_t Γ_t and
+                      the other terms that need H_c
     _dstates_kernel   per (sequence, head, column block), backward over chunks: chunk-end state gradients
-    _grads_kernel     per (chunk, head): dk, dv, dβ, dg
+    _grads_u_kernel   per (chunk, head): dv and U's shares of dk, dβ, dg
+    _grads_h_kernel   per (chunk, head): H's shares, then dk, dβ, dg
 Chunk-start states are recomputed by the backward, never stored.
 """
 from __future__ import annotations
@@ -29,14 +31,15 @@ import triton.language as tl
 
 from kalmix.ops.common.checks import compute_dtype, fail
 from kalmix.ops.common.delta_triton import (_DT, DOT_FP32, INTERPRET, _chunk_at, _chunk_rows, _chunk_table, _decay,
-                                            _dot, _gates, _load_rows, _load_state, _seq_range, _store_rows,
+                                            _dot, _dot32, _gates, _load_rows, _load_state, _seq_range, _store_rows,
                                             _store_state)
 
 _OP = "gated_kalmanet"
-CHUNK = 64
-MAX_K = 128         # H_c [K, K] is one register tile
-BV = 64
-WARPS = dict(states=4, fwd=8, solve_bwd=8, dstates=4, grads=8)
+MAX_K = 128         # H_c [K, K] is one tile
+# per operand width (16-bit activations, or fp32/fp64): the chunk length C, the column block of the states and of
+# V, and each kernel's warps (fp32's 3×TF32 operands need twice the shared memory, hence the smaller tiles)
+CONFIGS = {16: dict(C=64, BV=64, states=4, fwd=4, solve_bwd=4, dstates=4, grads_u=8, grads_h=8),
+           32: dict(C=32, BV=32, states=4, fwd=8, solve_bwd=8, dstates=4, grads_u=8, grads_h=8)}
 
 
 @triton.jit
@@ -82,7 +85,8 @@ def _hnorm(Kc, Hc, M, Gam, DT: tl.constexpr):
     """‖H_t‖_F per row from the chunk expansion (every term >= 0 for PSD H_c), and k_sᵀ H_c k_s."""
     kHk = tl.sum(_dot(Kc, Hc, DT) * Kc, axis=1)
     Kg = _dot(Kc, tl.trans(Kc), DT)
-    sq = (Gam * Gam * tl.sum(tl.sum(Hc * Hc, axis=1), axis=0) + 2. * Gam * tl.sum(M * kHk[None, :], axis=1)
+    Hf = Hc.to(Gam.dtype)
+    sq = (Gam * Gam * tl.sum(tl.sum(Hf * Hf, axis=1), axis=0) + 2. * Gam * tl.sum(M * kHk[None, :], axis=1)
           + tl.sum(_dotf(M, Kg * Kg) * M, axis=1))
     return tl.sqrt(tl.maximum(sq, 0.)), kHk, Kg
 
@@ -92,8 +96,8 @@ def _chebyshev(R, Hc, Kc, M, Gam, hnorm, coef_ptr, n_iters, DT: tl.constexpr):
     """X ≈ (H_t + ridge‖H_t‖ I)⁻¹ r_t for every row t of R [C, K]; coef holds 2/(1 + 2 ridge), ridge, then per
     step (ω_i, the weight of ξ_{i−1}) as in kalmix/ops/common/chebyshev.py."""
     step = tl.load(coef_ptr) / hnorm                            # 2/(L + μ) per row
-    X_prev = R * 0.
     X = step[:, None] * R
+    X_prev = tl.zeros_like(X)
     for i in range(n_iters):
         omega = tl.load(coef_ptr + 2 + 2 * i)
         keep = tl.load(coef_ptr + 3 + 2 * i)
@@ -123,11 +127,12 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_ptr, h_p
                 DT: tl.constexpr, SOLVE: tl.constexpr, STORE: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, L, rows, cols, valid, G, beta, G_end, Gam, Md, M = _chunk(g_ptr, beta_ptr, chunks_ptr, i_c, i_h, H, C)
-    Q = _load_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C)
-    Kc = _load_rows(k_ptr, bos, L, i_h, H, K, 0, BK, C)
+    # tiles stored in the operand dtype stay in it (exact; half the registers)
+    Q = _load_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)
+    Kc = _load_rows(k_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)
     base = i_c.to(tl.int64) * H + i_h
     if SOLVE:
-        Hc = _load_state(h_ptr, base * K * K, K, K, 0, BK, BK)
+        Hc = _load_state(h_ptr, base * K * K, K, K, 0, BK, BK).to(DT)
         hnorm, _, _ = _hnorm(Kc, Hc, M, Gam, DT)
         X = _chebyshev(Q, Hc, Kc, M, Gam, hnorm, coef_ptr, n_iters, DT)
         alpha = _acc_load(alpha_ptr, bos, i_h, H, valid, C)
@@ -146,13 +151,15 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_ptr, h_p
 
 @triton.jit
 def _solve_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_ptr, h_ptr, u_ptr, coef_ptr, x_ptr,
-                      hn_ptr, do_ptr, dq_ptr, dalpha_ptr, y_ptr, c_ptr, m_ptr, scale, n_iters, H, K, V,
-                      C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, SOLVE: tl.constexpr):
+                      hn_ptr, do_ptr, dq_ptr, dalpha_ptr, y_ptr, c_ptr, m_ptr, khk_ptr, dgam_ptr, dkp_ptr, scale,
+                      n_iters, H, K, V, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
+                      SOLVE: tl.constexpr):
+    """Also what needs H_c in _grads_kernel: k_sᵀH_c k_s, the H_c terms of ∂/∂Γ_t, and dk's 2 m_s H_c k_s."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, L, rows, cols, valid, G, beta, G_end, Gam, Md, M = _chunk(g_ptr, beta_ptr, chunks_ptr, i_c, i_h, H, C)
-    Kc = _load_rows(k_ptr, bos, L, i_h, H, K, 0, BK, C)
+    Kc = _load_rows(k_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)
     base = i_c.to(tl.int64) * H + i_h
-    dQt = Kc * 0.                                                # scale·U_t do_t = Γ dO U_cᵀ + (M ⊙ dO Vᵀ) K
+    dQt = tl.zeros([C, BK], dtype=G.dtype)          # scale·U_t do_t = Γ dO U_cᵀ + (M ⊙ dO Vᵀ) K
     for v0 in range(0, V, BV):
         U0 = _load_state(u_ptr, base * K * V, K, V, v0, BK, BV)
         dO = _load_rows(do_ptr, bos, L, i_h, H, V, v0, BV, C)
@@ -160,30 +167,45 @@ def _solve_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_pt
         dQt += Gam[:, None] * _dot(dO, tl.trans(U0), DT) + _dot(M * _dot(dO, tl.trans(Vc), DT), Kc, DT)
     dQt = scale * dQt
     r = tl.arange(0, C)
+    tok = (bos + r) * H + i_h
     if SOLVE:
-        Hc = _load_state(h_ptr, base * K * K, K, K, 0, BK, BK)
-        hnorm = tl.load(hn_ptr + (bos + r) * H + i_h, mask=valid, other=1.)
+        Hc = _load_state(h_ptr, base * K * K, K, K, 0, BK, BK).to(DT)
+        hnorm = tl.load(hn_ptr + tok, mask=valid, other=1.)
         alpha = _acc_load(alpha_ptr, bos, i_h, H, valid, C)
-        X = _load_rows(x_ptr, bos, L, i_h, H, K, 0, BK, C)
-        Q = _load_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C)
-        Y = _chebyshev(alpha[:, None] * dQt, Hc, Kc, M, Gam, hnorm, coef_ptr, n_iters, DT)
-        cvec = tl.where(valid, -tl.load(coef_ptr + 1) * tl.sum(X * Y, axis=1) / hnorm, 0.)
+        # dq̃ waits in dkp's rows (overwritten below) while the solve runs on its right-hand side in the
+        # operand dtype (like the forward's q); then each [C, K] tile dies early
+        _store_rows(dkp_ptr, dQt, bos, L, i_h, H, K, 0, BK, C)
+        Y = _chebyshev((alpha[:, None] * dQt).to(DT), Hc, Kc, M, Gam, hnorm, coef_ptr, n_iters, DT)
         _store_rows(y_ptr, Y, bos, L, i_h, H, K, 0, BK, C)
-        tl.store(c_ptr + (bos + r) * H + i_h, cvec, mask=valid)
-        tl.store(m_ptr + (bos + r) * H + i_h, tl.sum(M * (cvec * Gam)[:, None], axis=0), mask=valid)
-        tl.store(dalpha_ptr + (bos + r) * H + i_h, tl.sum(dQt * (X - Q), axis=1), mask=valid)
-        dQt = (1. - alpha)[:, None] * dQt + Y
+        dQt = _load_rows(dkp_ptr, bos, L, i_h, H, K, 0, BK, C)
+        _store_rows(dq_ptr, (1. - alpha)[:, None] * dQt + Y, bos, L, i_h, H, K, 0, BK, C)
+        X = _load_rows(x_ptr, bos, L, i_h, H, K, 0, BK, C)
+        tl.store(dalpha_ptr + tok, tl.sum(dQt * (X - _load_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C)), axis=1),
+                 mask=valid)
+        cvec = tl.where(valid, -tl.load(coef_ptr + 1) * tl.sum(X * Y, axis=1) / hnorm, 0.)
+        dgam = -tl.sum(_dot(Y, Hc, DT) * X, axis=1)
+        mvec = tl.sum(M * (cvec * Gam)[:, None], axis=0)           # m_s = Σ_t M[t, s] c_t Γ_t
+        KH = _dot(Kc, Hc, DT)
+        kHk = tl.sum(KH * Kc, axis=1)
+        _store_rows(dkp_ptr, 2. * mvec[:, None] * KH, bos, L, i_h, H, K, 0, BK, C)
+        Hf = Hc.to(G.dtype)
+        dgam += cvec * (Gam * tl.sum(tl.sum(Hf * Hf, axis=1), axis=0) + tl.sum(M * kHk[None, :], axis=1))
+        tl.store(c_ptr + tok, cvec, mask=valid)
+        tl.store(m_ptr + tok, mvec, mask=valid)
+        tl.store(khk_ptr + tok, kHk, mask=valid)
+        tl.store(dgam_ptr + tok, dgam, mask=valid)
     else:
-        tl.store(dalpha_ptr + (bos + r) * H + i_h, tl.zeros([C], dtype=G.dtype), mask=valid)
-    _store_rows(dq_ptr, dQt, bos, L, i_h, H, K, 0, BK, C)
+        tl.store(dalpha_ptr + tok, tl.zeros([C], dtype=G.dtype), mask=valid)
+        _store_rows(dq_ptr, dQt, bos, L, i_h, H, K, 0, BK, C)
 
 
 @triton.jit
-def _dscan(D, d0, dsT_ptr, ds0_ptr, dst_ptr, h_ptr, q_ptr, k_ptr, x_ptr, y_ptr, alpha_ptr, c_ptr, m_ptr,
+def _dscan(D, d0, dsT_ptr, ds0_ptr, dst_ptr, s_ptr, dge_ptr, q_ptr, k_ptr, x_ptr, y_ptr, alpha_ptr, c_ptr, m_ptr,
            do_ptr, g_ptr, beta_ptr, cu_ptr, coff_ptr, scale, i_nh, H, K, IS_H: tl.constexpr, C: tl.constexpr,
            BK: tl.constexpr, BD: tl.constexpr, DT: tl.constexpr, SOLVE: tl.constexpr, HAS_DST: tl.constexpr):
     """Columns d0..d0+BD of the chunk-end gradients of H (IS_H: D_c = Γ_C D_{c+1} + Σ_t Γ_t dH_t) or of U
-    (E_c = Γ_C E_{c+1} + scale Σ_t Γ_t q̃_t do_tᵀ), backwards over one sequence's chunks."""
+    (E_c = Γ_C E_{c+1} + scale Σ_t Γ_t q̃_t do_tᵀ), backwards over one sequence's chunks; adds these columns'
+    share of ⟨D_{c+1}, H_c⟩ + ⟨E_{c+1}, U_c⟩ (the Γ_C-derivative of the chunk-end states) to dge."""
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos, c0, n_c = _seq_range(cu_ptr, coff_ptr, i_n, C)
     if HAS_DST:
@@ -195,6 +217,8 @@ def _dscan(D, d0, dsT_ptr, ds0_ptr, dst_ptr, h_ptr, q_ptr, k_ptr, x_ptr, y_ptr, 
         t0, L, valid = _chunk_at(bos, eos, j, C)
         base = (c0 + j).to(tl.int64) * H + i_h
         _store_state(dst_ptr, base * K * D, S, K, D, d0, BK, BD)
+        S0 = _load_state(s_ptr, base * K * D, K, D, d0, BK, BD)
+        tl.atomic_add(dge_ptr + base, tl.sum(tl.sum(S * S0, axis=1), axis=0))
         G, beta, G_end = _gates(g_ptr, beta_ptr, t0, L, i_h, H, valid, C)
         Gam = tl.exp(G)
         S = tl.exp(G_end) * S
@@ -207,8 +231,7 @@ def _dscan(D, d0, dsT_ptr, ds0_ptr, dst_ptr, h_ptr, q_ptr, k_ptr, x_ptr, y_ptr, 
                 Xd = _load_rows(x_ptr, t0, L, i_h, H, K, d0, BD, C)
                 Kc = _load_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C)
                 Kd = _load_rows(k_ptr, t0, L, i_h, H, K, d0, BD, C)
-                Hc = _load_state(h_ptr, base * K * D, K, D, d0, BK, BD)
-                S += (tl.sum(Gam * Gam * cvec, axis=0) * Hc - _dot(tl.trans(Gam[:, None] * Y), Xd, DT)
+                S += (tl.sum(Gam * Gam * cvec, axis=0) * S0 - _dot(tl.trans(Gam[:, None] * Y), Xd, DT)
                       + _dot(tl.trans(Kc * mvec[:, None]), Kd, DT))
         else:
             Q = _load_rows(q_ptr, t0, L, i_h, H, K, 0, BK, C)
@@ -220,42 +243,42 @@ def _dscan(D, d0, dsT_ptr, ds0_ptr, dst_ptr, h_ptr, q_ptr, k_ptr, x_ptr, y_ptr, 
 
 
 @triton.jit
-def _dstates_kernel(q_ptr, k_ptr, x_ptr, y_ptr, alpha_ptr, c_ptr, m_ptr, do_ptr, g_ptr, beta_ptr, h_ptr, dhT_ptr,
-                    duT_ptr, cu_ptr, coff_ptr, dh_ptr, du_ptr, dh0_ptr, du0_ptr, scale, H, K, V, NBK,
-                    C: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, DT: tl.constexpr, SOLVE: tl.constexpr,
-                    HAS_DST: tl.constexpr):
+def _dstates_kernel(q_ptr, k_ptr, x_ptr, y_ptr, alpha_ptr, c_ptr, m_ptr, do_ptr, g_ptr, beta_ptr, h_ptr, u_ptr,
+                    dhT_ptr, duT_ptr, cu_ptr, coff_ptr, dh_ptr, du_ptr, dh0_ptr, du0_ptr, dge_ptr, scale, H, K, V,
+                    NBK, C: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, DT: tl.constexpr,
+                    SOLVE: tl.constexpr, HAS_DST: tl.constexpr):
     i_b, i_nh = tl.program_id(0), tl.program_id(1)
     if i_b < NBK:
-        _dscan(K, i_b * BD, dhT_ptr, dh0_ptr, dh_ptr, h_ptr, q_ptr, k_ptr, x_ptr, y_ptr, alpha_ptr, c_ptr,
+        _dscan(K, i_b * BD, dhT_ptr, dh0_ptr, dh_ptr, h_ptr, dge_ptr, q_ptr, k_ptr, x_ptr, y_ptr, alpha_ptr, c_ptr,
                m_ptr, do_ptr, g_ptr, beta_ptr, cu_ptr, coff_ptr, scale, i_nh, H, K, True, C, BK, BD, DT, SOLVE,
                HAS_DST)
     else:
-        _dscan(V, (i_b - NBK) * BD, duT_ptr, du0_ptr, du_ptr, h_ptr, q_ptr, k_ptr, x_ptr, y_ptr, alpha_ptr,
-               c_ptr, m_ptr, do_ptr, g_ptr, beta_ptr, cu_ptr, coff_ptr, scale, i_nh, H, K, False, C, BK, BD, DT,
-               SOLVE, HAS_DST)
+        _dscan(V, (i_b - NBK) * BD, duT_ptr, du0_ptr, du_ptr, u_ptr, dge_ptr, q_ptr, k_ptr, x_ptr, y_ptr,
+               alpha_ptr, c_ptr, m_ptr, do_ptr, g_ptr, beta_ptr, cu_ptr, coff_ptr, scale, i_nh, H, K, False, C, BK,
+               BD, DT, SOLVE, HAS_DST)
 
 
 @triton.jit
-def _grads_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_ptr, h_ptr, u_ptr, dh_ptr, du_ptr, x_ptr,
-                  y_ptr, c_ptr, m_ptr, do_ptr, dk_ptr, dv_ptr, dg_ptr, dbeta_ptr, scale, H, K, V,
-                  C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, SOLVE: tl.constexpr):
-    """Per chunk, with D, E the gradients of its end states and b_s = β_s e^{G_C − G_s} their write weights."""
+def _grads_u_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_ptr, u_ptr, du_ptr, x_ptr, do_ptr,
+                    dkp_ptr, e_ptr, dGp_ptr, dbp_ptr, dv_ptr, scale, H, K, V, C: tl.constexpr, BK: tl.constexpr,
+                    BV: tl.constexpr, DT: tl.constexpr, SOLVE: tl.constexpr):
+    """Per chunk, through o_t = scale (Γ_t U_cᵀ q̃_t + Σ_s M[t, s] (q̃_t · k_s) v_s) and the chunk-end U (its
+    gradient E, write weights b_s = β_s e^{G_C − G_s}): dv; dk's share, added to dkp; per token k_sᵀ E v_s, and
+    this path's shares of dG and dβ."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, L, rows, cols, valid, G, beta, G_end, Gam, Md, M = _chunk(g_ptr, beta_ptr, chunks_ptr, i_c, i_h, H, C)
-    Kc = _load_rows(k_ptr, bos, L, i_h, H, K, 0, BK, C)
+    Kc = _load_rows(k_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)
     Qt = _load_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C)
     if SOLVE:
         alpha = _acc_load(alpha_ptr, bos, i_h, H, valid, C)
-        X = _load_rows(x_ptr, bos, L, i_h, H, K, 0, BK, C)
-        Qt += alpha[:, None] * (X - Qt)
+        Qt += alpha[:, None] * (_load_rows(x_ptr, bos, L, i_h, H, K, 0, BK, C) - Qt)
+    Qt = Qt.to(DT)                                  # only multiplied in DT
     base = i_c.to(tl.int64) * H + i_h
     QtK = _dot(Qt, tl.trans(Kc), DT)
-    PU = M * QtK
     dOV = QtK * 0.                                  # dO Vᵀ
-    VE = Kc * 0.                                    # V Eᵀ
-    e = Gam * 0.                                    # k_sᵀ D k_s + k_sᵀ E v_s
-    dGam = Gam * 0.                                 # ∂/∂Γ_t of the Γ_t H_c, Γ_t U_c terms
-    dGe = tl.sum(Gam * 0., axis=0)                  # ⟨D, H_c⟩ + ⟨E, U_c⟩
+    VE = tl.zeros([C, BK], dtype=G.dtype)           # V Eᵀ
+    e = Gam * 0.                                    # k_sᵀ E v_s
+    dGam = Gam * 0.                                 # ∂/∂Γ_t of the Γ_t U_cᵀ q̃_t term
     bend = beta * tl.exp(G_end - G)
     for v0 in range(0, V, BV):
         U0 = _load_state(u_ptr, base * K * V, K, V, v0, BK, BV)
@@ -263,46 +286,66 @@ def _grads_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_ptr, h
         Vc = _load_rows(v_ptr, bos, L, i_h, H, V, v0, BV, C)
         dO = _load_rows(do_ptr, bos, L, i_h, H, V, v0, BV, C)
         dOV += _dot(dO, tl.trans(Vc), DT)
-        dGam += scale * tl.sum(dO * _dot(Qt, U0, DT), axis=1)
+        dGam += tl.sum(dO * _dot(Qt, U0, DT), axis=1)
         KE = _dot(Kc, E, DT)
         e += tl.sum(KE * Vc, axis=1)
         VE += _dot(Vc, tl.trans(E), DT)
-        dGe += tl.sum(tl.sum(E * U0, axis=1), axis=0)
-        _store_rows(dv_ptr, scale * _dot(tl.trans(PU), dO, DT) + bend[:, None] * KE, bos, L, i_h, H, V, v0, BV, C)
-    dM = scale * dOV * QtK
-    dK = scale * _dot(tl.trans(M * dOV), Qt, DT)
-    Dm = _load_state(dh_ptr, base * K * K, K, K, 0, BK, BK)
-    Hc = _load_state(h_ptr, base * K * K, K, K, 0, BK, BK)
-    KD = _dot(Kc, Dm, DT)
-    e += tl.sum(KD * Kc, axis=1)
-    dK += bend[:, None] * (VE + KD + _dot(Kc, tl.trans(Dm), DT))
-    dGe += tl.sum(tl.sum(Dm * Hc, axis=1), axis=0)
+        _store_rows(dv_ptr, scale * _dot(tl.trans(M * QtK), dO, DT) + bend[:, None] * KE, bos, L, i_h, H, V, v0,
+                    BV, C)
+    dK = scale * _dot(tl.trans(M * dOV), Qt, DT) + bend[:, None] * VE
     if SOLVE:
-        Y = _load_rows(y_ptr, bos, L, i_h, H, K, 0, BK, C)
+        dK += _load_rows(dkp_ptr, bos, L, i_h, H, K, 0, BK, C)
+    _store_rows(dkp_ptr, dK, bos, L, i_h, H, K, 0, BK, C)
+    dM = scale * dOV * QtK
+    P = dM * M
+    tok = (bos + tl.arange(0, C)) * H + i_h
+    tl.store(e_ptr + tok, e, mask=valid)
+    tl.store(dGp_ptr + tok, tl.sum(P, axis=1) - tl.sum(P, axis=0) + scale * Gam * dGam, mask=valid)
+    tl.store(dbp_ptr + tok, tl.sum(dM * Md, axis=0), mask=valid)
+
+
+@triton.jit
+def _grads_h_kernel(k_ptr, g_ptr, beta_ptr, chunks_ptr, dh_ptr, x_ptr, y_ptr, c_ptr, khk_ptr, dgam_ptr, dkp_ptr,
+                    e_ptr, dGp_ptr, dbp_ptr, dge_ptr, dk_ptr, dg_ptr, dbeta_ptr, H, K, C: tl.constexpr,
+                    BK: tl.constexpr, DT: tl.constexpr, SOLVE: tl.constexpr):
+    """Per chunk, through H_t = Γ_t H_c + Σ_s M[t, s] k_s k_sᵀ (its gradient dH_t = −y_t x_tᵀ + c_t H_t; the
+    H_c terms came from _solve_bwd_kernel) and the chunk-end H (gradient D): dk, and dβ, dg with the U path's
+    shares; dg is the reverse cumulative sum of dG (G_t = Σ_{r<=t} g_r)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    bos, L, rows, cols, valid, G, beta, G_end, Gam, Md, M = _chunk(g_ptr, beta_ptr, chunks_ptr, i_c, i_h, H, C)
+    Kc = _load_rows(k_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)
+    base = i_c.to(tl.int64) * H + i_h
+    bend = beta * tl.exp(G_end - G)
+    Dm = _load_state(dh_ptr, base * K * K, K, K, 0, BK, BK).to(DT)
+    KD = _dot(Kc, Dm, DT)
+    e = _acc_load(e_ptr, bos, i_h, H, valid, C) + tl.sum(KD * Kc, axis=1)
+    dK = _load_rows(dkp_ptr, bos, L, i_h, H, K, 0, BK, C) + bend[:, None] * (KD + _dot(Kc, tl.trans(Dm), DT))
+    dG = _acc_load(dGp_ptr, bos, i_h, H, valid, C)
+    dbeta = _acc_load(dbp_ptr, bos, i_h, H, valid, C)
+    if SOLVE:
+        X = _load_rows(x_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)         # only multiplied in DT
+        Y = _load_rows(y_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)
         cvec = _acc_load(c_ptr, bos, i_h, H, valid, C)
-        mvec = _acc_load(m_ptr, bos, i_h, H, valid, C)
-        KH = _dot(Kc, Hc, DT)
-        kHk = tl.sum(KH * Kc, axis=1)
-        Kg = _dot(Kc, tl.trans(Kc), DT)
+        kHk = _acc_load(khk_ptr, bos, i_h, H, valid, C)
+        # each [C, C] term is reduced as soon as it is formed (fewer live tiles)
         XK = _dot(X, tl.trans(Kc), DT)
         YK = _dot(Y, tl.trans(Kc), DT)
-        N = _dotf(tl.trans(M * cvec[:, None]), M)                # Mᵀ diag(c) M
-        # dH_t = −y_t x_tᵀ + c_t H_t, through H_t = Γ_t H_c + Σ_s M[t, s] k_s k_sᵀ
-        dK += (2. * mvec[:, None] * KH + 2. * _dot(N * Kg, Kc, DT) - _dot(tl.trans(M * XK), Y, DT)
-               - _dot(tl.trans(M * YK), X, DT))
-        dM += cvec[:, None] * (Gam[:, None] * kHk[None, :] + _dotf(M, Kg * Kg)) - YK * XK
-        dGam += cvec * (Gam * tl.sum(tl.sum(Hc * Hc, axis=1), axis=0) + tl.sum(M * kHk[None, :], axis=1)) - tl.sum(
-            _dot(Y, Hc, DT) * X, axis=1)
+        dK -= _dot(tl.trans(M * XK), Y, DT) + _dot(tl.trans(M * YK), X, DT)
+        dM = -YK * XK
+        Kg = _dot(Kc, tl.trans(Kc), DT)
+        dK += 2. * _dot(_dot32(tl.trans(M * cvec[:, None]), M, DT) * Kg, Kc, DT)      # Mᵀ diag(c) M
+        dM += cvec[:, None] * (Gam[:, None] * kHk[None, :] + _dot32(M, Kg * Kg, DT))
+        P = dM * M
+        dG += tl.sum(P, axis=1) - tl.sum(P, axis=0) + Gam * _acc_load(dgam_ptr, bos, i_h, H, valid, C)
+        dbeta += tl.sum(dM * Md, axis=0)
     _store_rows(dk_ptr, dK, bos, L, i_h, H, K, 0, BK, C)
-    P = dM * M
     eb = e * bend
     r = tl.arange(0, C)
-    dG = tl.sum(P, axis=1) - tl.sum(P, axis=0) + Gam * dGam - eb
-    dG += tl.where(r == L - 1, tl.sum(eb, axis=0) + tl.exp(G_end) * dGe, 0.)
+    dG += tl.where(r == L - 1, tl.sum(eb, axis=0) + tl.exp(G_end) * tl.load(dge_ptr + base), 0.) - eb
     dG = tl.where(valid, dG, 0.)
     dg = tl.sum(dG, axis=0) - tl.cumsum(dG, axis=0) + dG
     tl.store(dg_ptr + (bos + r) * H + i_h, dg, mask=valid)
-    tl.store(dbeta_ptr + (bos + r) * H + i_h, tl.sum(dM * Md, axis=0) + e * tl.exp(G_end - G), mask=valid)
+    tl.store(dbeta_ptr + (bos + r) * H + i_h, dbeta + e * tl.exp(G_end - G), mask=valid)
 
 
 def _coefficients(ridge: float, n_iters: int, dtype, device) -> torch.Tensor:
@@ -315,14 +358,19 @@ def _coefficients(ridge: float, n_iters: int, dtype, device) -> torch.Tensor:
     return torch.tensor(coef, dtype=dtype, device=device)
 
 
+def _config(dtype: torch.dtype) -> dict:
+    return CONFIGS[16 if dtype.itemsize == 2 else 32]
+
+
 def _launch(dtype: torch.dtype, K: int, V: int):
     """(BK, BD, {kernel: launch keywords}) for activations of ``dtype``."""
+    cfg = _config(dtype)
     BK = max(16, triton.next_power_of_2(K))
-    BD = max(16, min(BV, triton.next_power_of_2(V)))
+    BD = max(16, min(cfg["BV"], triton.next_power_of_2(V)))
     # the interpreter's dot overflows on 16-bit operands (numpy has no bf16): there they are multiplied in fp32
     DT = tl.float32 if INTERPRET and dtype.itemsize == 2 else _DT[dtype]
-    kw = dict(C=CHUNK, BK=BK, DT=DT, num_stages=1)
-    return BK, BD, {k: dict(kw, num_warps=w) for k, w in WARPS.items()}
+    kw = dict(C=cfg["C"], BK=BK, DT=DT, num_stages=1)
+    return BK, BD, {k: dict(kw, num_warps=w) for k, w in cfg.items() if k not in ("C", "BV")}
 
 
 def _states(k, v, g, beta, h0, u0, cu, coff, NC):
@@ -360,7 +408,7 @@ def _flatten(q, k, v, g, beta, alpha, cu, packed):
     """[B·T, H, *] contiguous views and the chunk table."""
     B, T = q.shape[:2]
     flat = [x.reshape(B * T, *x.shape[2:]).contiguous() for x in (q, k, v, g, beta, alpha)]
-    return flat, _chunk_table(cu, B, T, CHUNK, packed)
+    return flat, _chunk_table(cu, B, T, _config(q.dtype)["C"], packed)
 
 
 class GKAFunction(torch.autograd.Function):
@@ -388,24 +436,28 @@ class GKAFunction(torch.autograd.Function):
         acc = compute_dtype(q)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dalpha, dg, dbeta = torch.empty_like(alpha), torch.empty_like(g), torch.empty_like(beta)
-        y = torch.empty_like(x)
-        cvec, mvec = torch.empty_like(hn), torch.empty_like(hn)
+        y, dkp = torch.empty_like(x), torch.empty_like(x)
+        cvec, mvec, khk, dgam = (torch.empty_like(hn) for _ in range(4))
         coef = _coefficients(ridge, n_iters, acc, q.device)
         solve = n_iters > 0
         _solve_bwd_kernel[(NC, H)](q, k, v, g, beta, alpha, chunks, h, u, coef, x, hn, do, dq, dalpha, y, cvec, mvec,
-                                   scale, n_iters, H, K, V, BV=BD, SOLVE=solve, **kw["solve_bwd"])
+                                   khk, dgam, dkp, scale, n_iters, H, K, V, BV=BD, SOLVE=solve, **kw["solve_bwd"])
         dh, du = torch.empty(NC, H, K, K, dtype=acc, device=q.device), torch.empty(NC, H, K, V, dtype=acc,
                                                                                    device=q.device)
         dh0, du0 = torch.empty_like(h0), torch.empty_like(u0)
+        dge = torch.zeros(NC, H, dtype=acc, device=q.device)
         has_dst = dhT is not None or duT is not None
         dhT = torch.zeros_like(h0) if dhT is None else dhT.contiguous()
         duT = torch.zeros_like(u0) if duT is None else duT.contiguous()
         nbk = triton.cdiv(K, BD)
         _dstates_kernel[(nbk + triton.cdiv(V, BD), N * H)](
-            q, k, x, y, alpha, cvec, mvec, do, g, beta, h, dhT, duT, cu, coff, dh, du, dh0, du0, scale, H, K, V, nbk,
-            BD=BD, SOLVE=solve, HAS_DST=has_dst, **kw["dstates"])
-        _grads_kernel[(NC, H)](q, k, v, g, beta, alpha, chunks, h, u, dh, du, x, y, cvec, mvec, do, dk, dv, dg, dbeta,
-                               scale, H, K, V, BV=BD, SOLVE=solve, **kw["grads"])
+            q, k, x, y, alpha, cvec, mvec, do, g, beta, h, u, dhT, duT, cu, coff, dh, du, dh0, du0, dge, scale, H, K,
+            V, nbk, BD=BD, SOLVE=solve, HAS_DST=has_dst, **kw["dstates"])
+        e, dGp, dbp = (torch.empty_like(hn) for _ in range(3))
+        _grads_u_kernel[(NC, H)](q, k, v, g, beta, alpha, chunks, u, du, x, do, dkp, e, dGp, dbp, dv, scale, H, K, V,
+                                 BV=BD, SOLVE=solve, **kw["grads_u"])
+        _grads_h_kernel[(NC, H)](k, g, beta, chunks, dh, x, y, cvec, khk, dgam, dkp, e, dGp, dbp, dge, dk, dg, dbeta,
+                                 H, K, SOLVE=solve, **kw["grads_h"])
         shape = lambda t: t.view(B, T, *t.shape[1:])  # noqa: E731
         return (shape(dq), shape(dk), shape(dv), shape(dg), shape(dbeta), shape(dalpha), dh0, du0,
                 None, None, None, None, None)
