@@ -8,6 +8,7 @@ SMALL = {
     "kalman": dict(d_state=6, num_heads=2),
     "kalman_triton": dict(d_state=6, num_heads=2, impl="triton"),  # fused kernels (interpreter on CPU)
     "gka": dict(num_heads=2, num_iters=12),
+    "gka_triton": dict(num_heads=2, num_iters=12, impl="triton"),
     "kaczmarz": dict(num_heads=2),
     "vla": dict(num_heads=2),
     "vla_noconv": dict(num_heads=2, conv_size=0),
