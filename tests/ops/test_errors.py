@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from kalmix import ops
-from kalmix.ops import AVAILABLE_IMPLS
+from kalmix.ops.common.checks import resolve_impl
 from kalmix.ops.common.testing import CASES
 
 
@@ -18,13 +18,12 @@ def test_unknown_impl(name):
         CASES[name].fn(*draw(name), impl="fast")
 
 
-@pytest.mark.parametrize("name", [n for n, c in CASES.items() if "triton" not in AVAILABLE_IMPLS[c.fn.__name__]])
-def test_triton_impl_not_available_is_an_error_not_a_fallback(name):
-    with pytest.raises((NotImplementedError, ValueError), match="triton"):
-        CASES[name].fn(*draw(name), impl="triton")
+def test_impl_an_op_lacks_is_an_error_not_a_fallback():
+    with pytest.raises(NotImplementedError, match="impl='triton' is not available"):
+        resolve_impl("some_op", "triton", torch.device("cpu"), {"torch": lambda: None})
 
 
-@pytest.mark.parametrize("name", [n for n, c in CASES.items() if "triton" in AVAILABLE_IMPLS[c.fn.__name__]])
+@pytest.mark.parametrize("name", list(CASES))            # every op has impl="triton"
 def test_triton_impl_on_cpu_without_the_interpreter_is_an_error_not_a_fallback(monkeypatch, name):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match=r"impl='triton' needs CUDA tensors \(or TRITON_INTERPRET=1\)"):
