@@ -3,7 +3,9 @@ residual after 30 steps in fp32 and bf16, bf16 at T = 32K (finite), a 131,072-to
 num_iters next to fla's chunk_delta_rule and SDPA on the same tokens, with a per-kernel profile. From the
 repository root:
 
-    python benchmarks/gka_triton.py [--configs KEY=VALUE,... ...]   (keys: C, BV and the kernels' warps of fused.CONFIGS[16])
+    python benchmarks/gka_triton.py [--configs KEY=VALUE,... ...]
+
+(keys: C, BV and the kernels' warps, of fused.CONFIGS[16])
 """
 import torch
 import torch.nn.functional as F
@@ -11,7 +13,7 @@ from triton.testing import do_bench
 
 from _gpu_script import run
 from kalmix import ops
-from kalmix.ops.common.testing import random_functional_grads, rel_err
+from kalmix.ops.common.testing import gka_layer_inputs, random_functional_grads, rel_err
 from kalmix.ops.gka import fused
 
 DEFAULTS = dict(fused.CONFIGS[16])
@@ -19,15 +21,8 @@ NAMES = "o H U dq dk dv dg dbeta dalpha dH0 dU0".split()
 
 
 def layer_inputs(B, T, H, K, V, dev, dtype, seed=0):
-    """The trained layer's regime (tests/ops/test_gka_triton.py): unit q, k; β, α sigmoids; decay near 1."""
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    q, k = F.normalize(r(B, T, H, K), dim=-1), F.normalize(r(B, T, H, K), dim=-1)
-    g = -torch.exp(r(H) - 3) * F.softplus(r(B, T, H) - 2)
-    beta, alpha = torch.sigmoid(r(B, T, H)), torch.sigmoid(r(B, T, H) + 1)
-    X = r(B, H, K, K)
-    state = (X @ X.mT / K, r(B, H, K, V))
-    return [x.to(dev, dtype) for x in (q, k, r(B, T, H, V), g, beta, alpha)], [s.to(dev, dtype) for s in state]
+    args, state = gka_layer_inputs(B, T, H, K, V, seed, dtype)
+    return [x.to(dev) for x in args], [s.to(dev) for s in state]
 
 
 def with_grads(args, state, dtype, impl, num_iters):

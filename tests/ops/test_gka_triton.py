@@ -2,26 +2,13 @@
 torch.linalg.solve) at the realistic ridge, the token loop's Chebyshev forward, and its own inference call."""
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kalmix import ops
 from kalmix.ops.common.testing import CASES, assert_close, random_functional_grads, rel_err
+from kalmix.ops.common.testing import gka_layer_inputs as layer_inputs
 from kalmix.ops.gka import fused
 
 NAMES = "o H U dq dk dv dg dbeta dalpha dH0 dU0".split()
-
-
-def layer_inputs(B, T, H, K, V, seed, dtype=torch.float64):
-    """The trained layer's regime: unit q and k, β = sigmoid, Mamba-style decay near 1, α = sigmoid; a PSD
-    initial H."""
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    q, k = F.normalize(r(B, T, H, K), dim=-1), F.normalize(r(B, T, H, K), dim=-1)
-    g = -torch.exp(r(H) - 3) * F.softplus(r(B, T, H) - 2)
-    beta, alpha = torch.sigmoid(r(B, T, H)), torch.sigmoid(r(B, T, H) + 1)
-    X = r(B, H, K, K)
-    state = (X @ X.mT / K, r(B, H, K, V))
-    return [x.to(dtype) for x in (q, k, r(B, T, H, V), g, beta, alpha)], tuple(s.to(dtype) for s in state)
 
 
 def run(impl, args, state, num_iters, ridge=0.02, final_grad=True, **kw):

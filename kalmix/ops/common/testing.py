@@ -131,3 +131,16 @@ def kalman_realistic_inputs(T, dtype, seed=0, B=1, H=1, N=16, D=8):
     a = 0.9 + 0.099 * torch.rand(H, N, D, **f64)                   # [0.9, 0.999]
     p = 10 ** (-7 + torch.rand(H, N, D, **f64))                     # 1e-7 .. 1e-6
     return [x.to(dtype) for x in (q, k, v, w, a, p)]
+
+
+def gka_layer_inputs(B, T, H, K, V, seed=0, dtype=torch.float64):
+    """Gated KalmaNet in the trained layer's regime: unit q and k, β = sigmoid, Mamba-style decay near 1,
+    α = sigmoid; a PSD initial H. Returns ([q, k, v, g, beta, alpha], (H0, U0))."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k = torch.nn.functional.normalize(r(B, T, H, K), dim=-1), torch.nn.functional.normalize(r(B, T, H, K), dim=-1)
+    g = -torch.exp(r(H) - 3) * torch.nn.functional.softplus(r(B, T, H) - 2)
+    beta, alpha = torch.sigmoid(r(B, T, H)), torch.sigmoid(r(B, T, H) + 1)
+    X = r(B, H, K, K)
+    state = (X @ X.mT / K, r(B, H, K, V))
+    return [x.to(dtype) for x in (q, k, r(B, T, H, V), g, beta, alpha)], tuple(s.to(dtype) for s in state)
