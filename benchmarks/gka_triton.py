@@ -8,10 +8,9 @@ repository root:
 (keys: C, BV and the kernels' warps, of fused.CONFIGS[16])
 """
 import torch
-import torch.nn.functional as F
 from triton.testing import do_bench
 
-from _gpu_script import run
+from _gpu_script import run, time_anchors
 from kalmix import ops
 from kalmix.ops.common.testing import gka_layer_inputs, random_functional_grads, rel_err
 from kalmix.ops.gka import fused
@@ -93,20 +92,13 @@ def checks(dev):
 def timings(dev, configs):
     H, K = 8, 128
     print(f"== timings, ms (do_bench median), bf16, H={H} K=V={K}, 32K tokens per call")
-    from fla.ops import chunk_delta_rule as fla_delta
     for T in (2048, 8192):
         B = 32768 // T
         args, _ = layer_inputs(B, T, H, K, K, dev, torch.bfloat16)
         xs = [x.requires_grad_() for x in args]
         q, k, v, _, beta, _ = xs
         do = torch.randn_like(v)
-        qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
-        anchors = {"fla chunk_delta_rule": lambda: fla_delta(q, k, v, beta)[0],
-                   "sdpa causal": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True).transpose(1, 2)}
-        for name, f in anchors.items():
-            with torch.no_grad():
-                t_f = do_bench(f)
-            print(f"  T={T:5d} {name:28s} fwd {t_f:7.3f}  fwd+bwd {do_bench(lambda: f().backward(do)):7.3f}")
+        time_anchors(T, q, k, v, beta, do)
         for cfg in configs:
             fused.CONFIGS[16] = {**DEFAULTS, **cfg}
             for n in (0, 10, 30):

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from _gpu_script import run
+from _gpu_script import run, time_anchors
 from kalmix import ops
 from kalmix.ops.common.testing import random_functional_grads, rel_err
 from kalmix.ops.vla import apath_triton as ap
@@ -56,7 +56,6 @@ def checks(dev):
 def timings(dev, configs):
     H, K = 8, 128
     print(f"== timings, ms (do_bench median), H={H} K=V={K}, 32K tokens per call")
-    from fla.ops import chunk_delta_rule as fla_delta
     for T in (2048, 4096):
         B = 32768 // T
         gen = torch.Generator().manual_seed(0)
@@ -64,14 +63,7 @@ def timings(dev, configs):
                       for _ in range(4))
         do = torch.randn_like(v)
         beta = torch.rand(B, T, H, device=dev, dtype=torch.bfloat16).requires_grad_()
-        kn = F.normalize(k.detach(), dim=-1).requires_grad_()
-        qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
-        anchors = {"fla chunk_delta_rule": lambda: fla_delta(q, kn, v, beta)[0],
-                   "sdpa causal": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True).transpose(1, 2)}
-        for name, f in anchors.items():
-            with torch.no_grad():
-                t_f = do_bench(f)
-            print(f"  T={T:5d} {name:28s} fwd {t_f:7.3f}  fwd+bwd {do_bench(lambda: f().backward(do)):7.3f}")
+        time_anchors(T, q, F.normalize(k.detach(), dim=-1).requires_grad_(), v, beta, do)
         kh, uh, A0 = (x.float() for x in apath_inputs(B, T, H, K, dev))
         xs = [x.requires_grad_() for x in (kh, uh)]
         dal = torch.randn_like(kh)

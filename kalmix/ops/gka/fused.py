@@ -82,13 +82,13 @@ def _states_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, u0_ptr, cu_ptr, coff_p
 
 @triton.jit
 def _hnorm(Kc, Hc, M, Gam, DT: tl.constexpr):
-    """‖H_t‖_F per row from the chunk expansion (every term >= 0 for PSD H_c), and k_sᵀ H_c k_s."""
+    """‖H_t‖_F per row from the chunk expansion (every term >= 0 for PSD H_c)."""
     kHk = tl.sum(_dot(Kc, Hc, DT) * Kc, axis=1)
     Kg = _dot(Kc, tl.trans(Kc), DT)
     Hf = Hc.to(Gam.dtype)
     sq = (Gam * Gam * tl.sum(tl.sum(Hf * Hf, axis=1), axis=0) + 2. * Gam * tl.sum(M * kHk[None, :], axis=1)
           + tl.sum(_dotf(M, Kg * Kg) * M, axis=1))
-    return tl.sqrt(tl.maximum(sq, 0.)), kHk, Kg
+    return tl.sqrt(tl.maximum(sq, 0.))
 
 
 @triton.jit
@@ -116,7 +116,7 @@ def _chunk(g_ptr, beta_ptr, chunks_ptr, i_c, i_h, H, C: tl.constexpr):
 
 
 @triton.jit
-def _acc_load(ptr, bos, i_h, H, valid, C: tl.constexpr):
+def _per_token(ptr, bos, i_h, H, valid, C: tl.constexpr):
     """A [tokens, H] per-token scalar of the chunk as [C] (0 past its end)."""
     return tl.load(ptr + (bos + tl.arange(0, C)) * H + i_h, mask=valid, other=0.)
 
@@ -133,9 +133,9 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_ptr, h_p
     base = i_c.to(tl.int64) * H + i_h
     if SOLVE:
         Hc = _load_state(h_ptr, base * K * K, K, K, 0, BK, BK).to(DT)
-        hnorm, _, _ = _hnorm(Kc, Hc, M, Gam, DT)
+        hnorm = _hnorm(Kc, Hc, M, Gam, DT)
         X = _chebyshev(Q, Hc, Kc, M, Gam, hnorm, coef_ptr, n_iters, DT)
-        alpha = _acc_load(alpha_ptr, bos, i_h, H, valid, C)
+        alpha = _per_token(alpha_ptr, bos, i_h, H, valid, C)
         Qt = Q + alpha[:, None] * (X - Q)
         if STORE:
             _store_rows(x_ptr, X, bos, L, i_h, H, K, 0, BK, C)
@@ -154,7 +154,7 @@ def _solve_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_pt
                       hn_ptr, do_ptr, dq_ptr, dalpha_ptr, y_ptr, c_ptr, m_ptr, khk_ptr, dgam_ptr, dkp_ptr, scale,
                       n_iters, H, K, V, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
                       SOLVE: tl.constexpr):
-    """Also what needs H_c in _grads_kernel: k_sᵀH_c k_s, the H_c terms of ∂/∂Γ_t, and dk's 2 m_s H_c k_s."""
+    """Also what needs H_c in _grads_h_kernel: k_sᵀH_c k_s, the H_c terms of ∂/∂Γ_t, and dk's 2 m_s H_c k_s."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, L, rows, cols, valid, G, beta, G_end, Gam, Md, M = _chunk(g_ptr, beta_ptr, chunks_ptr, i_c, i_h, H, C)
     Kc = _load_rows(k_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)
@@ -171,7 +171,7 @@ def _solve_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_pt
     if SOLVE:
         Hc = _load_state(h_ptr, base * K * K, K, K, 0, BK, BK).to(DT)
         hnorm = tl.load(hn_ptr + tok, mask=valid, other=1.)
-        alpha = _acc_load(alpha_ptr, bos, i_h, H, valid, C)
+        alpha = _per_token(alpha_ptr, bos, i_h, H, valid, C)
         # dq̃ waits in dkp's rows (overwritten below) while the solve runs on its right-hand side in the
         # operand dtype (like the forward's q); then each [C, K] tile dies early
         _store_rows(dkp_ptr, dQt, bos, L, i_h, H, K, 0, BK, C)
@@ -225,8 +225,8 @@ def _dscan(D, d0, dsT_ptr, ds0_ptr, dst_ptr, s_ptr, dge_ptr, q_ptr, k_ptr, x_ptr
         if IS_H:
             if SOLVE:
                 # Σ_t Γ_t dH_t = −(ΓY)ᵀX + (Σ_t Γ_t² c_t) H_c + Kᵀ diag(m) K
-                cvec = _acc_load(c_ptr, t0, i_h, H, valid, C)
-                mvec = _acc_load(m_ptr, t0, i_h, H, valid, C)
+                cvec = _per_token(c_ptr, t0, i_h, H, valid, C)
+                mvec = _per_token(m_ptr, t0, i_h, H, valid, C)
                 Y = _load_rows(y_ptr, t0, L, i_h, H, K, 0, BK, C)
                 Xd = _load_rows(x_ptr, t0, L, i_h, H, K, d0, BD, C)
                 Kc = _load_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C)
@@ -236,7 +236,7 @@ def _dscan(D, d0, dsT_ptr, ds0_ptr, dst_ptr, s_ptr, dge_ptr, q_ptr, k_ptr, x_ptr
         else:
             Q = _load_rows(q_ptr, t0, L, i_h, H, K, 0, BK, C)
             if SOLVE:
-                alpha = _acc_load(alpha_ptr, t0, i_h, H, valid, C)
+                alpha = _per_token(alpha_ptr, t0, i_h, H, valid, C)
                 Q += alpha[:, None] * (_load_rows(x_ptr, t0, L, i_h, H, K, 0, BK, C) - Q)
             S += scale * _dot(tl.trans(Gam[:, None] * Q), _load_rows(do_ptr, t0, L, i_h, H, D, d0, BD, C), DT)
     _store_state(ds0_ptr, i_nh.to(tl.int64) * K * D, S, K, D, d0, BK, BD)
@@ -270,7 +270,7 @@ def _grads_u_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_ptr,
     Kc = _load_rows(k_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)
     Qt = _load_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C)
     if SOLVE:
-        alpha = _acc_load(alpha_ptr, bos, i_h, H, valid, C)
+        alpha = _per_token(alpha_ptr, bos, i_h, H, valid, C)
         Qt += alpha[:, None] * (_load_rows(x_ptr, bos, L, i_h, H, K, 0, BK, C) - Qt)
     Qt = Qt.to(DT)                                  # only multiplied in DT
     base = i_c.to(tl.int64) * H + i_h
@@ -318,15 +318,15 @@ def _grads_h_kernel(k_ptr, g_ptr, beta_ptr, chunks_ptr, dh_ptr, x_ptr, y_ptr, c_
     bend = beta * tl.exp(G_end - G)
     Dm = _load_state(dh_ptr, base * K * K, K, K, 0, BK, BK).to(DT)
     KD = _dot(Kc, Dm, DT)
-    e = _acc_load(e_ptr, bos, i_h, H, valid, C) + tl.sum(KD * Kc, axis=1)
+    e = _per_token(e_ptr, bos, i_h, H, valid, C) + tl.sum(KD * Kc, axis=1)
     dK = _load_rows(dkp_ptr, bos, L, i_h, H, K, 0, BK, C) + bend[:, None] * (KD + _dot(Kc, tl.trans(Dm), DT))
-    dG = _acc_load(dGp_ptr, bos, i_h, H, valid, C)
-    dbeta = _acc_load(dbp_ptr, bos, i_h, H, valid, C)
+    dG = _per_token(dGp_ptr, bos, i_h, H, valid, C)
+    dbeta = _per_token(dbp_ptr, bos, i_h, H, valid, C)
     if SOLVE:
         X = _load_rows(x_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)         # only multiplied in DT
         Y = _load_rows(y_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)
-        cvec = _acc_load(c_ptr, bos, i_h, H, valid, C)
-        kHk = _acc_load(khk_ptr, bos, i_h, H, valid, C)
+        cvec = _per_token(c_ptr, bos, i_h, H, valid, C)
+        kHk = _per_token(khk_ptr, bos, i_h, H, valid, C)
         # each [C, C] term is reduced as soon as it is formed (fewer live tiles)
         XK = _dot(X, tl.trans(Kc), DT)
         YK = _dot(Y, tl.trans(Kc), DT)
@@ -336,7 +336,7 @@ def _grads_h_kernel(k_ptr, g_ptr, beta_ptr, chunks_ptr, dh_ptr, x_ptr, y_ptr, c_
         dK += 2. * _dot(_dot32(tl.trans(M * cvec[:, None]), M, DT) * Kg, Kc, DT)      # Mᵀ diag(c) M
         dM += cvec[:, None] * (Gam[:, None] * kHk[None, :] + _dot32(M, Kg * Kg, DT))
         P = dM * M
-        dG += tl.sum(P, axis=1) - tl.sum(P, axis=0) + Gam * _acc_load(dgam_ptr, bos, i_h, H, valid, C)
+        dG += tl.sum(P, axis=1) - tl.sum(P, axis=0) + Gam * _per_token(dgam_ptr, bos, i_h, H, valid, C)
         dbeta += tl.sum(dM * Md, axis=0)
     _store_rows(dk_ptr, dK, bos, L, i_h, H, K, 0, BK, C)
     eb = e * bend
@@ -417,7 +417,6 @@ class GKAFunction(torch.autograd.Function):
         B, T, H, K = q.shape
         V = v.shape[-1]
         flat, (coff, chunks) = _flatten(q, k, v, g, beta, alpha, cu, packed)
-        h0, u0 = h0.contiguous(), u0.contiguous()
         o, hT, uT, x, hn = _forward(*flat, h0, u0, cu, coff, chunks, scale, ridge, n_iters, store=True)
         ctx.save_for_backward(*flat, h0, u0, cu, coff, chunks, x, hn)
         ctx.args, ctx.shape = (scale, ridge, n_iters), (B, T, H, K, V)
