@@ -77,9 +77,9 @@ class KalmanAttention(MixerLayer):
     def mix(self, inputs, initial_state, output_final_state, cu_seqlens, impl, output_variance: bool = False,
             **kwargs):
         decay, noise = self.dynamics()
-        # the filter runs in fp32 whatever the activations are (the op upcasts; precisions reach ~1e6)
-        q, k, v, w = (upcast(t) for t in inputs)
-        o, var, state = kalman_attention(q, k, v, w, decay, noise, initial_state=initial_state,
+        # the filter's state math is fp32 (fp64) whatever the activations are: every impl computes in
+        # compute_dtype (precisions reach ~1e6), so the activations go in as they are
+        o, var, state = kalman_attention(*inputs, decay, noise, initial_state=initial_state,
                                          output_final_state=output_final_state, output_variance=output_variance,
                                          cu_seqlens=cu_seqlens, impl=impl)
         return o, var, state
@@ -87,8 +87,8 @@ class KalmanAttention(MixerLayer):
     def readout(self, o, var, ctx, output_variance: bool = False, **kwargs):
         z, gate = ctx
         B, T = z.shape[:2]
-        y = (o.reshape(B, T, self.d_inner) + self.skip * upcast(z)) * F.silu(upcast(gate))
-        out = self.out_proj(y.to(z.dtype))
+        y = (o.reshape(B, T, self.d_inner) + self.skip * z) * F.silu(gate)      # in the activations' dtype
+        out = self.out_proj(y)
         if not output_variance:
             return out, None
         var_y = var.reshape(B, T, self.d_inner) * F.silu(upcast(gate)) ** 2

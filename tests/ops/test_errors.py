@@ -83,6 +83,12 @@ def test_kalman_ranges():
         ops.kalman_attention(q, k, v, w, a, p - 1.0)
     with pytest.raises(ValueError, match=r"`decay` must have shape \[H, N, D\]"):
         ops.kalman_attention(q, k, v, w, a[0], p)
+    # all ranges are read back together: a NaN, or a bad initial precision after good tensors, is still named
+    with pytest.raises(ValueError, match=r"`v_precision` contains NaN"):
+        ops.kalman_attention(q, k, v, w.clone().index_fill_(1, torch.tensor([1]), float("nan")), a, p)
+    lam0 = torch.ones(q.shape[0], *a.shape, dtype=q.dtype)
+    with pytest.raises(ValueError, match=r"`initial_state\[0\] \(precision\)` must lie in \(0.0, inf\)"):
+        ops.kalman_attention(q, k, v, w, a, p, initial_state=(lam0 - 1.0, torch.zeros_like(lam0)))
 
 
 def test_gate_ranges():

@@ -4,6 +4,7 @@ Every failure is a ``ValueError`` naming the op, the argument, what was expected
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Callable, Mapping, Sequence
 
@@ -53,21 +54,22 @@ def check_gates(op: str, ref: torch.Tensor, named: Mapping[str, torch.Tensor | N
             fail(op, f"`{name}` has dtype {x.dtype}; gates must have q's dtype ({ref.dtype}) or float32")
 
 
-def check_range(op: str, name: str, x: torch.Tensor, lo: float | None, hi: float | None,
-                lo_open: bool, hi_open: bool = False) -> None:
-    """Every element of ``x`` lies in the interval (or NaN-free): raises with the offending min/max."""
-    xd = x.detach()
-    if torch.isnan(xd).any():
-        fail(op, f"`{name}` contains NaN")
-    bad = torch.zeros((), dtype=torch.bool, device=x.device)
-    if lo is not None:
-        bad |= (xd <= lo).any() if lo_open else (xd < lo).any()
-    if hi is not None:
-        bad |= (xd >= hi).any() if hi_open else (xd > hi).any()
-    if bool(bad):
-        interval = ("(" if lo_open else "[") + f"{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}" + (
-            ")" if hi_open or hi is None else "]")
-        fail(op, f"`{name}` must lie in {interval}, got values in [{xd.min().item():.4g}, {xd.max().item():.4g}]")
+def check_ranges(op: str, specs) -> None:
+    """Each ``(name, x, lo, hi, lo_open, hi_open)`` of ``specs``: x has no NaN and every element lies in the
+    interval (None = unbounded); raises with the offending min/max. One min/max pass per tensor and a single
+    read back to the host for all of them (one synchronisation per op call, not one per check)."""
+    specs = [s for s in specs if s[1].numel()]
+    if not specs:
+        return
+    ext = torch.stack([torch.stack(torch.aminmax(s[1].detach())).double() for s in specs]).tolist()
+    for (name, _, lo, hi, lo_open, hi_open), (mn, mx) in zip(specs, ext):
+        if math.isnan(mn) or math.isnan(mx):
+            fail(op, f"`{name}` contains NaN")
+        if (lo is not None and (mn <= lo if lo_open else mn < lo)) or (
+                hi is not None and (mx >= hi if hi_open else mx > hi)):
+            interval = ("(" if lo_open else "[") + f"{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}" + (
+                ")" if hi_open or hi is None else "]")
+            fail(op, f"`{name}` must lie in {interval}, got values in [{mn:.4g}, {mx:.4g}]")
 
 
 def check_cu_seqlens(op: str, cu_seqlens, batch: int, seq_len: int, device: torch.device) -> int:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kalmix.ops.common.checks import (check_cu_seqlens, check_range, check_same, check_tensor, compute_dtype,
+from kalmix.ops.common.checks import (check_cu_seqlens, check_ranges, check_same, check_tensor, compute_dtype,
                                       fail, resolve_impl)
 from kalmix.ops.common.varlen import run_packed
 from kalmix.ops.kalman.chunk import kalman_chunk
@@ -44,9 +44,8 @@ def kalman_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_precis
     check_tensor(_OP, "process_noise", process_noise, (H, N, D), "[H, N, D]")
     check_same(_OP, "q", q, {"k": k, "v": v, "v_precision": v_precision})
     check_same(_OP, "q", q, {"decay": decay, "process_noise": process_noise}, dtype=False)
-    check_range(_OP, "v_precision", v_precision, 0.0, None, lo_open=True)
-    check_range(_OP, "decay", decay, 0.0, 1.0, lo_open=True)
-    check_range(_OP, "process_noise", process_noise, 0.0, None, lo_open=False)
+    ranges = [("v_precision", v_precision, 0.0, None, True, False), ("decay", decay, 0.0, 1.0, True, False),
+              ("process_noise", process_noise, 0.0, None, False, False)]
     n_seq = check_cu_seqlens(_OP, cu_seqlens, B, T, q.device)
     fn = resolve_impl(_OP, impl, q.device, _IMPLS)
     dt = compute_dtype(q)
@@ -58,7 +57,8 @@ def kalman_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_precis
         for name, s in zip(("initial_state[0] (precision)", "initial_state[1] (mean)"), initial_state):
             check_tensor(_OP, name, s, (n_seq, H, N, D), "[B, H, N, D] (B = number of sequences)")
             check_same(_OP, "q", q, {name: s}, dtype=False)
-        check_range(_OP, "initial_state[0] (precision)", initial_state[0], 0.0, None, lo_open=True)
+        ranges.append(("initial_state[0] (precision)", initial_state[0], 0.0, None, True, False))
+    check_ranges(_OP, ranges)
     state = tuple(s.to(dt) for s in initial_state)
     if fn is kalman_fused:      # loads any activation dtype and packs sequences itself
         (o, var), final = fn(q, k, v, v_precision, decay, process_noise, state=state,
