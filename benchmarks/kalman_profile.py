@@ -13,7 +13,7 @@ import torch
 
 from kalmix import ops
 from kalmix.layers import KalmanAttention
-from kalmix.ops.common.testing import kalman_realistic_inputs
+from kalmix.ops.common.testing import kalman_realistic_inputs, rel_err
 
 
 def op_step():
@@ -39,8 +39,7 @@ def conv_check():
                 y, st = conv(x, state)
                 grads = torch.autograd.grad(y, (x, conv.weight, conv.bias), dy)
                 res.append([y, st, *grads])
-            errs = [((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-                    for a, b in zip(*res)]
+            errs = [rel_err(a, b) for a, b in zip(*res)]
             print(f"ShortConv fla vs torch {str(dt)[6:]} T={T}: y, state, dx, dw, db rel err",
                   " ".join(f"{e:.1e}" for e in errs))
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -54,22 +54,32 @@ def check_gates(op: str, ref: torch.Tensor, named: Mapping[str, torch.Tensor | N
             fail(op, f"`{name}` has dtype {x.dtype}; gates must have q's dtype ({ref.dtype}) or float32")
 
 
-def check_ranges(op: str, specs) -> None:
-    """Each ``(name, x, lo, hi, lo_open, hi_open)`` of ``specs``: x has no NaN and every element lies in the
-    interval (None = unbounded); raises with the offending min/max. One min/max pass per tensor and a single
-    read back to the host for all of them (one synchronisation per op call, not one per check)."""
-    specs = [s for s in specs if s[1].numel()]
-    if not specs:
+class Range(NamedTuple):
+    """``x`` must be NaN-free with every element in the interval from lo to hi (None = unbounded; open ends
+    excluded)."""
+    name: str
+    x: torch.Tensor
+    lo: float | None
+    hi: float | None
+    lo_open: bool = False
+    hi_open: bool = False
+
+
+def check_ranges(op: str, ranges: Sequence[Range]) -> None:
+    """Every ``Range`` holds; raises with the offending min/max. One min/max pass per tensor and a single read
+    back to the host for all of them (one synchronisation per op call, not one per check)."""
+    ranges = [r for r in ranges if r.x.numel()]
+    if not ranges:
         return
-    ext = torch.stack([torch.stack(torch.aminmax(s[1].detach())).double() for s in specs]).tolist()
-    for (name, _, lo, hi, lo_open, hi_open), (mn, mx) in zip(specs, ext):
+    ext = torch.stack([torch.stack(torch.aminmax(r.x.detach())).double() for r in ranges]).tolist()
+    for r, (mn, mx) in zip(ranges, ext):
         if math.isnan(mn) or math.isnan(mx):
-            fail(op, f"`{name}` contains NaN")
-        if (lo is not None and (mn <= lo if lo_open else mn < lo)) or (
-                hi is not None and (mx >= hi if hi_open else mx > hi)):
-            interval = ("(" if lo_open else "[") + f"{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}" + (
-                ")" if hi_open or hi is None else "]")
-            fail(op, f"`{name}` must lie in {interval}, got values in [{mn:.4g}, {mx:.4g}]")
+            fail(op, f"`{r.name}` contains NaN")
+        if (r.lo is not None and (mn <= r.lo if r.lo_open else mn < r.lo)) or (
+                r.hi is not None and (mx >= r.hi if r.hi_open else mx > r.hi)):
+            interval = ("(" if r.lo_open else "[") + f"{'-inf' if r.lo is None else r.lo}, " + (
+                f"{'inf' if r.hi is None else r.hi}" + (")" if r.hi_open or r.hi is None else "]"))
+            fail(op, f"`{r.name}` must lie in {interval}, got values in [{mn:.4g}, {mx:.4g}]")
 
 
 def check_cu_seqlens(op: str, cu_seqlens, batch: int, seq_len: int, device: torch.device) -> int:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from kalmix.ops.common.checks import (check_cu_seqlens, check_gates, check_ranges, check_same, check_tensor,
-                                      compute_dtype, fail, resolve_impl)
+from kalmix.ops.common.checks import (Range, check_cu_seqlens, check_gates, check_ranges, check_same,
+                                      check_tensor, compute_dtype, fail, resolve_impl)
 from kalmix.ops.common.varlen import run_packed
 from kalmix.ops.gka.chunk import gka_chunk
 from kalmix.ops.gka.fused import gka_fused
@@ -48,8 +48,7 @@ def gated_kalmanet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
             check_tensor(_OP, name, x, (B, T, H), "[B, T, H]")
     check_same(_OP, "q", q, {"k": k, "v": v})
     check_gates(_OP, q, {"g": g, "beta": beta, "alpha": alpha})
-    check_ranges(_OP, [(name, x, lo, hi, False, False) for name, x, lo, hi in
-                       (("g", g, None, 0.0), ("beta", beta, 0.0, None)) if x is not None])
+    check_ranges(_OP, [r for r in (Range("g", g, None, 0.0), Range("beta", beta, 0.0, None)) if r.x is not None])
     if not ridge > 0:
         fail(_OP, f"`ridge` must be > 0, got {ridge}")
     if num_iters is not None and (not isinstance(num_iters, int) or isinstance(num_iters, bool) or num_iters < 0):

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from kalmix.ops.common.checks import (check_cu_seqlens, check_gates, check_ranges, check_same, check_tensor,
-                                      compute_dtype, resolve_impl)
+from kalmix.ops.common.checks import (Range, check_cu_seqlens, check_gates, check_ranges, check_same,
+                                      check_tensor, compute_dtype, resolve_impl)
 from kalmix.ops.common.varlen import run_packed
 from kalmix.ops.kaczmarz.chunk import kaczmarz_chunk
 from kalmix.ops.kaczmarz.naive import kaczmarz_naive
@@ -40,7 +40,7 @@ def kaczmarz_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     check_tensor(_OP, "eta", eta, (B, T, H), "[B, T, H]")
     check_same(_OP, "q", q, {"k": k, "v": v})
     check_gates(_OP, q, {"g": g, "eta": eta})
-    check_ranges(_OP, [("g", g, None, 0.0, False, False), ("eta", eta, 0.0, 1.0, True, False)])
+    check_ranges(_OP, [Range("g", g, None, 0.0), Range("eta", eta, 0.0, 1.0, lo_open=True)])
     if not eps >= 0:
         raise ValueError(f"{_OP}: `eps` must be >= 0, got {eps}")
     n_seq = check_cu_seqlens(_OP, cu_seqlens, B, T, q.device)

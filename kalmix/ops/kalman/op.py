@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from kalmix.ops.common.checks import (check_cu_seqlens, check_ranges, check_same, check_tensor, compute_dtype,
-                                      fail, resolve_impl)
+from kalmix.ops.common.checks import (Range, check_cu_seqlens, check_ranges, check_same, check_tensor,
+                                      compute_dtype, fail, resolve_impl)
 from kalmix.ops.common.varlen import run_packed
 from kalmix.ops.kalman.chunk import kalman_chunk
 from kalmix.ops.kalman.fused import kalman_fused
@@ -44,8 +44,8 @@ def kalman_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_precis
     check_tensor(_OP, "process_noise", process_noise, (H, N, D), "[H, N, D]")
     check_same(_OP, "q", q, {"k": k, "v": v, "v_precision": v_precision})
     check_same(_OP, "q", q, {"decay": decay, "process_noise": process_noise}, dtype=False)
-    ranges = [("v_precision", v_precision, 0.0, None, True, False), ("decay", decay, 0.0, 1.0, True, False),
-              ("process_noise", process_noise, 0.0, None, False, False)]
+    ranges = [Range("v_precision", v_precision, 0.0, None, lo_open=True), Range("decay", decay, 0.0, 1.0, lo_open=True),
+              Range("process_noise", process_noise, 0.0, None)]
     n_seq = check_cu_seqlens(_OP, cu_seqlens, B, T, q.device)
     fn = resolve_impl(_OP, impl, q.device, _IMPLS)
     dt = compute_dtype(q)
@@ -57,7 +57,7 @@ def kalman_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_precis
         for name, s in zip(("initial_state[0] (precision)", "initial_state[1] (mean)"), initial_state):
             check_tensor(_OP, name, s, (n_seq, H, N, D), "[B, H, N, D] (B = number of sequences)")
             check_same(_OP, "q", q, {name: s}, dtype=False)
-        ranges.append(("initial_state[0] (precision)", initial_state[0], 0.0, None, True, False))
+        ranges.append(Range("initial_state[0] (precision)", initial_state[0], 0.0, None, lo_open=True))
     check_ranges(_OP, ranges)
     state = tuple(s.to(dt) for s in initial_state)
     if fn is kalman_fused:      # loads any activation dtype and packs sequences itself
