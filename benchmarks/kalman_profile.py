@@ -1,13 +1,14 @@
 """Where the time of the fused Kalman op and layer goes, on a GPU. Run from the repository root:
 
     python benchmarks/kalman_profile.py op          # one forward + backward at the issue-4 op shape (for ncu)
-    python benchmarks/kalman_profile.py layer       # torch.profiler table of one layer training step
+    python benchmarks/kalman_profile.py layer       # checks, timings and a profile of the layer training step
 
 ncu reads the op's kernels: ``ncu --clock-control none -k regex:_kalman --section WarpStateStats ...
 python benchmarks/kalman_profile.py op``. The layer step is issue 4's target 3: B = 8, T = 2048, d_model = 512,
 N = 16, bf16.
 """
 import argparse
+import time
 
 import torch
 
@@ -25,36 +26,56 @@ def op_step():
     torch.cuda.synchronize()
 
 
-def conv_check():
-    """ShortConv's fla path (CUDA, no state) against its torch path (given a zero state): output, state and
-    every gradient, bf16 and fp32, with a length shorter than the kernel too."""
-    from kalmix.layers.common import ShortConv
-    for dt in (torch.bfloat16, torch.float32):
-        for T in (37, 2):
-            conv = ShortConv(96, 4, bias=True).cuda().to(dt)
-            x = torch.randn(2, T, 96, device="cuda", dtype=dt, requires_grad=True)
-            dy = torch.randn(2, T, 96, device="cuda", dtype=dt)
-            res = []
-            for state in (None, torch.zeros(2, 96, 3, device="cuda", dtype=dt)):
-                y, st = conv(x, state)
-                grads = torch.autograd.grad(y, (x, conv.weight, conv.bias), dy)
-                res.append([y, st, *grads])
-            errs = [rel_err(a, b) for a, b in zip(*res)]
-            print(f"ShortConv fla vs torch {str(dt)[6:]} T={T}: y, state, dx, dw, db rel err",
-                  " ".join(f"{e:.1e}" for e in errs))
+def fused_check():
+    """The layer with its fused elementwise kernels (layers/fused.py) against the same weights on the torch
+    chains (the op's Triton kernels in both): output and every parameter gradient, fp32 and bf16."""
+    for dt in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        layer = KalmanAttention(512).cuda().to(dt)
+        x = torch.randn(2, 1000, 512, device="cuda", dtype=dt)
+        res = []
+        for fused in (True, False):
+            layer.fused = lambda device, fused=fused: fused
+            out = layer(x)[0]
+            res.append([out, *torch.autograd.grad(out.float().square().sum(), list(layer.parameters()))])
+        del layer.fused
+        names = ["out"] + [n for n, _ in layer.named_parameters()]
+        print(f"fused vs torch chains, {str(dt)[6:]}:", " ".join(f"{n} {rel_err(a, b):.1e}"
+                                                             for n, a, b in zip(names, *res)))
 
 
 def layer_profile(rows: int):
-    conv_check()
+    """Issue 4's target-3 step: do_bench fwd and fwd+bwd (as `kalmix speed` times them), the host's time to
+    enqueue a step, the kernels per step and their GPU time, then torch.profiler's table."""
+    fused_check()
+    from triton.testing import do_bench
     layer = KalmanAttention(512).cuda().to(torch.bfloat16)
     x = torch.randn(8, 2048, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    leaves = [x, *layer.parameters()]
+
+    def step():
+        out = layer(x)[0]
+        out.backward(torch.ones_like(out))
+
     for _ in range(3):
-        layer(x)[0].sum().backward()
+        step()
+    with torch.no_grad():
+        t_fwd = do_bench(lambda: layer(x), warmup=5, rep=30)
+    t_step = do_bench(step, warmup=5, rep=30, grad_to_none=leaves)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        step()
+    t1 = time.perf_counter()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            layer(x)[0].sum().backward()
+            step()
         torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    print(f"layer step B=8 T=2048 d_model=512 bf16: fwd {t_fwd:.3f} ms, fwd+bwd {t_step:.3f} ms; host enqueue "
+          f"{1e3 * (t1 - t0) / 10:.3f} ms/step; {len(kernels) / 5:.0f} kernels/step, GPU busy "
+          f"{sum(e.device_time for e in kernels) / 5e3:.3f} ms/step")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70))
 
 

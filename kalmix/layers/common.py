@@ -31,12 +31,12 @@ class ShortConv(nn.Module):
 
     def forward(self, x: torch.Tensor, state: torch.Tensor | None = None):
         """Returns (y [B, T, C], new state [B, C, kernel - 1]). On CUDA a call without a state (training,
-        a first prefill) runs fla's ``causal_conv1d`` kernel in the [B, T, C] layout."""
+        a first prefill) runs kalmix's fused kernel (``layers/fused.py``) in the [B, T, C] layout."""
         B, T, C = x.shape
         xt = x.transpose(1, 2)                                           # [B, C, T]
         if state is None and x.is_cuda:
-            from fla.modules.causal_conv1d import causal_conv1d
-            y, _ = causal_conv1d(x, self.weight, self.bias, activation="silu" if self.activation else None)
+            from kalmix.layers.fused import short_conv
+            y = short_conv(x, self.weight, self.bias, self.activation)
             tail = xt[..., -(self.kernel_size - 1):]
             return y, F.pad(tail, (self.kernel_size - 1 - tail.shape[-1], 0))
         if state is None:

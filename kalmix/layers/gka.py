@@ -50,8 +50,10 @@ class GatedKalmaNet(MixerLayer):
         return [q, k, v.view(B, T, H, D), g, beta, alpha], self.g_proj(x), conv_state
 
     def mix(self, inputs, initial_state, output_final_state, cu_seqlens, impl, **kwargs):
+        # g <= 0 and β = sigmoid >= 0 by construction: no host sync for checking them
         o, state = gated_kalmanet(*inputs, ridge=self.ridge, num_iters=self.num_iters, initial_state=initial_state,
-                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens, impl=impl)
+                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens, impl=impl,
+                                  check_values=False)
         return o, None, state
 
     def readout(self, o, extra, gate, **kwargs):

@@ -55,8 +55,11 @@ class KaczmarzAttention(MixerLayer):
         return [q, k, v.view(B, T, H, V), g, eta], self.g_proj(x), conv_state
 
     def mix(self, inputs, initial_state, output_final_state, cu_seqlens, impl, **kwargs):
+        # g <= 0 and η = sigmoid in [0, 1] by construction (η = 0, a sigmoid underflowing in bf16, writes
+        # nothing): no host sync for checking them
         o, state = kaczmarz_attention(*inputs, eps=self.eps, initial_state=initial_state,
-                                      output_final_state=output_final_state, cu_seqlens=cu_seqlens, impl=impl)
+                                      output_final_state=output_final_state, cu_seqlens=cu_seqlens, impl=impl,
+                                      check_values=False)
         return o, None, state
 
     def readout(self, o, extra, gate, **kwargs):

@@ -108,6 +108,21 @@ def test_gate_ranges():
         ops.variational_linear_attention(*draw("vla"), lambda0=0.0)
 
 
+def test_check_values_false_skips_only_the_value_checks():
+    """check_values=False (the layers, whose inputs are in range by construction) reads nothing back: a value
+    out of range goes through; a wrong shape is still an error."""
+    q, k, v, w, a, p = draw("kalman")
+    o = ops.kalman_attention(q, k, v, w.clone().index_fill_(1, torch.tensor([1]), float("nan")), a, p,
+                             check_values=False)[0]
+    assert o.isnan().any()
+    with pytest.raises(ValueError, match=r"`decay` must have shape"):
+        ops.kalman_attention(q, k, v, w, a[0], p, check_values=False)
+    q, k, v, g, eta = draw("kaczmarz")
+    ops.kaczmarz_attention(q, k, v, g, torch.zeros_like(eta), check_values=False)     # η = 0 writes nothing
+    q, k, v, g, beta, alpha = draw("gka")
+    ops.gated_kalmanet(q, k, v, g + 1.0, beta, alpha, check_values=False)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_empty_sequence_is_rejected(name):
     args = [a[:, :0] if a.dim() >= 3 else a for a in draw(name)]

@@ -17,7 +17,7 @@ _IMPLS = {"naive": kaczmarz_naive, "torch": kaczmarz_chunk, "triton": kaczmarz_f
 def kaczmarz_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, eta: torch.Tensor, *,
                        eps: float = 1e-6, scale: float | None = None, initial_state: torch.Tensor | None = None,
                        output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
-                       impl: str | None = None):
+                       impl: str | None = None, check_values: bool = True):
     """Gated delta rule whose step is the Kaczmarz projection coefficient η / (‖k‖² + eps).
 
     Args:
@@ -28,6 +28,8 @@ def kaczmarz_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
         cu_seqlens: [N + 1] offsets of packed sequences (B must be 1).
         impl: "naive" | "torch" | "triton" | None (triton on CUDA, torch otherwise). "triton" runs fla's
             chunk_gated_delta_rule, or kalmix's own chunk kernels where fla cannot (fused.py says where).
+        check_values: check the values (no NaN; the ranges above); False skips that check and its one host
+            synchronisation, for callers whose inputs are in range by construction (the layers).
     Returns:
         o [B, T, H, V], final state [B, H, K, V] (fp32, fp64 for fp64 inputs) or None.
     """
@@ -40,7 +42,8 @@ def kaczmarz_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     check_tensor(_OP, "eta", eta, (B, T, H), "[B, T, H]")
     check_same(_OP, "q", q, {"k": k, "v": v})
     check_gates(_OP, q, {"g": g, "eta": eta})
-    check_ranges(_OP, [Range("g", g, None, 0.0), Range("eta", eta, 0.0, 1.0, lo_open=True)])
+    if check_values:
+        check_ranges(_OP, [Range("g", g, None, 0.0), Range("eta", eta, 0.0, 1.0, lo_open=True)])
     if not eps >= 0:
         raise ValueError(f"{_OP}: `eps` must be >= 0, got {eps}")
     n_seq = check_cu_seqlens(_OP, cu_seqlens, B, T, q.device)

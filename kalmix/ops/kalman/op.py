@@ -18,7 +18,8 @@ def kalman_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_precis
                      decay: torch.Tensor, process_noise: torch.Tensor, *,
                      initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
                      output_final_state: bool = False, output_variance: bool = False,
-                     cu_seqlens: torch.Tensor | None = None, impl: str | None = None):
+                     cu_seqlens: torch.Tensor | None = None, impl: str | None = None,
+                     check_values: bool = True):
     """Exact diagonal Kalman filter read out by ``q``: one scalar filter per (head, state slot n, channel d).
 
     Args:
@@ -31,6 +32,8 @@ def kalman_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_precis
         output_variance: also return the posterior variance of the readout, Σ_n q_n² / λ_n.
         cu_seqlens: [N + 1] offsets of packed sequences (B must be 1).
         impl: "naive" | "torch" | "triton" | None (triton on CUDA, torch otherwise).
+        check_values: check the values (no NaN; the ranges above); False skips that check and its one host
+            synchronisation, for callers whose inputs are in range by construction (the layers).
     Returns:
         o [B, T, H, D], variance [B, T, H, D] or None, (precision, mean) or None.
     """
@@ -58,7 +61,8 @@ def kalman_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_precis
             check_tensor(_OP, name, s, (n_seq, H, N, D), "[B, H, N, D] (B = number of sequences)")
             check_same(_OP, "q", q, {name: s}, dtype=False)
         ranges.append(Range("initial_state[0] (precision)", initial_state[0], 0.0, None, lo_open=True))
-    check_ranges(_OP, ranges)
+    if check_values:
+        check_ranges(_OP, ranges)
     state = tuple(s.to(dt) for s in initial_state)
     if fn is kalman_fused:      # loads any activation dtype and packs sequences itself
         (o, var), final = fn(q, k, v, v_precision, decay, process_noise, state=state,

@@ -1,0 +1,144 @@
+"""The Kalman layer's fused elementwise kernels (kalmix/layers/fused.py, interpreter on CPU) against the torch
+chains they replace: values and every gradient, in fp64 and fp32, with the edge cases of each formula."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kalmix.layers import KalmanAttention
+from kalmix.layers.common import upcast
+from kalmix.layers.fused import gated_skip, ou_dynamics, sensor_split
+from kalmix.ops.common.testing import assert_close
+
+TOL = {torch.float64: 1e-12, torch.float32: 2e-6}
+
+
+def _grads(fn, inputs, seed):
+    """Outputs of fn(*inputs) and the gradients of a random linear functional of them w.r.t. the inputs."""
+    xs = [x.detach().clone().requires_grad_() for x in inputs]
+    outs = fn(*xs)
+    gen = torch.Generator().manual_seed(seed)
+    loss = sum((o * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype)).sum() for o in outs)
+    return [o.detach() for o in outs], list(torch.autograd.grad(loss, xs))
+
+
+def _sensor_torch(p, H, N):
+    B, T, W = p.shape
+    M = (W - 2 * H * N) // 2
+    v, s, k, q = p.split([M, M, H * N, H * N], dim=-1)
+    w = (1.0 / (F.softplus(upcast(s)) + 1e-4)).to(p.dtype)
+    return v, w, F.normalize(k.view(B, T, H, N), dim=-1), F.normalize(q.view(B, T, H, N), dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_sensor_split(dtype):
+    """M = 300 spans two column blocks (the last partial), H = 3, N = 5 pad the head tile, 37 rows three row
+    blocks; s reaches past softplus's threshold (20) and down to −30 (where log(1 + e^s) needs log1p), and one
+    row's k is zero (F.normalize's eps branch)."""
+    H, N, M = 3, 5, 300
+    gen = torch.Generator().manual_seed(0)
+    p = torch.randn(1, 37, 2 * M + 2 * H * N, generator=gen, dtype=dtype)
+    p[..., M:2 * M] *= 12
+    p[0, 3, M:M + 4] = torch.tensor([-30.0, 25.0, 20.0, -17.0], dtype=dtype)
+    p[0, 5, 2 * M:2 * M + H * N] = 0
+    ref_out, ref_grad = _grads(lambda x: _sensor_torch(x, H, N), [p], 1)
+    out, grad = _grads(lambda x: sensor_split(x, H, N), [p], 1)
+    for name, a, b in zip(("v", "Λv", "k", "q", "dp"), out + grad, ref_out + ref_grad):
+        assert_close(name, a.reshape(b.shape), b, TOL[dtype])
+
+
+def test_sensor_split_without_some_gradients():
+    """Outputs nobody differentiates (Λv, k here) give zero gradient to their part of the projection."""
+    gen = torch.Generator().manual_seed(2)
+    p = torch.randn(2, 9, 2 * 20 + 2 * 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    c = torch.randn(2, 9, 1, 4, generator=gen, dtype=torch.float64)
+    v, w, k, q = sensor_split(p, 1, 4)
+    (dp,) = torch.autograd.grad((v * 2).sum() + (q * c).sum(), p)
+    rv, _, _, rq = _sensor_torch(p, 1, 4)
+    (ref,) = torch.autograd.grad((rv * 2).sum() + (rq * c).sum(), p)
+    assert_close("dp", dp, ref, 1e-12)
+    assert (dp[..., 20:44] == 0).all() and (dp[..., 44:] != 0).all()
+
+
+def _ou_torch(A_log, dt_raw, p):
+    a = upcast(A_log).exp()
+    dt = F.softplus(upcast(dt_raw))
+    return torch.exp(-a * dt), upcast(p) ** 2 / (2 * a) * -torch.expm1(-2 * a * dt)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_ou_dynamics(dtype):
+    """aΔ from 1e-4 (the trained regime, where 1 − e^{−2aΔ} and its derivative need their series) to 30,
+    across the 0.1 switch of the series; 1100 elements span two blocks."""
+    gen = torch.Generator().manual_seed(3)
+    n = 1100
+    dt = torch.exp(torch.rand(n, generator=gen, dtype=torch.float64) * 10 - 9)          # 1.2e-4 .. 2.7
+    dt_raw = (dt + torch.log(-torch.expm1(-dt))).to(dtype)
+    A_log = (torch.rand(n, generator=gen, dtype=torch.float64) * 5 - 2).to(dtype)       # a in 0.14 .. 20
+    p = (torch.rand(n, generator=gen, dtype=torch.float64) * 0.1).to(dtype)
+    ref64 = _grads(_ou_torch, [x.double() for x in (A_log, dt_raw, p)], 4)
+    out, grad = _grads(ou_dynamics, [A_log.view(11, 4, 25), dt_raw.view(11, 4, 25), p.view(11, 4, 25)], 4)
+    for name, a, b in zip(("ā", "p̄", "dA_log", "ddt_raw", "dp"), out + grad, ref64[0] + ref64[1]):
+        assert_close(name, a.reshape(-1).double(), b, TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_gated_skip(dtype):
+    """gate as the strided half of a projection's output, like the layer's; 300 channels, 21 rows."""
+    gen = torch.Generator().manual_seed(5)
+    o, z = (torch.randn(3, 7, 300, generator=gen, dtype=dtype) for _ in range(2))
+    zg = torch.randn(3, 7, 600, generator=gen, dtype=dtype) * 4
+    skip = torch.tensor(-0.7, dtype=dtype)
+
+    def ref(o, z, zg, skip):
+        return [(o + skip * z) * F.silu(zg.chunk(2, dim=-1)[1])]
+
+    def fused(o, z, zg, skip):
+        return [gated_skip(o, z, zg.chunk(2, dim=-1)[1], skip)]
+
+    ref_out, ref_grad = _grads(ref, [o, z, zg, skip], 6)
+    out, grad = _grads(fused, [o, z, zg, skip], 6)
+    for name, a, b in zip(("y", "do", "dz", "dgate", "dskip"), out + grad, ref_out + ref_grad):
+        assert_close(name, a, b, TOL[dtype])
+
+
+def test_layer_fused_matches_torch_chains():
+    """The whole layer with the fused kernels (impl="triton") against the same weights on the torch chains
+    (impl="naive"; the op's impls agree to 1e-12 in fp64, tests/ops): output and every parameter gradient."""
+    torch.manual_seed(7)
+    ref = KalmanAttention(24, d_state=4, num_heads=2, impl="naive").double()
+    fused = KalmanAttention(24, d_state=4, num_heads=2, impl="triton").double()
+    fused.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 11, 24, dtype=torch.float64)
+    grads = {}
+    for name, layer in (("ref", ref), ("fused", fused)):
+        out = layer(x)[0]
+        grads[name] = [out.detach()] + list(torch.autograd.grad((out * out).sum(), list(layer.parameters())))
+    names = ["out"] + [n for n, _ in ref.named_parameters()]
+    for name, a, b in zip(names, grads["fused"], grads["ref"]):
+        assert_close(name, a, b, 1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("T,silu,bias", [(37, True, True), (2, True, False), (70, False, True)])
+def test_short_conv(dtype, T, silu, bias):
+    """The fused causal conv against ShortConv's torch path from a zero state: y, dx, dw, db. 200 channels span
+    two channel blocks; T = 2 is shorter than the kernel, 70 spans three token blocks."""
+    from kalmix.layers.common import ShortConv
+    from kalmix.layers.fused import short_conv
+    torch.manual_seed(8)
+    conv = ShortConv(200, 4, bias=bias, activation=silu).to(dtype)
+    if bias:
+        conv.bias.data.normal_()
+    x = torch.randn(3, T, 200, dtype=dtype)
+    params = [conv.weight] + ([conv.bias] if bias else [])
+
+    def ref(x, *ps):
+        return [torch.func.functional_call(conv, dict(zip(["weight", "bias"], ps)), (x,))[0]]
+
+    def fused(x, w, b=None):
+        return [short_conv(x, w, b, silu)]
+
+    ref_out, ref_grad = _grads(ref, [x, *params], 9)
+    out, grad = _grads(fused, [x, *params], 9)
+    for name, a, b in zip(("y", "dx", "dw", "db"), out + grad, ref_out + ref_grad):
+        assert_close(name, a, b, TOL[dtype])
