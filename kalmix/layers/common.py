@@ -8,6 +8,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kalmix.layers.fused import short_conv
+
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
     """bf16/fp16 -> fp32; fp32 and fp64 stay as they are."""
@@ -33,20 +35,19 @@ class ShortConv(nn.Module):
         """Returns (y [B, T, C], new state [B, C, kernel - 1]). On CUDA a call without a state (training,
         a first prefill) runs kalmix's fused kernel (``layers/fused.py``) in the [B, T, C] layout."""
         B, T, C = x.shape
+        keep = self.kernel_size - 1
         xt = x.transpose(1, 2)                                           # [B, C, T]
         if state is None and x.is_cuda:
-            from kalmix.layers.fused import short_conv
             y = short_conv(x, self.weight, self.bias, self.activation)
-            tail = xt[..., -(self.kernel_size - 1):]
-            return y, F.pad(tail, (self.kernel_size - 1 - tail.shape[-1], 0))
+            return y, F.pad(xt[..., T - min(T, keep):], (keep - min(T, keep), 0))
         if state is None:
-            state = xt.new_zeros(B, C, self.kernel_size - 1)
+            state = xt.new_zeros(B, C, keep)
         full = torch.cat([state.to(xt.dtype), xt], dim=-1)              # [B, C, K - 1 + T]
         y = F.conv1d(full, self.weight[:, None, :], self.bias, groups=C)  # [B, C, T]
         y = y.transpose(1, 2)
         if self.activation:
             y = F.silu(y)
-        return y, full[..., -(self.kernel_size - 1):]
+        return y, full[..., T:]                                         # the last K - 1 (none for K = 1)
 
 
 def project_and_convolve(x: torch.Tensor, projs, convs, conv_state):

@@ -142,3 +142,16 @@ def test_short_conv(dtype, T, silu, bias):
     out, grad = _grads(fused, [x, *params], 9)
     for name, a, b in zip(("y", "dx", "dw", "db"), out + grad, ref_out + ref_grad):
         assert_close(name, a, b, TOL[dtype])
+
+
+def test_short_conv_state_keeps_the_last_kernel_minus_one_inputs():
+    """The decode state is the last K − 1 inputs, zero-padded when T < K − 1, and empty for K = 1 (the torch
+    path used to return the whole input there)."""
+    from kalmix.layers.common import ShortConv
+    x = torch.randn(2, 5, 3, dtype=torch.float64)
+    for K, want in ((1, x[:, :0]), (4, x[:, 2:]), (8, torch.cat([x.new_zeros(2, 2, 3), x], 1))):
+        conv = ShortConv(3, K).double()
+        _, state = conv(x)
+        assert torch.equal(state, want.transpose(1, 2)), K
+        y2, _ = conv(x[:, 3:], conv(x[:, :3])[1])          # chaining through the state continues exactly
+        assert_close(f"K={K} chained", y2, conv(x)[0][:, 3:], 1e-15)
