@@ -144,3 +144,17 @@ def gka_layer_inputs(B, T, H, K, V, seed=0, dtype=torch.float64):
     X = r(B, H, K, K)
     state = (X @ X.mT / K, r(B, H, K, V))
     return [x.to(dtype) for x in (q, k, r(B, T, H, V), g, beta, alpha)], tuple(s.to(dtype) for s in state)
+
+
+def poison_empty(monkeypatch) -> None:
+    """Make torch.empty hand out NaNs (for a test's duration), so an output element a kernel forgets to write
+    fails the comparison; both test suites' conftest use it on every test."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        x = real_empty(*args, **kwargs)
+        if x.is_floating_point():
+            x.fill_(float("nan"))
+        return x
+
+    monkeypatch.setattr(torch, "empty", empty)

@@ -1,0 +1,119 @@
+"""Every op's impl="triton" on the GPU against its fp64 torch path: outputs, final states and the gradients of
+every input (including the initial state), fp32 and bf16, one length that is no multiple of any chunk, and packed
+sequences with an empty one. Each comparison prints its error (``-s`` shows them)."""
+import pytest
+import torch
+
+from kalmix import ops
+from kalmix.ops.common.testing import (CASES, gka_layer_inputs, kalman_realistic_inputs, outputs_and_grads,
+                                       random_functional_grads, rel_err, run_case)
+from kalmix.ops.kaczmarz import fused as kaczmarz_fused
+
+# fp32 kernels (3xTF32 or fp32 CUDA-core math) against fp64; bf16 activations against fp64 on the same rounded
+# inputs, where the kernels' bf16 tensor-core operands and the bf16 outputs cost ~1e-2
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+SIZES = {"kalman": (2, 1000, 2, 16, 96), "gka": (2, 1000, 4, 64, 64), "kaczmarz": (2, 1000, 4, 128, 128),
+         "vla": (2, 1000, 4, 64, 64)}
+
+
+def _check(label, got, ref, tol):
+    errs = [rel_err(a.double(), b.double()) for a, b in zip(got, ref)]
+    print(f"{label}: " + " ".join(f"{e:.1e}" for e in errs))
+    assert len(got) == len(ref)
+    for i, (a, e) in enumerate(zip(got, errs)):
+        assert torch.isfinite(a).all(), f"{label}: output/grad {i} not finite"
+        assert e <= tol, f"{label}: output/grad {i} relative RMS error {e:.2e} > {tol:.0e}"
+
+
+def _case_inputs(name, dev, dtype, varlen):
+    B, T, H, K, V = SIZES[name]
+    gen = torch.Generator().manual_seed(T + varlen)
+    n_seq = 4 if varlen else B
+    args = CASES[name].inputs(1 if varlen else B, T, H, K, V, torch.float64, gen)
+    state = CASES[name].state(n_seq, H, K, V, torch.float64, gen)
+    # the activations in the tested dtype, the reference on exactly those values; gates/dynamics stay fp32
+    n_act = 4 if name in ("kalman", "vla") else 3
+    args = [(a.to(dtype) if i < n_act else a.float()).double().to(dev) for i, a in enumerate(args)]
+    state = tuple(s.to(dev) for s in state) if isinstance(state, tuple) else state.to(dev)
+    cu = torch.tensor([0, T // 3, T // 3 + 1, T // 3 + 1, T], device=dev) if varlen else None
+    low = [(a.to(dtype) if i < n_act else a.float()) for i, a in enumerate(args)]
+    low_state = tuple(s.float() for s in state) if isinstance(state, tuple) else state.float()
+    return args, state, low, low_state, cu
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(CASES))
+def test_op_triton_against_fp64(name, dtype, varlen, dev):
+    args, state, low, low_state, cu = _case_inputs(name, dev, dtype, varlen)
+    ref_out, ref_grad = outputs_and_grads(CASES[name], args, state, "torch", cu_seqlens=cu)
+    out, grad = outputs_and_grads(CASES[name], low, low_state, "triton", cu_seqlens=cu)
+    _check(f"{name} {str(dtype)[6:]} varlen={varlen}", out + grad, ref_out + ref_grad, TOL[dtype])
+
+
+def test_kaczmarz_fla_engine_forward(dev):
+    """fla's chunk_gated_delta_rule engine (forward only where fla refuses its backward) on the same check."""
+    args, state, low, low_state, cu = _case_inputs("kaczmarz", dev, torch.float32, False)
+    with torch.no_grad():
+        ref = run_case(CASES["kaczmarz"], args, state, "torch")
+        saved = kaczmarz_fused.engine
+        kaczmarz_fused.engine = lambda device, dtype, needs_grad: "fla"
+        try:
+            got = run_case(CASES["kaczmarz"], low, low_state, "triton")
+        finally:
+            kaczmarz_fused.engine = saved
+    _check("kaczmarz fla engine fp32 forward", got, ref, 1e-3)   # fla computes with bf16/tf32 operands
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kalman_realistic_regime(dtype, dev):
+    """Decay 0.9..0.999, process noise 1e-7..1e-6, value precision to 1e4 (λ reaches ~1e6)."""
+    base = [x.to(dev) for x in kalman_realistic_inputs(1000, torch.float64, seed=1, B=2, H=2, N=16, D=96)]
+    base = [(x.to(dtype) if i < 4 else x.float()).double() for i, x in enumerate(base)]
+
+    def run(xs, impl):
+        xs = [x.detach().requires_grad_() for x in xs]
+        o, var, (lam, mu) = ops.kalman_attention(*xs, output_final_state=True, output_variance=True, impl=impl)
+        return [o, var, lam, mu] + random_functional_grads([o, var, mu], xs)
+
+    ref = run(base, "torch")
+    got = run([(x.to(dtype) if i < 4 else x.float()) for i, x in enumerate(base)], "triton")
+    _check(f"kalman realistic {str(dtype)[6:]}", got, ref, TOL[dtype])
+
+
+def test_kalman_65536_tokens(dev):
+    x = [t.to(dev) for t in kalman_realistic_inputs(65536, torch.float32, seed=3, B=1, H=1, N=16, D=64)]
+    with torch.no_grad():
+        a = ops.kalman_attention(*x, output_final_state=True, output_variance=True, impl="triton")
+        b = ops.kalman_attention(*x, output_final_state=True, output_variance=True, impl="torch")
+    _check("kalman T=65536 fp32 vs torch fp32", [a[0], a[1], *a[2]], [b[0], b[1], *b[2]], 2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gka_layer_regime_against_exact_solve(dtype, dev):
+    """ridge 0.02, 30 steps: the forward against fp64 with the same 30 steps, the implicit gradients against
+    the fp64 exact solve's (their difference is the 30-step Chebyshev error, ~4e-4)."""
+    args, state = gka_layer_inputs(2, 1000, 4, 128, 128, seed=0)
+    args, state = [x.to(dev) for x in args], [s.to(dev) for s in state]
+
+    def run(dt, impl, iters):
+        xs = [(x.to(dt) if i < 3 or i >= 6 or dt == torch.float64 else x.float()).detach().requires_grad_()
+              for i, x in enumerate([*args, *state])]
+        o, (Hs, Us) = ops.gated_kalmanet(*xs[:6], initial_state=tuple(xs[6:]), output_final_state=True,
+                                         num_iters=iters, impl=impl)
+        return [o, Hs, Us] + random_functional_grads([o, Hs, Us], xs)
+
+    got = run(dtype, "triton", 30)
+    _check(f"gka forward {str(dtype)[6:]} vs fp64 30 steps", got[:3], run(torch.float64, "torch", 30)[:3],
+           TOL[dtype])
+    _check(f"gka grads {str(dtype)[6:]} vs fp64 exact solve", got[3:], run(torch.float64, "torch", None)[3:],
+           1e-3 if dtype == torch.float32 else TOL[dtype])
+
+
+def test_gka_bf16_32k_tokens_finite(dev):
+    args, state = gka_layer_inputs(1, 32768, 8, 128, 128, seed=2, dtype=torch.bfloat16)
+    xs = [x.to(dev).requires_grad_() for x in args]
+    o, (Hs, Us) = ops.gated_kalmanet(*xs, output_final_state=True, impl="triton")
+    (o.float().square().mean() + Hs.square().mean() + Us.square().mean()).backward()
+    for name, t in zip(["o", "H", "U", "dq", "dk", "dv", "dg", "dbeta", "dalpha"], [o, Hs, Us, *(x.grad for x in xs)]):
+        assert torch.isfinite(t).all(), name
