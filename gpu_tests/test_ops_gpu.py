@@ -117,3 +117,21 @@ def test_gka_bf16_32k_tokens_finite(dev):
     (o.float().square().mean() + Hs.square().mean() + Us.square().mean()).backward()
     for name, t in zip(["o", "H", "U", "dq", "dk", "dv", "dg", "dbeta", "dalpha"], [o, Hs, Us, *(x.grad for x in xs)]):
         assert torch.isfinite(t).all(), name
+
+
+def test_value_errors_on_cuda(dev):
+    """On CUDA the value checks are read back after the op's kernels are queued; they still raise before the op
+    returns, with the same messages as on CPU."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, w, a, p = (x.to(dev) for x in CASES["kalman"].inputs(2, 40, 2, 4, 8, torch.float32, gen))
+    with pytest.raises(ValueError, match=r"`v_precision` contains NaN"):
+        ops.kalman_attention(q, k, v, w.clone().index_fill_(1, torch.tensor([3], device=dev), float("nan")), a, p)
+    with pytest.raises(ValueError, match=r"`decay` must lie in \(0.0, 1.0\]"):
+        ops.kalman_attention(q, k, v, w, a + 1.0, p)
+    q, k, v, g, eta = (x.to(dev) for x in CASES["kaczmarz"].inputs(2, 40, 2, 16, 16, torch.float32, gen))
+    with pytest.raises(ValueError, match=r"`g` must lie in"):
+        ops.kaczmarz_attention(q, k, v, -g + 0.1, eta)
+    q, k, v, g, beta, alpha = (x.to(dev) for x in CASES["gka"].inputs(2, 40, 2, 16, 16, torch.float32, gen))
+    with pytest.raises(ValueError, match=r"`beta` must lie in \[0.0, inf\)"):
+        ops.gated_kalmanet(q, k, v, g, -beta, alpha)
+    assert torch.isfinite(ops.gated_kalmanet(q, k, v, g, beta, alpha)[0]).all()     # and valid input passes

@@ -65,13 +65,37 @@ class Range(NamedTuple):
     hi_open: bool = False
 
 
-def check_ranges(op: str, ranges: Sequence[Range]) -> None:
-    """Every ``Range`` holds; raises with the offending min/max. One min/max pass per tensor and a single read
-    back to the host for all of them (one synchronisation per op call, not one per check)."""
+def check_ranges(op: str, ranges: Sequence[Range]) -> Callable[[], None]:
+    """Check that every ``Range`` holds; returns ``finish()``, which raises with the offending min/max.
+
+    One min/max pass per tensor and one read back to the host for all of them. On CPU the check is done before
+    this returns. On CUDA the min/max are copied to pinned memory behind an event: the op enqueues its kernels
+    and then calls ``finish()``, so the host waits for the check alone while the GPU still has the op's work
+    queued (reading them back up front drained the queue and left the GPU idle while the host launched the op).
+    An op must call ``finish()`` before it returns its outputs."""
     ranges = [r for r in ranges if r.x.numel()]
     if not ranges:
-        return
-    ext = torch.stack([torch.stack(torch.aminmax(r.x.detach())).double() for r in ranges]).tolist()
+        return no_check
+    ext = torch.stack([torch.stack(torch.aminmax(r.x.detach())).double() for r in ranges])
+    if ext.is_cuda:
+        host = torch.empty(ext.shape, dtype=ext.dtype, pin_memory=True)
+        host.copy_(ext, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+
+        def finish():
+            ready.synchronize()
+            _raise_outside(op, ranges, host.tolist())
+        return finish
+    _raise_outside(op, ranges, ext.tolist())
+    return no_check
+
+
+def no_check() -> None:
+    """``finish()`` of a check with nothing left to do (or of values not checked)."""
+
+
+def _raise_outside(op: str, ranges: Sequence[Range], ext: list) -> None:
     for r, (mn, mx) in zip(ranges, ext):
         if math.isnan(mn) or math.isnan(mx):
             fail(op, f"`{r.name}` contains NaN")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kalmix.ops.common.checks import (Range, check_cu_seqlens, check_gates, check_ranges, check_same,
+from kalmix.ops.common.checks import (Range, check_cu_seqlens, check_gates, check_ranges, check_same, no_check,
                                       check_tensor, compute_dtype, fail, resolve_impl)
 from kalmix.ops.common.varlen import run_packed
 from kalmix.ops.gka.chunk import gka_chunk
@@ -50,8 +50,8 @@ def gated_kalmanet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
             check_tensor(_OP, name, x, (B, T, H), "[B, T, H]")
     check_same(_OP, "q", q, {"k": k, "v": v})
     check_gates(_OP, q, {"g": g, "beta": beta, "alpha": alpha})
-    if check_values:
-        check_ranges(_OP, [r for r in (Range("g", g, None, 0.0), Range("beta", beta, 0.0, None)) if r.x is not None])
+    ranges = [r for r in (Range("g", g, None, 0.0), Range("beta", beta, 0.0, None)) if r.x is not None]
+    finish = check_ranges(_OP, ranges) if check_values else no_check    # raises once the kernels are queued
     if not ridge > 0:
         fail(_OP, f"`ridge` must be > 0, got {ridge}")
     if num_iters is not None and (not isinstance(num_iters, int) or isinstance(num_iters, bool) or num_iters < 0):
@@ -76,8 +76,10 @@ def gated_kalmanet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     if fn is gka_fused:     # the kernels take the activations in their dtype and pack sequences themselves
         o, final = fn(q, k, v, g, beta, alpha, state=initial_state, scale=scale, ridge=ridge, num_iters=num_iters,
                       cu_seqlens=cu_seqlens)
+        finish()
         return o, (final if output_final_state else None)
     (o,), final = run_packed(fn, cu_seqlens, [x.to(dt) for x in (q, k, v, g, beta, alpha)],
                              tuple(s.to(dt) for s in initial_state), scale=scale, ridge=ridge, num_iters=num_iters,
                              **hints)
+    finish()
     return o.to(q.dtype), (final if output_final_state else None)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from kalmix.ops.common.checks import (Range, check_cu_seqlens, check_ranges, check_same, check_tensor,
-                                      compute_dtype, fail, resolve_impl)
+from kalmix.ops.common.checks import (Range, check_cu_seqlens, check_ranges, check_same, check_tensor, compute_dtype,
+                                      fail, no_check, resolve_impl)
 from kalmix.ops.common.varlen import run_packed
 from kalmix.ops.kalman.chunk import kalman_chunk
 from kalmix.ops.kalman.fused import kalman_fused
@@ -61,8 +61,7 @@ def kalman_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_precis
             check_tensor(_OP, name, s, (n_seq, H, N, D), "[B, H, N, D] (B = number of sequences)")
             check_same(_OP, "q", q, {name: s}, dtype=False)
         ranges.append(Range("initial_state[0] (precision)", initial_state[0], 0.0, None, lo_open=True))
-    if check_values:
-        check_ranges(_OP, ranges)
+    finish = check_ranges(_OP, ranges) if check_values else no_check    # raises once the kernels are queued
     state = tuple(s.to(dt) for s in initial_state)
     if fn is kalman_fused:      # loads any activation dtype and packs sequences itself
         (o, var), final = fn(q, k, v, v_precision, decay, process_noise, state=state,
@@ -73,4 +72,5 @@ def kalman_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_precis
                                      process_noise=process_noise.to(dt), output_variance=output_variance)
     o = o.to(q.dtype)
     var = var.to(q.dtype) if output_variance else None
+    finish()
     return o, var, (final if output_final_state else None)
