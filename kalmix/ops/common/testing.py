@@ -147,14 +147,16 @@ def gka_layer_inputs(B, T, H, K, V, seed=0, dtype=torch.float64):
 
 
 def poison_empty(monkeypatch) -> None:
-    """Make torch.empty hand out NaNs (for a test's duration), so an output element a kernel forgets to write
-    fails the comparison; both test suites' conftest use it on every test."""
-    real_empty = torch.empty
+    """Make torch.empty, torch.empty_like and Tensor.new_empty hand out NaNs (for a test's duration), so an output
+    element a kernel forgets to write fails the comparison; both test suites' conftest use it on every test."""
+    def poisoned(make):
+        def wrapper(*args, **kwargs):
+            x = make(*args, **kwargs)
+            if x.is_floating_point():
+                x.fill_(float("nan"))
+            return x
+        return wrapper
 
-    def empty(*args, **kwargs):
-        x = real_empty(*args, **kwargs)
-        if x.is_floating_point():
-            x.fill_(float("nan"))
-        return x
-
-    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch, "empty", poisoned(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", poisoned(torch.empty_like))
+    monkeypatch.setattr(torch.Tensor, "new_empty", poisoned(torch.Tensor.new_empty))
