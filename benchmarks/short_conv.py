@@ -1,6 +1,6 @@
-"""ShortConv's fused causal-conv kernels (kalmix/layers/fused.py) on a GPU: checked against ShortConv's torch
-path (output, state, every gradient), then timed at a layer's shape next to fla's ``causal_conv1d`` and the
-torch path. From the repository root:
+"""ShortConv's fused causal-conv kernels (kalmix/layers/fused.py) on a GPU, timed at a layer's shape next to
+fla's ``causal_conv1d`` and the torch path (their accuracy against the torch path is checked by
+gpu_tests/test_layers_gpu.py). From the repository root:
 
     python benchmarks/short_conv.py [--configs FT=8,FC=128,FW=4,BT=4,BC=128,BW=4,BN=16 ...]
 
@@ -13,23 +13,6 @@ from triton.testing import do_bench
 from _gpu_script import run
 from kalmix.layers import fused
 from kalmix.layers.common import ShortConv
-from kalmix.ops.common.testing import rel_err
-
-
-def checks(dev):
-    """The fused path (no state) against the torch path (a zero state), bf16 and fp32, at a length shorter than
-    the kernel, an odd one, and a layer's width."""
-    print("== fused vs torch path, relative RMS of y, state, dx, dw, db")
-    for dt in (torch.bfloat16, torch.float32):
-        for T, C in ((37, 96), (2, 96), (2048, 1024)):
-            conv = ShortConv(C, 4, bias=True).to(dev, dt)
-            x = torch.randn(2, T, C, device=dev, dtype=dt, requires_grad=True)
-            dy = torch.randn(2, T, C, device=dev, dtype=dt)
-            res = []
-            for state in (None, torch.zeros(2, C, 3, device=dev, dtype=dt)):
-                y, st = conv(x, state)
-                res.append([y, st, *torch.autograd.grad(y, (x, conv.weight, conv.bias), dy)])
-            print(f"  {str(dt)[6:]:8s} T={T:4d} C={C:4d}", " ".join(f"{rel_err(a, b):.1e}" for a, b in zip(*res)))
 
 
 def timings(dev, configs):
@@ -65,5 +48,5 @@ def timings(dev, configs):
 
 
 if __name__ == "__main__":
-    run(checks, timings, "FT,FC,FW / BT,BC,BW,BN: forward / backward tokens, channels, warps per program (and "
+    run(None, timings, "FT,FC,FW / BT,BC,BW,BN: forward / backward tokens, channels, warps per program (and "
                          "token blocks per backward program)")

@@ -13,7 +13,8 @@ def pytest_configure(config):
 
 @pytest.fixture(autouse=True)
 def nan_poisoned_empty(monkeypatch):
-    """torch.empty hands out NaNs, so an output element a kernel forgets to write fails the comparison."""
+    """torch.empty, empty_like and Tensor.new_empty hand out NaNs, so an output element a kernel forgets to write
+    fails the comparison."""
     from kalmix.ops.common.testing import poison_empty
     poison_empty(monkeypatch)
     yield

@@ -1,5 +1,6 @@
-"""The Kalman layer's fused elementwise kernels (kalmix/layers/fused.py, interpreter on CPU) against the torch
-chains they replace: values and every gradient, in fp64 and fp32, with the edge cases of each formula."""
+"""The layers' fused kernels (kalmix/layers/fused.py, interpreter on CPU) against the torch chains they replace
+(the Kalman layer's sensor split, OU dynamics and gated skip, and ShortConv's convolution): values and every
+gradient, in fp64 and fp32, with the edge cases of each formula."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -7,7 +8,7 @@ import torch.nn.functional as F
 from kalmix.layers import KalmanAttention
 from kalmix.layers.common import upcast
 from kalmix.layers.fused import gated_skip, ou_dynamics, sensor_split
-from kalmix.ops.common.testing import assert_close
+from kalmix.ops.common.testing import assert_close, random_functional_grads
 
 TOL = {torch.float64: 1e-12, torch.float32: 2e-6}
 
@@ -16,9 +17,7 @@ def _grads(fn, inputs, seed):
     """Outputs of fn(*inputs) and the gradients of a random linear functional of them w.r.t. the inputs."""
     xs = [x.detach().clone().requires_grad_() for x in inputs]
     outs = fn(*xs)
-    gen = torch.Generator().manual_seed(seed)
-    loss = sum((o * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype)).sum() for o in outs)
-    return [o.detach() for o in outs], list(torch.autograd.grad(loss, xs))
+    return [o.detach() for o in outs], random_functional_grads(outs, xs, seed)
 
 
 def _sensor_torch(p, H, N):
