@@ -74,3 +74,31 @@ def test_fp32_with_near_identical_keys():
     path. The keys are tied (w = e, as in Kaczmarz/GDN): here the gradients through w and e alone are
     ill-conditioned (fp32 torch misses them by 20%) while their sum, the key's gradient, is not."""
     _compare(_inputs(1, 130, 1, 16, 16, 1, seed=3, similar_keys=True), torch.float32, 2e-5, tied=True)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+def test_kaczmarz_step_mode_with_key_norms_spread_over_two_decades(dtype, tol):
+    """step_eps: raw keys whose norms spread over 0.1..10 inside every chunk (A's entries then reach ~100·η),
+    β = η/(‖k‖² + eps) computed by the kernels; the key's one gradient and dη against autograd through the
+    formula on the fp64 torch path, packed sequences included."""
+    gen = torch.Generator().manual_seed(4)
+    lens = [dt.CHUNK + 5, 0, 70]
+    cu = torch.tensor([0] + lens).cumsum(0)
+    T, H, K, V, eps = int(cu[-1]), 2, 16, 24, 1e-3
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    k = F.normalize(r(1, T, H, K), dim=-1) * 10 ** (2 * torch.rand(1, T, H, 1, generator=gen, dtype=torch.float64) - 1)
+    k[0, 3, 1] = 0.0
+    xs = [r(1, T, H, K), k, r(1, T, H, V), -0.3 * torch.rand(1, T, H, generator=gen, dtype=torch.float64),
+          0.05 + 0.95 * torch.rand(1, T, H, generator=gen, dtype=torch.float64), r(len(lens), H, K, V)]
+
+    def ref(x):
+        (o,), (S,) = run_packed(
+            lambda q, k, v, g, eta, *, state: [[t] for t in chunk_delta_rule(
+                q, k, k, v, g, eta / ((k * k).sum(-1) + eps), scale=0.3, state=state[0])],
+            cu, x[:5], (x[5],))
+        return o, S
+    want = _outputs_and_grads(ref, xs, torch.float64)
+    got = _outputs_and_grads(lambda x: dt.chunk_delta_rule_triton(x[0], x[1], x[1], *x[2:5], scale=0.3, state=x[5],
+                                                                  cu_seqlens=cu, step_eps=eps), xs, dtype)
+    for name, x, w in zip("o S dq dk dv dg deta dS0".split(), got, want):
+        assert_close(name, x, w, tol)

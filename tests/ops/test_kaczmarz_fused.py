@@ -1,6 +1,6 @@
-"""kaczmarz_attention(impl="triton"): the choice between fla's kernels and kalmix's own, the reparameterisation
+"""kaczmarz_attention(impl="triton"): the choice between fla's kernels and kalmix's own, the Kaczmarz step kernel
 and packing. kalmix's kernels run here in the interpreter; fla's need CUDA, so its branch runs with a stand-in
-for fla's chunk_gated_delta_rule (kalmix's chunked torch delta rule). benchmarks/kaczmarz_fla.py runs both
+for fla's chunk_gated_delta_rule (kalmix's chunked torch delta rule). benchmarks/kaczmarz_fused.py runs both
 engines on a GPU."""
 import logging
 
@@ -19,6 +19,9 @@ def _gdn_stand_in(q, k, v, g, beta, *, scale, state, cu_seqlens):
     def core(q, k, v, g, beta, *, state):
         o, S = chunk_delta_rule(q, k, k, v, g, beta, scale=scale, state=state[0], chunk_size=8)
         return (o,), (S,)
+    if state is None:
+        n = q.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
+        state = q.new_zeros(n, q.shape[2], q.shape[3], v.shape[3])
     (o,), (S,) = run_packed(core, cu_seqlens, [q, k, v, g, beta.to(q.dtype)], (state.to(q.dtype),))
     return o, S
 
@@ -87,13 +90,14 @@ def test_standing_in_for_fla_on_a_gpu_is_logged_once(monkeypatch, caplog):
     assert "fla refuses its gated backward" in caplog.text
 
 
-def test_reparameterisation_is_the_kaczmarz_step():
-    """Gated DeltaNet on (k, v) / sqrt(‖k‖² + eps) with β = η equals the raw-key loop, zero keys included."""
+def test_raw_key_delta_rule_with_the_step_is_the_kaczmarz_loop():
+    """The delta rule on the raw keys and values with β = kaczmarz_step(k, η, eps) equals the loop, zero keys
+    included (their step is η/eps)."""
     args, state = _draw(20, seed=5)
     q, k, v, g, eta = args
-    k_hat, v_hat, beta = fused.reparameterise(k, v, eta, 1e-2)
-    assert beta.dtype == torch.float64 and (k_hat[0, 3] == 0).all() and (k_hat.norm(dim=-1) <= 1).all()
-    o, S = chunk_delta_rule(q, k_hat, k_hat, v_hat, g, beta.double(), scale=0.3, state=state)
+    beta = fused.kaczmarz_step(k, eta, 1e-2)
+    assert beta.dtype == torch.float64
+    o, S = chunk_delta_rule(q, k, k, v, g, beta, scale=0.3, state=state)
     ref_o, ref_S = ops.kaczmarz_attention(q, k, v, g, eta, initial_state=state, eps=1e-2, scale=0.3,
                                           output_final_state=True, impl="naive")
     assert_close("o", o, ref_o, 1e-12)
@@ -102,30 +106,31 @@ def test_reparameterisation_is_the_kaczmarz_step():
 
 def test_zero_key_without_eps_writes_nothing_and_has_finite_gradients():
     k = torch.zeros(1, 2, 1, 4, requires_grad=True)
-    v, eta = torch.randn(1, 2, 1, 3, requires_grad=True), torch.rand(1, 2, 1, requires_grad=True)
-    k_hat, v_hat, beta = fused.reparameterise(k, v, eta, 0.0)
-    assert (k_hat == 0).all() and (v_hat == 0).all()
-    (k_hat.sum() + v_hat.sum() + beta.sum()).backward()
-    assert all(torch.isfinite(t.grad).all() for t in (k, v, eta))
+    eta = torch.rand(1, 2, 1, requires_grad=True)
+    beta = fused.kaczmarz_step(k, eta, 0.0)
+    assert (beta == 0).all()
+    beta.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (k, eta))
 
 
-def test_fused_reparameterisation_and_its_gradient_match_torch():
-    """The kernels' k̂, v̂ and their backward against autograd through the formula, over rows that span several
-    programs (a zero key with eps > 0 included)."""
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_step_kernel_and_its_gradient_match_torch(dtype):
+    """kaczmarz_step's kernels against autograd through η/(‖k‖² + eps), over rows that span several programs (a
+    zero key with eps > 0 included); 16-bit keys are squared and summed in fp32."""
     gen = torch.Generator().manual_seed(7)
-    k, v = torch.randn(3, 11, 2, 5, generator=gen, dtype=torch.float64), torch.randn(3, 11, 2, 7, generator=gen,
-                                                                                       dtype=torch.float64)
+    k = torch.randn(3, 11, 2, 5, generator=gen, dtype=torch.float64).to(dtype)
     k[1, 4, 0] = 0.0
-    dk_hat, dv_hat = torch.randn_like(k), torch.randn_like(v)
+    eta = torch.rand(3, 11, 2, generator=gen, dtype=torch.float64).to(dtype)
+    dbeta = torch.randn(3, 11, 2, generator=gen, dtype=torch.float64)
     eps = 1e-3
-    grads = []
-    for fused_path in (True, False):
-        kk, vv = k.clone().requires_grad_(), v.clone().requires_grad_()
-        if fused_path:
-            k_hat, v_hat, _ = fused.reparameterise(kk, vv, torch.ones(3, 11, 2, dtype=torch.float64), eps)
-        else:
-            c = ((kk * kk).sum(-1, keepdim=True) + eps).rsqrt()
-            k_hat, v_hat = kk * c, vv * c
-        grads.append([k_hat, v_hat, *torch.autograd.grad((k_hat * dk_hat).sum() + (v_hat * dv_hat).sum(), (kk, vv))])
-    for name, x, r in zip(["k_hat", "v_hat", "dk", "dv"], *grads):
-        assert_close(name, x.detach(), r.detach(), 1e-12)
+    got, ref = [], []
+    for fn, out in ((fused.kaczmarz_step, got), (lambda k, eta, eps: eta / ((k * k).sum(-1) + eps), ref)):
+        kk, ee = k.double().requires_grad_(), eta.double().requires_grad_()
+        if fn is fused.kaczmarz_step:
+            kk, ee = k.clone().requires_grad_(), eta.clone().requires_grad_()
+        beta = fn(kk, ee, eps)
+        out += [beta.double(), *(x.double() for x in torch.autograd.grad((beta * dbeta.to(beta.dtype)).sum(),
+                                                                          (kk, ee)))]
+    tol = 1e-12 if dtype == torch.float64 else 1e-2
+    for name, x, r in zip(["beta", "dk", "deta"], got, ref):
+        assert_close(name, x.detach(), r.detach(), tol)

@@ -133,6 +133,69 @@ def _gates(g_ptr, beta_ptr, bos, L, i_h, H, valid, C: tl.constexpr):
 
 
 @triton.jit
+def _inv_sq_norm(k, eps):
+    """c² = 1/(‖k‖² + eps) per row of a [R, BK] block (0 where ‖k‖² + eps = 0: such a key writes nothing)."""
+    den = tl.sum(k * k, axis=1) + eps
+    return tl.where(den > 0, 1. / tl.where(den > 0, den, 1.), 0.)
+
+
+@triton.jit
+def _step_kernel(k_ptr, eta_ptr, dbeta_ptr, out_ptr, dk_ptr, n_rows, eps, K, R: tl.constexpr, BK: tl.constexpr,
+                 BACKWARD: tl.constexpr):
+    """Rows of R (token, head) pairs. Forward: β = η c², c² = 1/(‖k‖² + eps). BACKWARD: from dβ, dη = c² dβ
+    and dk = −2 η c⁴ dβ k."""
+    r = tl.program_id(0) * R + tl.arange(0, R)
+    d = tl.arange(0, BK)[None, :]
+    m = r < n_rows
+    off, mk = r[:, None].to(tl.int64) * K + d, m[:, None] & (d < K)
+    k = _acc(tl.load(k_ptr + off, mask=mk, other=0.))
+    c2 = _inv_sq_norm(k, eps)
+    if BACKWARD:
+        dbeta = _acc(tl.load(dbeta_ptr + r, mask=m, other=0.))
+        eta = _acc(tl.load(eta_ptr + r, mask=m, other=0.))
+        tl.store(out_ptr + r, (c2 * dbeta).to(out_ptr.dtype.element_ty), mask=m)
+        dk = (-2. * eta * c2 * c2 * dbeta)[:, None] * k
+        tl.store(dk_ptr + off, dk.to(dk_ptr.dtype.element_ty), mask=mk)
+    else:
+        eta = _acc(tl.load(eta_ptr + r, mask=m, other=0.))
+        tl.store(out_ptr + r, eta * c2, mask=m)
+
+
+_STEP_ROWS = 16
+
+
+def _step_launch(k, eta, dbeta, out, dk, eps, backward):
+    K = k.shape[-1]
+    n = eta.numel()
+    _step_kernel[(triton.cdiv(n, _STEP_ROWS),)](k, eta, dbeta, out, dk, n, eps, K, R=_STEP_ROWS,
+                                                BK=triton.next_power_of_2(K), BACKWARD=backward)
+
+
+def kaczmarz_step(k: torch.Tensor, eta: torch.Tensor, eps: float) -> torch.Tensor:
+    """β = η/(‖k‖² + eps) (0 where ‖k‖² + eps = 0) for k [..., K] and eta [...], in fp32 (fp64 for fp64 k): the
+    Kaczmarz step that turns the delta rule on raw keys into the projection. One pass over k; differentiable."""
+    return _KaczmarzStep.apply(k, eta, float(eps))
+
+
+class _KaczmarzStep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, k, eta, eps):
+        k, eta = k.contiguous(), eta.contiguous()
+        beta = torch.empty(eta.shape, dtype=compute_dtype(k), device=k.device)
+        _step_launch(k, eta, None, beta, None, eps, backward=False)
+        ctx.save_for_backward(k, eta)
+        ctx.eps = eps
+        return beta
+
+    @staticmethod
+    def backward(ctx, dbeta):
+        k, eta = ctx.saved_tensors
+        dk, deta = torch.empty_like(k), torch.empty_like(eta)
+        _step_launch(k, eta, dbeta.contiguous(), deta, dk, ctx.eps, backward=True)
+        return dk, deta, None
+
+
+@triton.jit
 def _decay(G, rows, cols, STRICT: tl.constexpr):
     """D[t, s] = exp(G_t − G_s) on s < t (STRICT) or s <= t, else 0 (masked before exp: nothing overflows)."""
     keep = (cols < rows) if STRICT else (cols <= rows)
@@ -322,10 +385,11 @@ def _grads_qw_kernel(q_ptr, w_ptr, g_ptr, beta_ptr, chunks_ptr, h_ptr, dh_ptr, u
 
 @triton.jit
 def _grads_wy_kernel(w_ptr, e_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, T_ptr, du_ptr, dwt_ptr, dG_ptr, dw32_ptr,
-                     dw_ptr, de_ptr, dv_ptr, dg_ptr, dbeta_ptr, H, K, V,
-                     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr):
+                     dw_ptr, de_ptr, dv_ptr, dg_ptr, dbeta_ptr, step_eps, H, K, V,
+                     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, STEP: tl.constexpr):
     """Per chunk, through Ũ = T diag(β) V, W̃ = T diag(β e^G) E and T = (I + A)⁻¹: dv, de, dβ, the rest of dw
-    and dG, and dg (the reverse cumulative sum of dG: G_t = Σ_{r≤t} g_r)."""
+    and dG, and dg (the reverse cumulative sum of dG: G_t = Σ_{r≤t} g_r). STEP (w = e = k, β = η c² with
+    c² = 1/(‖k‖² + step_eps)): one key gradient dw + de − 2 β c² dβ k, and dη = c² dβ in place of dβ."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, L, rows, cols, valid = _chunk_rows(chunks_ptr, i_c, C)
     G, beta, G_end = _gates(g_ptr, beta_ptr, bos, L, i_h, H, valid, C)
@@ -356,9 +420,15 @@ def _grads_wy_kernel(w_ptr, e_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, T_ptr, du
     M = M * beta[:, None]
     dG += tl.sum(M, axis=1) - tl.sum(M, axis=0)
     dAD = dA * D * beta[:, None]
-    _store_rows(de_ptr, (beta * eG)[:, None] * dXe + _dot(dAD, W, DT), bos, L, i_h, H, K, 0, BK, C)
+    dE = (beta * eG)[:, None] * dXe + _dot(dAD, W, DT)
     dW = _load_rows(dw32_ptr, bos, L, i_h, H, K, 0, BK, C) + _dot(tl.trans(dAD), E, DT)
-    _store_rows(dw_ptr, dW, bos, L, i_h, H, K, 0, BK, C)
+    if STEP:
+        c2 = _inv_sq_norm(E, step_eps)
+        _store_rows(dw_ptr, dW + dE - (2. * beta * c2 * dbeta)[:, None] * E, bos, L, i_h, H, K, 0, BK, C)
+        dbeta = c2 * dbeta
+    else:
+        _store_rows(de_ptr, dE, bos, L, i_h, H, K, 0, BK, C)
+        _store_rows(dw_ptr, dW, bos, L, i_h, H, K, 0, BK, C)
     dg = tl.sum(dG, axis=0) - tl.cumsum(dG, axis=0) + dG
     tl.store(dg_ptr + (bos + r) * H + i_h, dg.to(dg_ptr.dtype.element_ty), mask=valid)
     tl.store(dbeta_ptr + (bos + r) * H + i_h, dbeta.to(dbeta_ptr.dtype.element_ty), mask=valid)
@@ -420,15 +490,18 @@ def _forward(q, w, e, v, g, beta, s0, cu, coff, chunks, scale, need_o=True):
 
 class ChunkDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, w, e, v, g, beta, s0, cu, packed, scale):
+    def forward(ctx, q, w, e, v, g, beta, s0, cu, packed, scale, step_eps):
         B, T, H, K = q.shape
         V = v.shape[-1]
         flat = [x.reshape(B * T, *x.shape[2:]).contiguous() for x in (q, w, e, v, g, beta)]
+        if step_eps is not None:                # beta is η; the kernels take the step η/(‖k‖² + eps)
+            eta, flat[5] = flat[5], torch.empty_like(flat[5], dtype=compute_dtype(q))
+            _step_launch(flat[1], eta, None, flat[5], None, step_eps, backward=False)
         coff, chunks = _chunk_table(cu, B, T, CHUNK, packed)
         s0 = s0.contiguous()
         o, sT, *_ = _forward(*flat, s0, cu, coff, chunks, scale)
         ctx.save_for_backward(*flat, s0, cu, coff, chunks)
-        ctx.scale, ctx.shape = scale, (B, T, H, K, V)
+        ctx.scale, ctx.shape, ctx.step_eps = scale, (B, T, H, K, V), step_eps
         ctx.set_materialize_grads(False)
         return o.view(B, T, H, V), sT
 
@@ -444,20 +517,23 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         _dstates_kernel[(triton.cdiv(V, BV), N * H)](
             q, w, wt, Gc, do, s0 if dsT is None else dsT.contiguous(), cu, coff, dU, dh, ds0, ctx.scale, H, K, V,
             HAS_DST=dsT is not None, **kw["dstates"])
-        dq, dw, de, dv = (torch.empty_like(x) for x in (q, w, e, v))
+        step = ctx.step_eps is not None
+        dq, dw, dv = (torch.empty_like(x) for x in (q, w, v))
+        de = dw if step else torch.empty_like(e)                # STEP writes the one key's gradient to dw
         dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
         acc = compute_dtype(q)
         dw32, dwt, dG = torch.empty_like(w, dtype=acc), torch.empty_like(w, dtype=acc), torch.empty_like(g, dtype=acc)
         _grads_qw_kernel[(NC, H)](q, w, g, beta, chunks, h, dh, U, dU, do, dq, dw32, dwt, dG, ctx.scale, H, K, V,
                                   **kw["grads_qw"])
-        _grads_wy_kernel[(NC, H)](w, e, v, g, beta, chunks, Tm, dU, dwt, dG, dw32, dw, de, dv, dg, dbeta, H, K, V,
-                                  **kw["grads_wy"])
+        _grads_wy_kernel[(NC, H)](w, e, v, g, beta, chunks, Tm, dU, dwt, dG, dw32, dw, de, dv, dg, dbeta,
+                                  0. if ctx.step_eps is None else ctx.step_eps, H, K, V, STEP=step, **kw["grads_wy"])
         shape = lambda x: x.view(B, T, *x.shape[1:])  # noqa: E731
-        return (shape(dq), shape(dw), shape(de), shape(dv), shape(dg), shape(dbeta), ds0, None, None, None)
+        return (shape(dq), shape(dw), None if step else shape(de), shape(dv), shape(dg), shape(dbeta), ds0, None,
+                None, None, None)
 
 
 def chunk_delta_rule_triton(q, w, e, v, g, beta, *, scale: float, state: torch.Tensor,
-                            cu_seqlens: torch.Tensor | None = None):
+                            cu_seqlens: torch.Tensor | None = None, step_eps: float | None = None):
     """The rule of the module docstring on GPU tensors (or under TRITON_INTERPRET).
 
     Args:
@@ -465,14 +541,19 @@ def chunk_delta_rule_triton(q, w, e, v, g, beta, *, scale: float, state: torch.T
         g (log γ <= 0), beta: [B, T, H], any float dtype.
         state: [N, H, K, V] initial states (N = B, or the number of packed sequences).
         cu_seqlens: [N + 1] offsets of packed sequences (B = 1).
+        step_eps: the Kaczmarz rule: w and e are one tensor k, ``beta`` is η and the step is
+            η/(‖k‖² + step_eps) (0 where that denominator is 0), computed in the kernels; gradients reach k
+            (on w) and η.
     Returns:
         o [B, T, H, V] in v's dtype, final state [N, H, K, V] in fp32 (fp64 for fp64 inputs).
     """
+    if step_eps is not None and w is not e:
+        raise ValueError("chunk_delta_rule_triton: step_eps needs the write and erase keys to be one tensor")
     B, T = q.shape[:2]
     if cu_seqlens is None:
         cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
     else:
         cu = cu_seqlens.to(torch.int32)
     acc = compute_dtype(q)
-    return ChunkDeltaRuleFunction.apply(q, w, e, v, g.to(acc), beta.to(acc), state.to(acc), cu, cu_seqlens is not None,
-                                        scale)
+    return ChunkDeltaRuleFunction.apply(q, w, e, v, g.to(acc), beta if step_eps is not None else beta.to(acc),
+                                        state.to(acc), cu, cu_seqlens is not None, scale, step_eps)

@@ -49,17 +49,18 @@ def kaczmarz_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     n_seq = check_cu_seqlens(_OP, cu_seqlens, B, T, q.device)
     fn = resolve_impl(_OP, impl, q.device, _IMPLS)
     dt = compute_dtype(q)
-    if initial_state is None:
-        initial_state = q.new_zeros(n_seq, H, K, V, dtype=dt)
-    else:
+    if initial_state is not None:
         check_tensor(_OP, "initial_state", initial_state, (n_seq, H, K, V), "[B, H, K, V] (B = number of sequences)")
         check_same(_OP, "q", q, {"initial_state": initial_state}, dtype=False)
+        initial_state = initial_state.to(dt)
     scale = K ** -0.5 if scale is None else scale
     if fn is kaczmarz_fused:    # the kernels take the activations in their dtype and pack sequences themselves
-        o, S = fn(q, k, v, g, eta, state=initial_state.to(dt), eps=eps, scale=scale, cu_seqlens=cu_seqlens)
+        o, S = fn(q, k, v, g, eta, state=initial_state, eps=eps, scale=scale, cu_seqlens=cu_seqlens)
         finish()
-        return o.to(q.dtype), (S if output_final_state else None)
-    (o,), (S,) = run_packed(fn, cu_seqlens, [x.to(dt) for x in (q, k, v, g, eta)], (initial_state.to(dt),),
+        return o, (S if output_final_state else None)
+    if initial_state is None:
+        initial_state = q.new_zeros(n_seq, H, K, V, dtype=dt)
+    (o,), (S,) = run_packed(fn, cu_seqlens, [x.to(dt) for x in (q, k, v, g, eta)], (initial_state,),
                             eps=eps, scale=scale)
     finish()
     return o.to(q.dtype), (S if output_final_state else None)
