@@ -85,8 +85,9 @@ def kernel_breakdown(q, w, v, g, beta, s0, do, K):
     BK, BV, kw = dt._launch(q.dtype, K, V)
     NC, N = chunks.shape[0], B
     sc = K ** -0.5
-    o, sT, h, U, Gc, Tm, wt = dt._forward(qf, wf, wf, vf, gf, bf, s0, cu, coff, chunks, sc)
-    ut = torch.empty_like(U)
+    Gc, Tm, wt, ut = dt._prep(wf, wf, vf, gf, bf, chunks)
+    h, U, sT = dt._states(wf, wt, ut, Gc, s0, cu, coff, NC)
+    o = torch.empty_like(U)
     dof = do.reshape(B * T, H, V).contiguous()
     dU, dh, ds0 = torch.empty_like(U), torch.empty_like(h), torch.empty_like(s0)
     dq, dw, de, dv, dg, db = (torch.empty_like(x) for x in (qf, wf, wf, vf, gf, bf))
@@ -97,12 +98,14 @@ def kernel_breakdown(q, w, v, g, beta, s0, do, K):
         "states": lambda: dt._states_kernel[(nv, N * H)](wf, wt, ut, Gc, s0, cu, coff, h, U, sT, H, K, V,
                                                          **kw["states"]),
         "output": lambda: dt._output_kernel[(NC, H, nv)](qf, wf, U, Gc, h, chunks, o, sc, H, K, V, **kw["output"]),
+        "dv_local": lambda: dt._dv_local_kernel[(NC, H, nv)](qf, wf, Gc, dof, chunks, dU, sc, H, K, V,
+                                                             **kw["dv_local"]),
         "dstates": lambda: dt._dstates_kernel[(nv, N * H)](qf, wf, wt, Gc, dof, s0, cu, coff, dU, dh, ds0, sc, H, K,
                                                            V, HAS_DST=False, **kw["dstates"]),
         "grads_qw": lambda: dt._grads_qw_kernel[(NC, H)](qf, wf, gf, bf, chunks, h, dh, U, dU, dof, dq, dw32, dwt,
                                                          dG, sc, H, K, V, **kw["grads_qw"]),
         "grads_wy": lambda: dt._grads_wy_kernel[(NC, H)](wf, wf, vf, gf, bf, chunks, Tm, dU, dwt, dG, dw32, dw, de, dv,
-                                                         dg, db, H, K, V, **kw["grads_wy"]),
+                                                         dg, db, 0., H, K, V, STEP=False, **kw["grads_wy"]),
     }
     print("    per kernel:", "  ".join(f"{k} {do_bench(f):.3f}" for k, f in runs.items()))
 

@@ -15,15 +15,19 @@ for s ≤ t (0 above the diagonal):
 The backward runs the adjoint of these equations (README of kalmix/ops/kaczmarz, "Chunked kernels"): the
 chunk-end state gradients dS_C go backwards over chunks with dU = scale·Pᵀ dO + diag(e^{G_C−G}) W dS_C and
 dS_0 = scale·Qᵀ diag(e^G) dO + e^{G_C} dS_C − W̃ᵀ dU, and every chunk then differentiates its own equations,
-through T by dA = −(Tᵀ dŨ) Ũᵀ − (Tᵀ dW̃) W̃ᵀ. Chunk-start states are recomputed, never stored by the forward.
+through T by dA = −(Tᵀ dŨ) Ũᵀ − (Tᵀ dW̃) W̃ᵀ. Chunk-start states are recomputed, never stored by the forward;
+T, W̃ and Ũ are (T in the activations' dtype: it only ever feeds tensor-core products).
 
 Kernels (every tensor laid out [tokens, H, *] with packed sequences; a chunk never crosses a sequence):
-    _prep_kernel      per (chunk, head): G, T, W̃, Ũ
+    _step_kernel      per row block: the Kaczmarz step β = η/(‖k‖² + eps) (``step_eps``), and its backward
+    _prep_kernel      per (chunk, head): G, T, W̃, Ũ (kept by the forward for the backward)
     _states_kernel    per (sequence, head, V block), forward over chunks: chunk-start states h, U, final state
     _output_kernel    per (chunk, head, V block): O
-    _dstates_kernel   per (sequence, head, V block), backward over chunks: dU, dS_C per chunk, dS of the start
+    _dv_local_kernel  per (chunk, head, V block): dU's term from the chunk's own outputs, scale·Pᵀ dO
+    _dstates_kernel   per (sequence, head, V block), backward over chunks: the rest of dU, dS_C per chunk, dS_0
     _grads_qw_kernel  per (chunk, head): dq, dw and dg's terms from o and S_C, dW̃
     _grads_wy_kernel  per (chunk, head): through T, W̃, Ũ: dv, de, dβ, the rest of dw, dg
+The backward recomputes the states (one pass over the chunks) but not the chunk systems.
 """
 from __future__ import annotations
 
@@ -38,9 +42,11 @@ from kalmix.ops.common.checks import compute_dtype
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 CHUNK = 64
 # per operand width (16-bit activations, or fp32/fp64): the V block, the pipeline depth and each kernel's warps
-# (fp32 operands need twice the shared memory; the backward's per-chunk kernels hold three [C, K] fp32 accumulators)
-CONFIGS = {16: dict(BV=64, stages=2, prep=4, states=4, output=4, dstates=8, grads_qw=8, grads_wy=8),
-           32: dict(BV=32, stages=1, prep=8, states=8, output=8, dstates=8, grads_qw=8, grads_wy=8)}
+# (fp32 operands need twice the shared memory; the backward's per-chunk kernels hold three [C, K] fp32 accumulators).
+# 16-bit, H200 (benchmarks/delta_triton.py, 32K tokens, K = V = 128): grads_wy 0.565 ms at 8 warps, 0.338 at 4;
+# grads_qw 0.476 at 8, 0.907 at 4; dstates 0.318 at 8, 0.364 at 4; stages=3 slowed dstates and grads_qw 2-3x
+CONFIGS = {16: dict(BV=64, stages=2, prep=4, states=4, output=4, dv_local=4, dstates=8, grads_qw=8, grads_wy=4),
+           32: dict(BV=32, stages=1, prep=8, states=8, output=8, dv_local=4, dstates=8, grads_qw=8, grads_wy=8)}
 DOT_FP32 = tl.constexpr("ieee" if INTERPRET else "tf32x3")   # fp32 inputs: products accurate to ~fp32
 
 
@@ -308,9 +314,27 @@ def _output_kernel(q_ptr, w_ptr, u_ptr, Gc_ptr, h_ptr, chunks_ptr, o_ptr, scale,
 
 
 @triton.jit
+def _dv_local_kernel(q_ptr, w_ptr, Gc_ptr, do_ptr, chunks_ptr, du_ptr, scale, H, K, V,
+                     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr):
+    """Per (chunk, head, V block): dU's term from the chunk's own outputs, scale·Pᵀ dO with P = (Q Wᵀ) ⊙ D
+    (_dstates_kernel adds the term from the later chunks)."""
+    i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    v0 = i_v * BV
+    bos, L, rows, cols, valid = _chunk_rows(chunks_ptr, i_c, C)
+    G, _ = _chunk_gate(Gc_ptr, bos, L, i_h, H, valid, C)
+    Q = _load_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C)
+    W = _load_rows(w_ptr, bos, L, i_h, H, K, 0, BK, C)
+    Pt = _dot(W, tl.trans(Q), DT) * tl.trans(_decay(G, rows, cols, False))
+    dO = _load_rows(do_ptr, bos, L, i_h, H, V, v0, BV, C)
+    _store_rows(du_ptr, scale * _dot(Pt, dO, DT), bos, L, i_h, H, V, v0, BV, C)
+
+
+@triton.jit
 def _dstates_kernel(q_ptr, w_ptr, wt_ptr, Gc_ptr, do_ptr, dsT_ptr, cu_ptr, coff_ptr, du_ptr, dh_ptr, ds0_ptr,
                     scale, H, K, V, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
                     HAS_DST: tl.constexpr):
+    """Per (sequence, head, V block), backward over chunks: dS_C of every chunk, and dU = (the local term that
+    _dv_local_kernel left in du) + diag(e^{G_C − G}) W dS_C, in place."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     v0 = i_v * BV
@@ -319,19 +343,16 @@ def _dstates_kernel(q_ptr, w_ptr, wt_ptr, Gc_ptr, do_ptr, dsT_ptr, cu_ptr, coff_
         dS = _load_state(dsT_ptr, i_nh.to(tl.int64) * K * V, K, V, v0, BK, BV)
     else:
         dS = tl.zeros([BK, BV], dtype=Gc_ptr.dtype.element_ty)
-    r = tl.arange(0, C)
-    rows, cols = r[:, None], r[None, :]
     for jj in range(0, n_c):
         j = n_c - 1 - jj
         t0, L, valid = _chunk_at(bos, eos, j, C)
         _store_state(dh_ptr, ((c0 + j).to(tl.int64) * H + i_h) * K * V, dS, K, V, v0, BK, BV)
         G, G_end = _chunk_gate(Gc_ptr, t0, L, i_h, H, valid, C)
-        Q = _load_rows(q_ptr, t0, L, i_h, H, K, 0, BK, C)
         W = _load_rows(w_ptr, t0, L, i_h, H, K, 0, BK, C)
-        dO = _load_rows(do_ptr, t0, L, i_h, H, V, v0, BV, C)
-        Pt = _dot(W, tl.trans(Q), DT) * tl.trans(_decay(G, rows, cols, False))
-        dU = scale * _dot(Pt, dO, DT) + _dot(W * tl.exp(G_end - G)[:, None], dS, DT)
+        dU = _load_rows(du_ptr, t0, L, i_h, H, V, v0, BV, C) + _dot(W * tl.exp(G_end - G)[:, None], dS, DT)
         _store_rows(du_ptr, dU, t0, L, i_h, H, V, v0, BV, C)
+        Q = _load_rows(q_ptr, t0, L, i_h, H, K, 0, BK, C)
+        dO = _load_rows(do_ptr, t0, L, i_h, H, V, v0, BV, C)
         Wt = _load_rows(wt_ptr, t0, L, i_h, H, K, 0, BK, C)
         dS = (scale * _dot(tl.trans(Q * tl.exp(G)[:, None]), dO, DT) + tl.exp(G_end) * dS
               - _dot(tl.trans(Wt), dU, DT))
@@ -467,25 +488,40 @@ def _launch(dtype: torch.dtype, K: int, V: int):
 _DT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32, torch.float64: tl.float64}
 
 
-def _forward(q, w, e, v, g, beta, s0, cu, coff, chunks, scale, need_o=True):
-    """Chunk-start states h [NC, H, K, V], T, pseudo-values U, G, W̃, final state and (need_o) the output. The
-    tensor-core operands (W̃, Ũ, U, h) are kept in the activations' dtype, T and G in fp32."""
-    Ttot, H, K = q.shape
+def _prep(w, e, v, g, beta, chunks):
+    """Per chunk: G [tokens, H] (fp32), T [tokens, H, C] and the WY factors W̃, Ũ (the activations' dtype: the
+    tensor-core operands they feed are)."""
+    Ttot, H, K = w.shape
     V = v.shape[-1]
-    BK, BV, kw = _launch(q.dtype, K, V)
-    NC, N = chunks.shape[0], cu.numel() - 1
-    f32, act = dict(dtype=compute_dtype(q), device=q.device), dict(dtype=q.dtype, device=q.device)
-    Gc, Tm = torch.empty(Ttot, H, **f32), torch.empty(Ttot, H, CHUNK, **f32)
-    wt, ut = torch.empty(Ttot, H, K, **act), torch.empty(Ttot, H, V, **act)
-    _prep_kernel[(NC, H)](w, e, v, g, beta, chunks, Gc, Tm, wt, ut, H, K, V, **kw["prep"])
-    h, U = torch.empty(NC, H, K, V, **act), torch.empty(Ttot, H, V, **act)
-    sT = torch.empty(N, H, K, V, **f32)
+    _, _, kw = _launch(w.dtype, K, V)
+    act = dict(dtype=w.dtype, device=w.device)
+    Gc = torch.empty(Ttot, H, dtype=compute_dtype(w), device=w.device)
+    Tm, wt, ut = torch.empty(Ttot, H, CHUNK, **act), torch.empty(Ttot, H, K, **act), torch.empty(Ttot, H, V, **act)
+    _prep_kernel[(chunks.shape[0], H)](w, e, v, g, beta, chunks, Gc, Tm, wt, ut, H, K, V, **kw["prep"])
+    return Gc, Tm, wt, ut
+
+
+def _states(w, wt, ut, Gc, s0, cu, coff, n_chunks):
+    """Chunk-start states h [NC, H, K, V] and pseudo-values U (the activations' dtype), final state (fp32)."""
+    Ttot, H, K = w.shape
+    V = ut.shape[-1]
+    _, BV, kw = _launch(w.dtype, K, V)
+    N = cu.numel() - 1
+    act = dict(dtype=w.dtype, device=w.device)
+    h, U = torch.empty(n_chunks, H, K, V, **act), torch.empty(Ttot, H, V, **act)
+    sT = torch.empty(N, H, K, V, dtype=compute_dtype(w), device=w.device)
     _states_kernel[(triton.cdiv(V, BV), N * H)](w, wt, ut, Gc, s0, cu, coff, h, U, sT, H, K, V, **kw["states"])
-    o = None
-    if need_o:
-        o = torch.empty_like(v)
-        _output_kernel[(NC, H, triton.cdiv(V, BV))](q, w, U, Gc, h, chunks, o, scale, H, K, V, **kw["output"])
-    return o, sT, h, U, Gc, Tm, wt
+    return h, U, sT
+
+
+def _output(q, w, U, Gc, h, chunks, scale):
+    Ttot, H, K = q.shape
+    V = U.shape[-1]
+    _, BV, kw = _launch(q.dtype, K, V)
+    o = torch.empty_like(U)
+    _output_kernel[(chunks.shape[0], H, triton.cdiv(V, BV))](q, w, U, Gc, h, chunks, o, scale, H, K, V,
+                                                             **kw["output"])
+    return o
 
 
 class ChunkDeltaRuleFunction(torch.autograd.Function):
@@ -499,21 +535,26 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
             _step_launch(flat[1], eta, None, flat[5], None, step_eps, backward=False)
         coff, chunks = _chunk_table(cu, B, T, CHUNK, packed)
         s0 = s0.contiguous()
-        o, sT, *_ = _forward(*flat, s0, cu, coff, chunks, scale)
-        ctx.save_for_backward(*flat, s0, cu, coff, chunks)
+        Gc, Tm, wt, ut = _prep(*flat[1:], chunks)
+        h, U, sT = _states(flat[1], wt, ut, Gc, s0, cu, coff, chunks.shape[0])
+        o = _output(flat[0], flat[1], U, Gc, h, chunks, scale)
+        # the backward reuses the chunk systems (their solve is the forward's costliest kernel) and recomputes
+        # only the states
+        ctx.save_for_backward(*flat, s0, cu, coff, chunks, Gc, Tm, wt, ut)
         ctx.scale, ctx.shape, ctx.step_eps = scale, (B, T, H, K, V), step_eps
         ctx.set_materialize_grads(False)
         return o.view(B, T, H, V), sT
 
     @staticmethod
     def backward(ctx, do, dsT):
-        q, w, e, v, g, beta, s0, cu, coff, chunks = ctx.saved_tensors
+        q, w, e, v, g, beta, s0, cu, coff, chunks, Gc, Tm, wt, ut = ctx.saved_tensors
         B, T, H, K, V = ctx.shape
         BK, BV, kw = _launch(q.dtype, K, V)
         NC, N = chunks.shape[0], cu.numel() - 1
-        _, _, h, U, Gc, Tm, wt = _forward(q, w, e, v, g, beta, s0, cu, coff, chunks, ctx.scale, need_o=False)
+        h, U, _ = _states(w, wt, ut, Gc, s0, cu, coff, NC)
         do = torch.zeros_like(v) if do is None else do.reshape(B * T, H, V).contiguous()
         dU, dh, ds0 = torch.empty_like(U), torch.empty_like(h), torch.empty_like(s0)
+        _dv_local_kernel[(NC, H, triton.cdiv(V, BV))](q, w, Gc, do, chunks, dU, ctx.scale, H, K, V, **kw["dv_local"])
         _dstates_kernel[(triton.cdiv(V, BV), N * H)](
             q, w, wt, Gc, do, s0 if dsT is None else dsT.contiguous(), cu, coff, dU, dh, ds0, ctx.scale, H, K, V,
             HAS_DST=dsT is not None, **kw["dstates"])
