@@ -163,6 +163,15 @@ def test_value_errors_on_cuda(dev):
     q, k, v, g, eta = (x.to(dev) for x in CASES["kaczmarz"].inputs(2, 40, 2, 16, 16, torch.float32, gen))
     with pytest.raises(ValueError, match=r"`g` must lie in"):
         ops.kaczmarz_attention(q, k, v, -g + 0.1, eta)
+    # Kaczmarz checks in its step kernel, with either engine (fla's without gradients, kalmix's with them here)
+    nan_eta = eta.clone().index_fill_(1, torch.tensor([39], device=dev), float("nan"))
+    for grad in (False, True):
+        leaves = [x.detach().requires_grad_(grad) for x in (q, k, v)]
+        with pytest.raises(ValueError, match=r"`eta` contains NaN"):
+            ops.kaczmarz_attention(*leaves, g, nan_eta)
+        with pytest.raises(ValueError, match=r"`eta` must lie in \(0.0, 1.0\]"):
+            ops.kaczmarz_attention(*leaves, g, eta + 1.0)
+        assert torch.isfinite(ops.kaczmarz_attention(*leaves, g, eta)[0]).all()
     q, k, v, g, beta, alpha = (x.to(dev) for x in CASES["gka"].inputs(2, 40, 2, 16, 16, torch.float32, gen))
     with pytest.raises(ValueError, match=r"`beta` must lie in \[0.0, inf\)"):
         ops.gated_kalmanet(q, k, v, g, -beta, alpha)

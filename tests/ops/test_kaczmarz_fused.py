@@ -57,7 +57,7 @@ def test_both_engines_match_the_loop(monkeypatch, engine, packed):
 
     def fused_fn(xs):
         xs = [x.float() for x in xs]
-        return fused.kaczmarz_fused(*xs[:5], state=xs[5], eps=eps, scale=scale, cu_seqlens=cu)
+        return fused.kaczmarz_fused(*xs[:5], state=xs[5], eps=eps, scale=scale, cu_seqlens=cu)[:2]
 
     def ref_fn(xs):
         return ops.kaczmarz_attention(*xs[:5], initial_state=xs[5], eps=eps, scale=scale, cu_seqlens=cu,
@@ -134,3 +134,27 @@ def test_step_kernel_and_its_gradient_match_torch(dtype):
     tol = 1e-12 if dtype == torch.float64 else 1e-2
     for name, x, r in zip(["beta", "dk", "deta"], got, ref):
         assert_close(name, x.detach(), r.detach(), tol)
+
+
+@pytest.mark.parametrize("engine", ["fla", "kalmix"])
+def test_the_step_pass_checks_the_values_like_the_other_impls(monkeypatch, engine):
+    """impl="triton" checks g and eta in the pass that computes the step: the same errors as check_ranges,
+    across several programs (the bad value sits in the last row), NaN included; check_values=False skips it."""
+    monkeypatch.setattr(fused, "_fla_gdn", _gdn_stand_in)
+    monkeypatch.setattr(fused, "engine", lambda device, dtype, needs_grad: engine)
+    args, _ = _draw(37, seed=6)
+    q, k, v, g, eta = (a.float() for a in args)
+    bad = {"g > 0": ("g", g.clone().index_put_((torch.tensor(1), torch.tensor(36), torch.tensor(1)),
+                                                torch.tensor(0.5)), r"`g` must lie in \[-inf, 0.0\]"),
+           "eta = 0": ("eta", eta.clone().index_put_((torch.tensor(1), torch.tensor(36), torch.tensor(1)),
+                                                      torch.tensor(0.)), r"`eta` must lie in \(0.0, 1.0\]"),
+           "eta > 1": ("eta", eta * 1.5 + 0.5, r"`eta` must lie in \(0.0, 1.0\]"),
+           "NaN g": ("g", g.clone().index_put_((torch.tensor(1), torch.tensor(36), torch.tensor(1)),
+                                               torch.tensor(float("nan"))), r"`g` contains NaN")}
+    for name, (which, x, msg) in bad.items():
+        gates = {"g": g, "eta": eta, which: x}
+        with pytest.raises(ValueError, match=msg):
+            ops.kaczmarz_attention(q, k, v, gates["g"], gates["eta"], impl="triton")
+        o, _ = ops.kaczmarz_attention(q, k, v, gates["g"], gates["eta"], impl="triton", check_values=False)
+        assert o.shape == v.shape, name
+    ops.kaczmarz_attention(q, k, v, g, eta, impl="triton")             # in range: no error

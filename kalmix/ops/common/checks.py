@@ -68,26 +68,45 @@ class Range(NamedTuple):
 def check_ranges(op: str, ranges: Sequence[Range]) -> Callable[[], None]:
     """Check that every ``Range`` holds; returns ``finish()``, which raises with the offending min/max.
 
-    One min/max pass per tensor and one read back to the host for all of them. On CPU the check is done before
-    this returns. On CUDA the min/max are copied to pinned memory behind an event: the op enqueues its kernels
-    and then calls ``finish()``, so the host waits for the check alone while the GPU still has the op's work
-    queued (reading them back up front drained the queue and left the GPU idle while the host launched the op).
-    An op must call ``finish()`` before it returns its outputs."""
+    One min/max pass per tensor and one read back to the host for all of them (``defer_check``). An op must call
+    ``finish()`` before it returns its outputs."""
     ranges = [r for r in ranges if r.x.numel()]
     if not ranges:
         return no_check
-    ext = torch.stack([torch.stack(torch.aminmax(r.x.detach())).double() for r in ranges])
+    return defer_check(op, ranges, torch.stack([v for r in ranges for v in torch.aminmax(r.x.detach())]))
+
+
+def extrema_buffer(n: int, device: torch.device) -> torch.Tensor:
+    """A fresh [n, 3] fp32 buffer of rows (+inf, −inf, 0) for a kernel that folds the min, max and NaN count of
+    n tensors into it (the layout ``defer_check`` reads)."""
+    init = _EXTREMA.get((n, device))
+    if init is None:
+        init = _EXTREMA[(n, device)] = torch.tensor([[math.inf, -math.inf, 0.]] * n, device=device)
+    return init.clone()
+
+
+_EXTREMA: dict = {}
+
+
+def defer_check(op: str, ranges: Sequence[Range], ext: torch.Tensor) -> Callable[[], None]:
+    """``finish()`` for ``ranges`` from their extremes ``ext`` (flat min, max per range, NaN propagated, or
+    [n, 3] rows of min, max and NaN count), computed on the device by kernels already queued.
+
+    On CPU it checks now. On CUDA the extremes are copied to pinned memory behind an event: the op enqueues its
+    kernels and then calls ``finish()``, so the host waits for the check alone while the GPU still has the op's
+    work queued (reading them back up front drained the queue and left the GPU idle while the host launched the
+    op)."""
     if ext.is_cuda:
-        host = torch.empty(ext.shape, dtype=ext.dtype, pin_memory=True)
+        host = torch.empty(ext.shape, dtype=torch.float64, pin_memory=True)
         host.copy_(ext, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
 
         def finish():
             ready.synchronize()
-            _raise_outside(op, ranges, host.tolist())
+            _raise_outside(op, ranges, host.view(len(ranges), -1).tolist())
         return finish
-    _raise_outside(op, ranges, ext.tolist())
+    _raise_outside(op, ranges, ext.double().view(len(ranges), -1).tolist())
     return no_check
 
 
@@ -96,8 +115,8 @@ def no_check() -> None:
 
 
 def _raise_outside(op: str, ranges: Sequence[Range], ext: list) -> None:
-    for r, (mn, mx) in zip(ranges, ext):
-        if math.isnan(mn) or math.isnan(mx):
+    for r, (mn, mx, *n_nan) in zip(ranges, ext):
+        if math.isnan(mn) or math.isnan(mx) or (n_nan and n_nan[0] > 0):
             fail(op, f"`{r.name}` contains NaN")
         if (r.lo is not None and (mn <= r.lo if r.lo_open else mn < r.lo)) or (
                 r.hi is not None and (mx >= r.hi if r.hi_open else mx > r.hi)):

@@ -146,49 +146,71 @@ def _inv_sq_norm(k, eps):
 
 
 @triton.jit
-def _step_kernel(k_ptr, eta_ptr, dbeta_ptr, out_ptr, dk_ptr, n_rows, eps, K, R: tl.constexpr, BK: tl.constexpr,
-                 BACKWARD: tl.constexpr):
-    """Rows of R (token, head) pairs. Forward: β = η c², c² = 1/(‖k‖² + eps). BACKWARD: from dβ, dη = c² dβ
-    and dk = −2 η c⁴ dβ k."""
+def _fold_extrema(ext_ptr, x, m):
+    """Fold the min, max and NaN count of x (where m) into the row (min, max, count) at ext_ptr."""
+    tl.atomic_min(ext_ptr, tl.min(tl.where(m, x, float("inf")), axis=0))
+    tl.atomic_max(ext_ptr + 1, tl.max(tl.where(m, x, -float("inf")), axis=0))
+    tl.atomic_add(ext_ptr + 2, tl.sum((m & (x != x)).to(tl.float32), axis=0))
+
+
+@triton.jit
+def _step_kernel(k_ptr, eta_ptr, g_ptr, ext_ptr, dbeta_ptr, out_ptr, dk_ptr, n_rows, eps, K, R: tl.constexpr,
+                 BK: tl.constexpr, BACKWARD: tl.constexpr, CHECK: tl.constexpr):
+    """Rows of R (token, head) pairs. Forward: β = η c², c² = 1/(‖k‖² + eps); CHECK also folds g's and η's
+    min, max and NaN count into the [2, 3] ``ext`` (checks.defer_check's layout). BACKWARD: from dβ,
+    dη = c² dβ and dk = −2 η c⁴ dβ k."""
     r = tl.program_id(0) * R + tl.arange(0, R)
     d = tl.arange(0, BK)[None, :]
     m = r < n_rows
     off, mk = r[:, None].to(tl.int64) * K + d, m[:, None] & (d < K)
     k = _acc(tl.load(k_ptr + off, mask=mk, other=0.))
     c2 = _inv_sq_norm(k, eps)
+    eta = _acc(tl.load(eta_ptr + r, mask=m, other=0.))
     if BACKWARD:
         dbeta = _acc(tl.load(dbeta_ptr + r, mask=m, other=0.))
-        eta = _acc(tl.load(eta_ptr + r, mask=m, other=0.))
         tl.store(out_ptr + r, (c2 * dbeta).to(out_ptr.dtype.element_ty), mask=m)
         dk = (-2. * eta * c2 * c2 * dbeta)[:, None] * k
         tl.store(dk_ptr + off, dk.to(dk_ptr.dtype.element_ty), mask=mk)
     else:
-        eta = _acc(tl.load(eta_ptr + r, mask=m, other=0.))
         tl.store(out_ptr + r, eta * c2, mask=m)
+        if CHECK:
+            _fold_extrema(ext_ptr, tl.load(g_ptr + r, mask=m, other=0.).to(tl.float32), m)
+            _fold_extrema(ext_ptr + 3, eta.to(tl.float32), m)
 
 
 _STEP_ROWS = 16
 
 
-def _step_launch(k, eta, dbeta, out, dk, eps, backward):
+def _step_launch(k, eta, dbeta, out, dk, eps, backward, g=None, ext=None):
     K = k.shape[-1]
     n = eta.numel()
-    _step_kernel[(triton.cdiv(n, _STEP_ROWS),)](k, eta, dbeta, out, dk, n, eps, K, R=_STEP_ROWS,
-                                                BK=triton.next_power_of_2(K), BACKWARD=backward)
+    _step_kernel[(triton.cdiv(n, _STEP_ROWS),)](k, eta, g, ext, dbeta, out, dk, n, eps, K, R=_STEP_ROWS,
+                                                BK=triton.next_power_of_2(K), BACKWARD=backward,
+                                                CHECK=ext is not None)
 
 
-def kaczmarz_step(k: torch.Tensor, eta: torch.Tensor, eps: float) -> torch.Tensor:
+def kaczmarz_step(k: torch.Tensor, eta: torch.Tensor, eps: float, g: torch.Tensor | None = None,
+                  ext: torch.Tensor | None = None) -> torch.Tensor:
     """β = η/(‖k‖² + eps) (0 where ‖k‖² + eps = 0) for k [..., K] and eta [...], in fp32 (fp64 for fp64 k): the
-    Kaczmarz step that turns the delta rule on raw keys into the projection. One pass over k; differentiable."""
-    return _KaczmarzStep.apply(k, eta, float(eps))
+    Kaczmarz step that turns the delta rule on raw keys into the projection. One pass over k; differentiable.
+    With ``ext`` (``checks.extrema_buffer(2, ...)``) the same pass folds the min, max and NaN count of g (like
+    eta) and eta into it, for the op's value check."""
+    if ext is not None:
+        g = g.contiguous()
+    if torch.is_grad_enabled() and (k.requires_grad or eta.requires_grad):
+        return _KaczmarzStep.apply(k, eta, float(eps), g, ext)
+    k, eta = k.contiguous(), eta.contiguous()
+    beta = torch.empty(eta.shape, dtype=compute_dtype(k), device=k.device)
+    _step_launch(k, eta, None, beta, None, float(eps), False, g, ext)
+    return beta
 
 
 class _KaczmarzStep(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, k, eta, eps):
+    def forward(ctx, k, eta, eps, g, ext):
         k, eta = k.contiguous(), eta.contiguous()
         beta = torch.empty(eta.shape, dtype=compute_dtype(k), device=k.device)
-        _step_launch(k, eta, None, beta, None, eps, backward=False)
+        _step_launch(k, eta, None, beta, None, eps, False, g, ext)
         ctx.save_for_backward(k, eta)
         ctx.eps = eps
         return beta
@@ -197,8 +219,8 @@ class _KaczmarzStep(torch.autograd.Function):
     def backward(ctx, dbeta):
         k, eta = ctx.saved_tensors
         dk, deta = torch.empty_like(k), torch.empty_like(eta)
-        _step_launch(k, eta, dbeta.contiguous(), deta, dk, ctx.eps, backward=True)
-        return dk, deta, None
+        _step_launch(k, eta, dbeta.contiguous(), deta, dk, ctx.eps, True)
+        return dk, deta, None, None, None
 
 
 @triton.jit
@@ -526,13 +548,16 @@ def _output(q, w, U, Gc, h, chunks, scale):
 
 class ChunkDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, w, e, v, g, beta, s0, cu, packed, scale, step_eps):
+    def forward(ctx, q, w, e, v, g, beta, s0, cu, packed, scale, step_eps, step):
         B, T, H, K = q.shape
         V = v.shape[-1]
         flat = [x.reshape(B * T, *x.shape[2:]).contiguous() for x in (q, w, e, v, g, beta)]
         if step_eps is not None:                # beta is η; the kernels take the step η/(‖k‖² + eps)
-            eta, flat[5] = flat[5], torch.empty_like(flat[5], dtype=compute_dtype(q))
-            _step_launch(flat[1], eta, None, flat[5], None, step_eps, backward=False)
+            if step is None:
+                eta, flat[5] = flat[5], torch.empty_like(flat[5], dtype=compute_dtype(q))
+                _step_launch(flat[1], eta, None, flat[5], None, step_eps, backward=False)
+            else:
+                flat[5] = step.reshape(B * T, *step.shape[2:]).contiguous()
         coff, chunks = _chunk_table(cu, B, T, CHUNK, packed)
         s0 = s0.contiguous()
         Gc, Tm, wt, ut = _prep(*flat[1:], chunks)
@@ -570,11 +595,12 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
                                   0. if ctx.step_eps is None else ctx.step_eps, H, K, V, STEP=step, **kw["grads_wy"])
         shape = lambda x: x.view(B, T, *x.shape[1:])  # noqa: E731
         return (shape(dq), shape(dw), None if step else shape(de), shape(dv), shape(dg), shape(dbeta), ds0, None,
-                None, None, None)
+                None, None, None, None)
 
 
 def chunk_delta_rule_triton(q, w, e, v, g, beta, *, scale: float, state: torch.Tensor,
-                            cu_seqlens: torch.Tensor | None = None, step_eps: float | None = None):
+                            cu_seqlens: torch.Tensor | None = None, step_eps: float | None = None,
+                            step: torch.Tensor | None = None):
     """The rule of the module docstring on GPU tensors (or under TRITON_INTERPRET).
 
     Args:
@@ -585,6 +611,7 @@ def chunk_delta_rule_triton(q, w, e, v, g, beta, *, scale: float, state: torch.T
         step_eps: the Kaczmarz rule: w and e are one tensor k, ``beta`` is η and the step is
             η/(‖k‖² + step_eps) (0 where that denominator is 0), computed in the kernels; gradients reach k
             (on w) and η.
+        step: with ``step_eps``, that step [B, T, H] if the caller computed it already (``kaczmarz_step``).
     Returns:
         o [B, T, H, V] in v's dtype, final state [N, H, K, V] in fp32 (fp64 for fp64 inputs).
     """
@@ -597,4 +624,5 @@ def chunk_delta_rule_triton(q, w, e, v, g, beta, *, scale: float, state: torch.T
         cu = cu_seqlens.to(torch.int32)
     acc = compute_dtype(q)
     return ChunkDeltaRuleFunction.apply(q, w, e, v, g.to(acc), beta if step_eps is not None else beta.to(acc),
-                                        state.to(acc), cu, cu_seqlens is not None, scale, step_eps)
+                                        state.to(acc), cu, cu_seqlens is not None, scale, step_eps,
+                                        None if step is None else step.detach())

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import Sequence
 
 import torch
 import triton
 
+from kalmix.ops.common.checks import Range, defer_check, extrema_buffer, no_check
 from kalmix.ops.common.delta_triton import chunk_delta_rule_triton, kaczmarz_step
 
 _OP = "kaczmarz_attention"
@@ -63,19 +65,27 @@ def announce(dtype: torch.dtype) -> None:
         _told = True
 
 
-def kaczmarz_fused(q, k, v, g, eta, *, state, eps, scale, cu_seqlens=None):
+def kaczmarz_fused(q, k, v, g, eta, *, state, eps, scale, cu_seqlens=None, check: Sequence[Range] = ()):
     """Kaczmarz attention on fla's or kalmix's chunk kernels (module docstring). q, k [B, T, H, K],
     v [B, T, H, V] of one dtype; g, eta [B, T, H]; ``state`` [N, H, K, V] fp32 (fp64 for fp64 inputs) or None
-    (zeros); packed sequences are handed to the kernels. Returns o [B, T, H, V] (q's dtype) and the final state
-    [N, H, K, V]."""
+    (zeros); packed sequences are handed to the kernels. ``check``: the op's ranges of g and eta, checked by
+    the pass that computes the step. Returns o [B, T, H, V] (q's dtype), the final state [N, H, K, V] and the
+    check's ``finish()`` (checks.defer_check), to call before the outputs are used."""
     needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, eta, state))
+    ext = extrema_buffer(2, q.device) if check else None
     if engine(q.device, q.dtype, needs_grad) == "fla":
-        return _fla_gdn(q, k, v, g, kaczmarz_step(k, eta, eps), scale=scale, state=state, cu_seqlens=cu_seqlens)
+        beta = kaczmarz_step(k, eta, eps, g, ext)
+        finish = defer_check(_OP, check, ext) if check else no_check
+        return (*_fla_gdn(q, k, v, g, beta, scale=scale, state=state, cu_seqlens=cu_seqlens), finish)
     if q.device.type == "cuda":
         announce(q.dtype)
     if state is None:
         n = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
         state = q.new_zeros(n, q.shape[2], q.shape[3], v.shape[3], dtype=torch.float64 if q.dtype == torch.float64
                             else torch.float32)
-    return chunk_delta_rule_triton(q, k, k, v, g, eta, scale=scale, state=state, cu_seqlens=cu_seqlens,
-                                   step_eps=eps)
+    with torch.no_grad():                  # the kernels fold the step's gradient into dk and dη themselves
+        beta = kaczmarz_step(k, eta, eps, g, ext)
+    finish = defer_check(_OP, check, ext) if check else no_check
+    o, S = chunk_delta_rule_triton(q, k, k, v, g, eta, scale=scale, state=state, cu_seqlens=cu_seqlens,
+                                   step_eps=eps, step=beta)
+    return o, S, finish

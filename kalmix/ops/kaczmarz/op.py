@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from kalmix.ops.common.checks import (Range, check_cu_seqlens, check_gates, check_ranges, check_same, no_check,
-                                      check_tensor, compute_dtype, resolve_impl)
+from kalmix.ops.common.checks import (Range, check_cu_seqlens, check_gates, check_ranges, check_same, check_tensor,
+                                      compute_dtype, resolve_impl)
 from kalmix.ops.common.varlen import run_packed
 from kalmix.ops.kaczmarz.chunk import kaczmarz_chunk
 from kalmix.ops.kaczmarz.naive import kaczmarz_naive
@@ -42,12 +42,11 @@ def kaczmarz_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     check_tensor(_OP, "eta", eta, (B, T, H), "[B, T, H]")
     check_same(_OP, "q", q, {"k": k, "v": v})
     check_gates(_OP, q, {"g": g, "eta": eta})
-    finish = check_ranges(_OP, [Range("g", g, None, 0.0), Range("eta", eta, 0.0, 1.0, lo_open=True)]) \
-        if check_values else no_check                                    # raises once the kernels are queued
     if not eps >= 0:
         raise ValueError(f"{_OP}: `eps` must be >= 0, got {eps}")
     n_seq = check_cu_seqlens(_OP, cu_seqlens, B, T, q.device)
     fn = resolve_impl(_OP, impl, q.device, _IMPLS)
+    ranges = [Range("g", g, None, 0.0), Range("eta", eta, 0.0, 1.0, lo_open=True)] if check_values else []
     dt = compute_dtype(q)
     if initial_state is not None:
         check_tensor(_OP, "initial_state", initial_state, (n_seq, H, K, V), "[B, H, K, V] (B = number of sequences)")
@@ -55,9 +54,11 @@ def kaczmarz_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
         initial_state = initial_state.to(dt)
     scale = K ** -0.5 if scale is None else scale
     if fn is kaczmarz_fused:    # the kernels take the activations in their dtype and pack sequences themselves
-        o, S = fn(q, k, v, g, eta, state=initial_state, eps=eps, scale=scale, cu_seqlens=cu_seqlens)
+        o, S, finish = fn(q, k, v, g, eta, state=initial_state, eps=eps, scale=scale, cu_seqlens=cu_seqlens,
+                          check=ranges)                    # the step's pass checks the values
         finish()
         return o, (S if output_final_state else None)
+    finish = check_ranges(_OP, ranges)                     # raises once the kernels are queued
     if initial_state is None:
         initial_state = q.new_zeros(n_seq, H, K, V, dtype=dt)
     (o,), (S,) = run_packed(fn, cu_seqlens, [x.to(dt) for x in (q, k, v, g, eta)], (initial_state,),
