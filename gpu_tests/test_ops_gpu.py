@@ -51,6 +51,26 @@ def test_op_triton_against_fp64(name, dtype, varlen, dev):
     _check(f"{name} {str(dtype)[6:]} varlen={varlen}", out + grad, ref_out + ref_grad, TOL[dtype])
 
 
+@pytest.mark.parametrize("head", [16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["kaczmarz", "vla"])
+def test_delta_kernels_small_heads(name, dtype, head, dev):
+    """K = V = 16 or 32, T below one chunk and across two. With 16-wide tiles the kernels made illegal memory
+    accesses at 8 warps and returned garbage in bf16; small heads now run at most 4 warps and 16-bit tiles are
+    at least 32 wide."""
+    for T in (40, 130):
+        gen = torch.Generator().manual_seed(T)
+        args = [a.to(dtype if i < (4 if name == "vla" else 3) else torch.float32).double().to(dev)
+                for i, a in enumerate(CASES[name].inputs(2, T, 2, head, head, torch.float64, gen))]
+        state = CASES[name].state(2, 2, head, head, torch.float64, gen)
+        state = tuple(s.to(dev) for s in state) if isinstance(state, tuple) else state.to(dev)
+        low = [a.to(dtype) if i < (4 if name == "vla" else 3) else a.float() for i, a in enumerate(args)]
+        low_state = tuple(s.float() for s in state) if isinstance(state, tuple) else state.float()
+        ref_out, ref_grad = outputs_and_grads(CASES[name], args, state, "torch")
+        out, grad = outputs_and_grads(CASES[name], low, low_state, "triton")
+        _check(f"{name} {str(dtype)[6:]} K=V={head} T={T}", out + grad, ref_out + ref_grad, TOL[dtype])
+
+
 def test_kaczmarz_fla_engine_forward(dev):
     """fla's chunk_gated_delta_rule engine (forward only where fla refuses its backward) on the same check."""
     args, state, low, low_state, cu = _case_inputs("kaczmarz", dev, torch.float32, False)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kalmix import ops
+from kalmix.ops.common import delta_triton
 from kalmix.ops.common.delta import chunk_delta_rule
 from kalmix.ops.common.testing import CASES, assert_close, random_functional_grads
 from kalmix.ops.common.varlen import run_packed
@@ -114,9 +115,11 @@ def test_zero_key_without_eps_writes_nothing_and_has_finite_gradients():
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_step_kernel_and_its_gradient_match_torch(dtype):
+def test_step_kernel_and_its_gradient_match_torch(monkeypatch, dtype):
     """kaczmarz_step's kernels against autograd through η/(‖k‖² + eps), over rows that span several programs (a
-    zero key with eps > 0 included); 16-bit keys are squared and summed in fp32."""
+    zero key with eps > 0 included, each program striding over several row blocks); 16-bit keys are squared and
+    summed in fp32."""
+    monkeypatch.setattr(delta_triton, "_STEP_PROGRAMS", 2)
     gen = torch.Generator().manual_seed(7)
     k = torch.randn(3, 11, 2, 5, generator=gen, dtype=torch.float64).to(dtype)
     k[1, 4, 0] = 0.0
@@ -136,10 +139,13 @@ def test_step_kernel_and_its_gradient_match_torch(dtype):
         assert_close(name, x.detach(), r.detach(), tol)
 
 
+@pytest.mark.parametrize("programs", [2048, 3])
 @pytest.mark.parametrize("engine", ["fla", "kalmix"])
-def test_the_step_pass_checks_the_values_like_the_other_impls(monkeypatch, engine):
+def test_the_step_pass_checks_the_values_like_the_other_impls(monkeypatch, engine, programs):
     """impl="triton" checks g and eta in the pass that computes the step: the same errors as check_ranges,
-    across several programs (the bad value sits in the last row), NaN included; check_values=False skips it."""
+    across several programs (the bad value sits in the last row; with 3 programs each strides over several row
+    blocks), NaN included; check_values=False skips it."""
+    monkeypatch.setattr(delta_triton, "_STEP_PROGRAMS", programs)
     monkeypatch.setattr(fused, "_fla_gdn", _gdn_stand_in)
     monkeypatch.setattr(fused, "engine", lambda device, dtype, needs_grad: engine)
     args, _ = _draw(37, seed=6)

@@ -146,47 +146,54 @@ def _inv_sq_norm(k, eps):
 
 
 @triton.jit
-def _fold_extrema(ext_ptr, x, m):
-    """Fold the min, max and NaN count of x (where m) into the row (min, max, count) at ext_ptr."""
-    tl.atomic_min(ext_ptr, tl.min(tl.where(m, x, float("inf")), axis=0))
-    tl.atomic_max(ext_ptr + 1, tl.max(tl.where(m, x, -float("inf")), axis=0))
-    tl.atomic_add(ext_ptr + 2, tl.sum((m & (x != x)).to(tl.float32), axis=0))
-
-
-@triton.jit
 def _step_kernel(k_ptr, eta_ptr, g_ptr, ext_ptr, dbeta_ptr, out_ptr, dk_ptr, n_rows, eps, K, R: tl.constexpr,
                  BK: tl.constexpr, BACKWARD: tl.constexpr, CHECK: tl.constexpr):
-    """Rows of R (token, head) pairs. Forward: β = η c², c² = 1/(‖k‖² + eps); CHECK also folds g's and η's
-    min, max and NaN count into the [2, 3] ``ext`` (checks.defer_check's layout). BACKWARD: from dβ,
-    dη = c² dβ and dk = −2 η c⁴ dβ k."""
-    r = tl.program_id(0) * R + tl.arange(0, R)
+    """Blocks of R (token, head) rows, strided over the programs. Forward: β = η c², c² = 1/(‖k‖² + eps); CHECK
+    also folds g's and η's min, max and NaN count into the [2, 3] ``ext`` (checks.defer_check's layout), with
+    one set of atomics per program. BACKWARD: from dβ, dη = c² dβ and dk = −2 η c⁴ dβ k."""
     d = tl.arange(0, BK)[None, :]
-    m = r < n_rows
-    off, mk = r[:, None].to(tl.int64) * K + d, m[:, None] & (d < K)
-    k = _acc(tl.load(k_ptr + off, mask=mk, other=0.))
-    c2 = _inv_sq_norm(k, eps)
-    eta = _acc(tl.load(eta_ptr + r, mask=m, other=0.))
-    if BACKWARD:
-        dbeta = _acc(tl.load(dbeta_ptr + r, mask=m, other=0.))
-        tl.store(out_ptr + r, (c2 * dbeta).to(out_ptr.dtype.element_ty), mask=m)
-        dk = (-2. * eta * c2 * c2 * dbeta)[:, None] * k
-        tl.store(dk_ptr + off, dk.to(dk_ptr.dtype.element_ty), mask=mk)
-    else:
-        tl.store(out_ptr + r, eta * c2, mask=m)
-        if CHECK:
-            _fold_extrema(ext_ptr, tl.load(g_ptr + r, mask=m, other=0.).to(tl.float32), m)
-            _fold_extrema(ext_ptr + 3, eta.to(tl.float32), m)
+    inf = float("inf")
+    lo_g, hi_g, nan_g = tl.full([R], inf, tl.float32), tl.full([R], -inf, tl.float32), tl.zeros([R], tl.float32)
+    lo_e, hi_e, nan_e = tl.full([R], inf, tl.float32), tl.full([R], -inf, tl.float32), tl.zeros([R], tl.float32)
+    for r0 in range(tl.program_id(0) * R, n_rows, tl.num_programs(0) * R):
+        r = r0 + tl.arange(0, R)
+        m = r < n_rows
+        off, mk = r[:, None].to(tl.int64) * K + d, m[:, None] & (d < K)
+        k = _acc(tl.load(k_ptr + off, mask=mk, other=0.))
+        c2 = _inv_sq_norm(k, eps)
+        eta = _acc(tl.load(eta_ptr + r, mask=m, other=0.))
+        if BACKWARD:
+            dbeta = _acc(tl.load(dbeta_ptr + r, mask=m, other=0.))
+            tl.store(out_ptr + r, (c2 * dbeta).to(out_ptr.dtype.element_ty), mask=m)
+            dk = (-2. * eta * c2 * c2 * dbeta)[:, None] * k
+            tl.store(dk_ptr + off, dk.to(dk_ptr.dtype.element_ty), mask=mk)
+        else:
+            tl.store(out_ptr + r, eta * c2, mask=m)
+            if CHECK:
+                g = tl.load(g_ptr + r, mask=m, other=0.).to(tl.float32)
+                e = eta.to(tl.float32)
+                lo_g, hi_g = tl.minimum(lo_g, tl.where(m, g, inf)), tl.maximum(hi_g, tl.where(m, g, -inf))
+                lo_e, hi_e = tl.minimum(lo_e, tl.where(m, e, inf)), tl.maximum(hi_e, tl.where(m, e, -inf))
+                nan_g += (m & (g != g)).to(tl.float32)
+                nan_e += (m & (e != e)).to(tl.float32)
+    if CHECK:
+        tl.atomic_min(ext_ptr, tl.min(lo_g, axis=0))
+        tl.atomic_max(ext_ptr + 1, tl.max(hi_g, axis=0))
+        tl.atomic_add(ext_ptr + 2, tl.sum(nan_g, axis=0))
+        tl.atomic_min(ext_ptr + 3, tl.min(lo_e, axis=0))
+        tl.atomic_max(ext_ptr + 4, tl.max(hi_e, axis=0))
+        tl.atomic_add(ext_ptr + 5, tl.sum(nan_e, axis=0))
 
 
-_STEP_ROWS = 16
+_STEP_ROWS, _STEP_PROGRAMS = 16, 2048      # row block; at most this many programs (the check's atomics)
 
 
 def _step_launch(k, eta, dbeta, out, dk, eps, backward, g=None, ext=None):
     K = k.shape[-1]
     n = eta.numel()
-    _step_kernel[(triton.cdiv(n, _STEP_ROWS),)](k, eta, g, ext, dbeta, out, dk, n, eps, K, R=_STEP_ROWS,
-                                                BK=triton.next_power_of_2(K), BACKWARD=backward,
-                                                CHECK=ext is not None)
+    grid = (max(1, min(triton.cdiv(n, _STEP_ROWS), _STEP_PROGRAMS)),)
+    _step_kernel[grid](k, eta, g, ext, dbeta, out, dk, n, eps, K, R=_STEP_ROWS, BK=triton.next_power_of_2(K),
+                       BACKWARD=backward, CHECK=ext is not None)
 
 
 def kaczmarz_step(k: torch.Tensor, eta: torch.Tensor, eps: float, g: torch.Tensor | None = None,
@@ -499,12 +506,18 @@ def _chunk_table(cu: torch.Tensor, B: int, T: int, C: int, packed: bool):
 def _launch(dtype: torch.dtype, K: int, V: int):
     """(BK, BV, {kernel: launch keywords}) for activations of ``dtype`` and head sizes K, V."""
     cfg = CONFIGS[16 if dtype.itemsize == 2 else 32]
-    BK = max(16, triton.next_power_of_2(K))
-    BV = max(16, min(cfg["BV"], triton.next_power_of_2(V)))
+    # 16-bit tiles at least 32 wide: with K = V = 16 (16-wide tiles) the bf16 kernels returned garbage (H200,
+    # triton 3.6); the padding is masked
+    low = 32 if dtype.itemsize == 2 else 16
+    BK = max(low, triton.next_power_of_2(K))
+    BV = max(low, min(cfg["BV"], triton.next_power_of_2(V)))
     # the interpreter's dot overflows on 16-bit operands (numpy has no bf16): there they are multiplied in fp32
     DT = tl.float32 if INTERPRET and dtype.itemsize == 2 else _DT[dtype]
     kw = dict(C=CHUNK, BK=BK, BV=BV, DT=DT, num_stages=cfg["stages"])
-    return BK, BV, {k: dict(kw, num_warps=w) for k, w in cfg.items() if k not in ("BV", "stages")}
+    # 16-wide tiles at 8 warps made illegal memory accesses on an H200 (triton 3.6: the fp32 output kernel, and
+    # the 16-bit grads_wy kernel at 8 warps) with K = V = 16: small heads run at most 4 warps
+    cap = 4 if min(BK, BV) <= 16 else 8
+    return BK, BV, {k: dict(kw, num_warps=min(w, cap)) for k, w in cfg.items() if k not in ("BV", "stages")}
 
 
 _DT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32, torch.float64: tl.float64}
