@@ -25,8 +25,8 @@ def _check(label, got, ref, tol):
         assert e <= tol, f"{label}: output/grad {i} relative RMS error {e:.2e} > {tol:.0e}"
 
 
-def _case_inputs(name, dev, dtype, varlen):
-    B, T, H, K, V = SIZES[name]
+def _case_inputs(name, dev, dtype, varlen, sizes=None):
+    B, T, H, K, V = SIZES[name] if sizes is None else sizes
     gen = torch.Generator().manual_seed(T + varlen)
     n_seq = 4 if varlen else B
     args = CASES[name].inputs(1 if varlen else B, T, H, K, V, torch.float64, gen)
@@ -59,13 +59,7 @@ def test_delta_kernels_small_heads(name, dtype, head, dev):
     accesses at 8 warps and returned garbage in bf16; small heads now run at most 4 warps and 16-bit tiles are
     at least 32 wide."""
     for T in (40, 130):
-        gen = torch.Generator().manual_seed(T)
-        args = [a.to(dtype if i < (4 if name == "vla" else 3) else torch.float32).double().to(dev)
-                for i, a in enumerate(CASES[name].inputs(2, T, 2, head, head, torch.float64, gen))]
-        state = CASES[name].state(2, 2, head, head, torch.float64, gen)
-        state = tuple(s.to(dev) for s in state) if isinstance(state, tuple) else state.to(dev)
-        low = [a.to(dtype) if i < (4 if name == "vla" else 3) else a.float() for i, a in enumerate(args)]
-        low_state = tuple(s.float() for s in state) if isinstance(state, tuple) else state.float()
+        args, state, low, low_state, _ = _case_inputs(name, dev, dtype, False, sizes=(2, T, 2, head, head))
         ref_out, ref_grad = outputs_and_grads(CASES[name], args, state, "torch")
         out, grad = outputs_and_grads(CASES[name], low, low_state, "triton")
         _check(f"{name} {str(dtype)[6:]} K=V={head} T={T}", out + grad, ref_out + ref_grad, TOL[dtype])

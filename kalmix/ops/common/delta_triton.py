@@ -327,17 +327,25 @@ def _states_kernel(w_ptr, wt_ptr, ut_ptr, Gc_ptr, s0_ptr, cu_ptr, coff_ptr, h_pt
 
 
 @triton.jit
-def _output_kernel(q_ptr, w_ptr, u_ptr, Gc_ptr, h_ptr, chunks_ptr, o_ptr, scale, H, K, V,
-                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr):
-    i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    v0 = i_v * BV
+def _chunk_scores(q_ptr, w_ptr, Gc_ptr, chunks_ptr, i_c, i_h, H, K, C: tl.constexpr, BK: tl.constexpr,
+                  DT: tl.constexpr):
+    """Chunk i_c's first token and length, G, Q and the decayed scores P = (Q Wᵀ) ⊙ D (the output's intra-chunk
+    term, and in the backward the one dU gets from the chunk's own outputs)."""
     bos, L, rows, cols, valid = _chunk_rows(chunks_ptr, i_c, C)
     G, _ = _chunk_gate(Gc_ptr, bos, L, i_h, H, valid, C)
     Q = _load_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C)
     W = _load_rows(w_ptr, bos, L, i_h, H, K, 0, BK, C)
+    return bos, L, G, Q, _dot(Q, tl.trans(W), DT) * _decay(G, rows, cols, False)
+
+
+@triton.jit
+def _output_kernel(q_ptr, w_ptr, u_ptr, Gc_ptr, h_ptr, chunks_ptr, o_ptr, scale, H, K, V,
+                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr):
+    i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    v0 = i_v * BV
+    bos, L, G, Q, P = _chunk_scores(q_ptr, w_ptr, Gc_ptr, chunks_ptr, i_c, i_h, H, K, C, BK, DT)
     S0 = _load_state(h_ptr, (i_c.to(tl.int64) * H + i_h) * K * V, K, V, v0, BK, BV)
     U = _load_rows(u_ptr, bos, L, i_h, H, V, v0, BV, C)
-    P = _dot(Q, tl.trans(W), DT) * _decay(G, rows, cols, False)
     out = scale * (tl.exp(G)[:, None] * _dot(Q, S0, DT) + _dot(P, U, DT))
     _store_rows(o_ptr, out, bos, L, i_h, H, V, v0, BV, C)
 
@@ -349,13 +357,9 @@ def _dv_local_kernel(q_ptr, w_ptr, Gc_ptr, do_ptr, chunks_ptr, du_ptr, scale, H,
     (_dstates_kernel adds the term from the later chunks)."""
     i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     v0 = i_v * BV
-    bos, L, rows, cols, valid = _chunk_rows(chunks_ptr, i_c, C)
-    G, _ = _chunk_gate(Gc_ptr, bos, L, i_h, H, valid, C)
-    Q = _load_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C)
-    W = _load_rows(w_ptr, bos, L, i_h, H, K, 0, BK, C)
-    Pt = _dot(W, tl.trans(Q), DT) * tl.trans(_decay(G, rows, cols, False))
+    bos, L, _, _, P = _chunk_scores(q_ptr, w_ptr, Gc_ptr, chunks_ptr, i_c, i_h, H, K, C, BK, DT)
     dO = _load_rows(do_ptr, bos, L, i_h, H, V, v0, BV, C)
-    _store_rows(du_ptr, scale * _dot(Pt, dO, DT), bos, L, i_h, H, V, v0, BV, C)
+    _store_rows(du_ptr, scale * _dot(tl.trans(P), dO, DT), bos, L, i_h, H, V, v0, BV, C)
 
 
 @triton.jit
@@ -566,11 +570,7 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         V = v.shape[-1]
         flat = [x.reshape(B * T, *x.shape[2:]).contiguous() for x in (q, w, e, v, g, beta)]
         if step_eps is not None:                # beta is η; the kernels take the step η/(‖k‖² + eps)
-            if step is None:
-                eta, flat[5] = flat[5], torch.empty_like(flat[5], dtype=compute_dtype(q))
-                _step_launch(flat[1], eta, None, flat[5], None, step_eps, backward=False)
-            else:
-                flat[5] = step.reshape(B * T, *step.shape[2:]).contiguous()
+            flat[5] = step.reshape(B * T, *step.shape[2:]).contiguous()
         coff, chunks = _chunk_table(cu, B, T, CHUNK, packed)
         s0 = s0.contiguous()
         Gc, Tm, wt, ut = _prep(*flat[1:], chunks)
@@ -636,6 +636,8 @@ def chunk_delta_rule_triton(q, w, e, v, g, beta, *, scale: float, state: torch.T
     else:
         cu = cu_seqlens.to(torch.int32)
     acc = compute_dtype(q)
+    if step_eps is not None and step is None:
+        step = kaczmarz_step(w.detach(), beta.detach(), step_eps)     # its gradient is folded into dw and dη
     return ChunkDeltaRuleFunction.apply(q, w, e, v, g.to(acc), beta if step_eps is not None else beta.to(acc),
                                         state.to(acc), cu, cu_seqlens is not None, scale, step_eps,
                                         None if step is None else step.detach())

@@ -72,10 +72,12 @@ def kaczmarz_fused(q, k, v, g, eta, *, state, eps, scale, cu_seqlens=None, check
     the pass that computes the step. Returns o [B, T, H, V] (q's dtype), the final state [N, H, K, V] and the
     check's ``finish()`` (checks.defer_check), to call before the outputs are used."""
     needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, eta, state))
+    use_fla = engine(q.device, q.dtype, needs_grad) == "fla"
     ext = extrema_buffer(2, q.device) if check else None
-    if engine(q.device, q.dtype, needs_grad) == "fla":
-        beta = kaczmarz_step(k, eta, eps, g, ext)
-        finish = defer_check(_OP, check, ext) if check else no_check
+    # fla's kernels take β with its gradient; kalmix's fold the step's gradient into dk and dη themselves
+    beta = kaczmarz_step(k if use_fla else k.detach(), eta if use_fla else eta.detach(), eps, g, ext)
+    finish = defer_check(_OP, check, ext) if check else no_check
+    if use_fla:
         return (*_fla_gdn(q, k, v, g, beta, scale=scale, state=state, cu_seqlens=cu_seqlens), finish)
     if q.device.type == "cuda":
         announce(q.dtype)
@@ -83,9 +85,6 @@ def kaczmarz_fused(q, k, v, g, eta, *, state, eps, scale, cu_seqlens=None, check
         n = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
         state = q.new_zeros(n, q.shape[2], q.shape[3], v.shape[3], dtype=torch.float64 if q.dtype == torch.float64
                             else torch.float32)
-    with torch.no_grad():                  # the kernels fold the step's gradient into dk and dη themselves
-        beta = kaczmarz_step(k, eta, eps, g, ext)
-    finish = defer_check(_OP, check, ext) if check else no_check
     o, S = chunk_delta_rule_triton(q, k, k, v, g, eta, scale=scale, state=state, cu_seqlens=cu_seqlens,
                                    step_eps=eps, step=beta)
     return o, S, finish
