@@ -250,20 +250,27 @@ def _dot32(a, b, DT: tl.constexpr):
 
 
 @triton.jit
+def _merge(Tm, A, rows, cols, size: tl.constexpr, DT: tl.constexpr):
+    """T for blocks of ``size`` from Tm, T of their four sub-blocks: with N = Tm·(A's sub-blocks below the diagonal
+    inside each block), nilpotent of order 4, T = (I + N)⁻¹ Tm = (I − N)(I + N²) Tm."""
+    sub: tl.constexpr = size // 4
+    N = _dot32(Tm, tl.where((rows // size == cols // size) & (rows // sub != cols // sub), A, 0.), DT)
+    X = Tm - _dot32(N, Tm, DT)
+    return X + _dot32(N, _dot32(N, X, DT), DT)
+
+
+@triton.jit
 def _system(E, W, G, beta, rows, cols, C: tl.constexpr, DT: tl.constexpr):
-    """T = (I + A)⁻¹ for A = strictly_lower(diag(β)(E Wᵀ) ⊙ D), in four diagonal blocks: with Td the inverse of
-    I + (A's diagonal blocks) (forward substitution, the blocks' rows i together) and N = Td·(A's blocks below
-    the diagonal), which is nilpotent of order 4, T = (I + N)⁻¹ Td = (I − N)(I + N²) Td."""
-    BLK: tl.constexpr = C // 4
+    """T = (I + A)⁻¹ for A = strictly_lower(diag(β)(E Wᵀ) ⊙ D): the diagonal blocks of 4 by forward substitution
+    (the blocks' rows i together), then two merges of four blocks each (4 → 16 → 64)."""
+    tl.static_assert(C == 64)
     A = _dot(E, tl.trans(W), DT) * _decay(G, rows, cols, True) * beta[:, None]
-    diag = (rows // BLK) == (cols // BLK)
     eye = (rows == cols).to(G.dtype)
-    Td = eye
-    for i in range(1, BLK):
-        sel = (rows % BLK) == i
-        Td = tl.where(sel, eye - _dot32(tl.where(sel & diag, A, 0.), Td, DT), Td)
-    N = _dot32(Td, tl.where(diag, 0., A), DT)
-    return _dot32(_dot32(eye - N, eye + _dot32(N, N, DT), DT), Td, DT)
+    Tm = eye
+    for i in tl.static_range(1, 4):
+        sel = (rows % 4) == i
+        Tm = tl.where(sel, eye - _dot32(tl.where(sel & (rows // 4 == cols // 4), A, 0.), Tm, DT), Tm)
+    return _merge(_merge(Tm, A, rows, cols, 16, DT), A, rows, cols, 64, DT)
 
 
 @triton.jit
