@@ -91,7 +91,7 @@ def kernel_breakdown(q, w, v, g, beta, s0, do, K):
     dof = do.reshape(B * T, H, V).contiguous()
     dU, dh, ds0 = torch.empty_like(U), torch.empty_like(h), torch.empty_like(s0)
     dq, dw, de, dv, dg, db = (torch.empty_like(x) for x in (qf, wf, wf, vf, gf, bf))
-    dw32, dwt, dG = (torch.empty_like(x, dtype=torch.float32) for x in (wf, wf, gf))
+    dw32, dwt, dG = torch.empty_like(wf, dtype=torch.float32), torch.empty_like(wf), torch.empty_like(gf)
     nv = triton.cdiv(V, BV)
     runs = {
         "prep": lambda: dt._prep_kernel[(NC, H)](wf, wf, vf, gf, bf, chunks, Gc, Tm, wt, ut, H, K, V, **kw["prep"]),

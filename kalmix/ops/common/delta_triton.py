@@ -608,7 +608,8 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         de = dw if step else torch.empty_like(e)                # STEP writes the one key's gradient to dw
         dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
         acc = compute_dtype(q)
-        dw32, dwt, dG = torch.empty_like(w, dtype=acc), torch.empty_like(w, dtype=acc), torch.empty_like(g, dtype=acc)
+        # dW̃ only feeds a tensor-core product (operands in the activations' dtype): it is kept in that dtype
+        dw32, dwt, dG = torch.empty_like(w, dtype=acc), torch.empty_like(w), torch.empty_like(g, dtype=acc)
         _grads_qw_kernel[(NC, H)](q, w, g, beta, chunks, h, dh, U, dU, do, dq, dw32, dwt, dG, ctx.scale, H, K, V,
                                   **kw["grads_qw"])
         _grads_wy_kernel[(NC, H)](w, e, v, g, beta, chunks, Tm, dU, dwt, dG, dw32, dw, de, dv, dg, dbeta,
