@@ -1,0 +1,73 @@
+"""Where the VLA A path's forward kernel (kalmix/ops/vla/apath_triton.py) spends its time, on a GPU: the kernel
+as is, and variants made by editing its source (wrong values on purpose; timing only), each at 4 and 8 warps,
+with the compiler's registers and spills. From the repository root:
+
+    python benchmarks/vla_apath_variants.py
+
+Variants: "nochol" replaces R⁻¹ (the two 16-step loops) by a scaled G; "tf32" multiplies with one TF32 pass
+instead of 3×TF32; "nochol+tf32" both. The last column is α̂'s distance from the unedited kernel's.
+"""
+import importlib.util
+import pathlib
+import sys
+import tempfile
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+import kalmix.ops.vla.apath_triton as ap
+
+EDITS = {
+    "nochol": [("Rinv = _chol_inv(G, rows, cols, C)", "Rinv = G * 0.01")],
+    "tf32": [("delta_triton import _DT, _dot,", "delta_triton import _DT,"),
+             ("@triton.jit\ndef _chol_inv", "@triton.jit\ndef _dot(a, b, DT: tl.constexpr):\n"
+              "    return tl.dot(a, b, input_precision='tf32')\n\n\n@triton.jit\ndef _chol_inv")],
+}
+VARIANTS = {"base": [], "nochol": EDITS["nochol"], "tf32": EDITS["tf32"],
+            "nochol+tf32": EDITS["nochol"] + EDITS["tf32"]}
+
+
+def variant_module(name: str, edits, tmp: pathlib.Path):
+    src = pathlib.Path(ap.__file__).read_text()
+    for a, b in edits:
+        assert a in src, f"{name}: the kernel source changed, edit not found: {a!r}"
+        src = src.replace(a, b)
+    path = tmp / f"apath_{name.replace('+', '_')}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main(B=16, T=2048, H=8, K=128):
+    dev = torch.device("cuda")
+    print(torch.cuda.get_device_name(), f"B={B} T={T} H={H} K={K} fp32, forward without the backward's stores")
+    gen = torch.Generator().manual_seed(0)
+    kh, uh = (F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).to(dev) for _ in range(2))
+    A0 = (10 * torch.eye(K)).expand(B, H, K, K).contiguous().to(dev)
+    tmp = pathlib.Path(tempfile.mkdtemp())
+    ref = None
+    print(f"{'variant':12s} warps      ms  regs spills  alpha vs base")
+    for name, edits in VARIANTS.items():
+        m = variant_module(name, edits, tmp)
+        for warps in (4, 8):
+            alpha, AT = torch.full_like(kh, float("nan")), torch.empty_like(A0)
+            nseg = triton.cdiv(triton.cdiv(T, m.C_SUB), m.SAVE)
+
+            def f():
+                return m._apath_fwd_kernel[(B * H,)](kh, uh, A0, alpha, AT, alpha, alpha, alpha, alpha, T, H, K, nseg,
+                                                     STORE=False, SAVE=m.SAVE, num_warps=warps, num_stages=1,
+                                                     **m._config(kh))
+            compiled = f()
+            t = do_bench(f, warmup=5, rep=20)
+            ref = alpha.clone() if ref is None else ref
+            print(f"{name:12s} {warps:5d} {t:7.3f} {compiled.n_regs:5d} {compiled.n_spills:6d}  "
+                  f"{float((alpha - ref).norm() / ref.norm()):.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
