@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 import triton
 
-from kalmix.ops.common.checks import Range, defer_check, extrema_buffer, no_check
+from kalmix.ops.common.checks import Range, compute_dtype, defer_check, extrema_buffer, no_check
 from kalmix.ops.common.delta_triton import chunk_delta_rule_triton, kaczmarz_step
 
 _OP = "kaczmarz_attention"
@@ -83,8 +83,7 @@ def kaczmarz_fused(q, k, v, g, eta, *, state, eps, scale, cu_seqlens=None, check
         announce(q.dtype)
     if state is None:
         n = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
-        state = q.new_zeros(n, q.shape[2], q.shape[3], v.shape[3], dtype=torch.float64 if q.dtype == torch.float64
-                            else torch.float32)
+        state = q.new_zeros(n, q.shape[2], q.shape[3], v.shape[3], dtype=compute_dtype(q))
     o, S = chunk_delta_rule_triton(q, k, k, v, g, eta, scale=scale, state=state, cu_seqlens=cu_seqlens,
                                    step_eps=eps, step=beta)
     return o, S, finish
