@@ -22,8 +22,8 @@ Kernels (every tensor laid out [tokens, H, *] with packed sequences; a chunk nev
     _step_kernel      per row block: the Kaczmarz step β = η/(‖k‖² + eps) (``step_eps``), and its backward
     _prep_kernel      per (chunk, head): G, T, W̃, Ũ (kept by the forward for the backward)
     _states_kernel    per (sequence, head, V block), forward over chunks: chunk-start states h, U, final state
-    _output_kernel    per (chunk, head, V block): O
-    _dv_local_kernel  per (chunk, head, V block): dU's term from the chunk's own outputs, scale·Pᵀ dO
+    _output_kernel    per (chunk, head): O
+    _dv_local_kernel  per (chunk, head): dU's term from the chunk's own outputs, scale·Pᵀ dO
     _dstates_kernel   per (sequence, head, V block), backward over chunks: the rest of dU, dS_C per chunk, dS_0
     _grads_qw_kernel  per (chunk, head): dq, dw and dg's terms from o and S_C, dW̃
     _grads_wy_kernel  per (chunk, head): through T, W̃, Ũ: dv, de, dβ, the rest of dw, dg
@@ -94,6 +94,15 @@ def _load_rows(ptr, bos, L, i_h, H, D, d0, BD: tl.constexpr, C: tl.constexpr):
     """That block as fp32 [C, BD], 0 outside the rows and columns."""
     p, m = _rows(ptr, bos, L, i_h, H, D, d0, BD, C)
     return _acc(tl.load(p, mask=m, other=0.))
+
+
+@triton.jit
+def _load_cols(ptr, bos, L, i_h, H, D, d0, BD: tl.constexpr, C: tl.constexpr):
+    """The block of ``_load_rows`` transposed, loaded as fp32 [BD, C]."""
+    r = tl.arange(0, C)[None, :]
+    d = d0 + tl.arange(0, BD)[:, None]
+    return _acc(tl.load(ptr + (bos.to(tl.int64) * H + i_h) * D + (r * (H * D) + d), mask=(r < L) & (d < D),
+                        other=0.))
 
 
 @triton.jit
@@ -348,55 +357,67 @@ def _chunk_scores(q_ptr, w_ptr, Gc_ptr, chunks_ptr, i_c, i_h, H, K, C: tl.conste
 @triton.jit
 def _output_kernel(q_ptr, w_ptr, u_ptr, Gc_ptr, h_ptr, chunks_ptr, o_ptr, scale, H, K, V,
                    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr):
-    i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    v0 = i_v * BV
+    """Per (chunk, head), over its V blocks: O (P once per chunk)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, L, G, Q, P = _chunk_scores(q_ptr, w_ptr, Gc_ptr, chunks_ptr, i_c, i_h, H, K, C, BK, DT)
-    S0 = _load_state(h_ptr, (i_c.to(tl.int64) * H + i_h) * K * V, K, V, v0, BK, BV)
-    U = _load_rows(u_ptr, bos, L, i_h, H, V, v0, BV, C)
-    out = scale * (tl.exp(G)[:, None] * _dot(Q, S0, DT) + _dot(P, U, DT))
-    _store_rows(o_ptr, out, bos, L, i_h, H, V, v0, BV, C)
+    eG = scale * tl.exp(G)[:, None]
+    P = scale * P
+    for v0 in range(0, V, BV):
+        S0 = _load_state(h_ptr, (i_c.to(tl.int64) * H + i_h) * K * V, K, V, v0, BK, BV)
+        U = _load_rows(u_ptr, bos, L, i_h, H, V, v0, BV, C)
+        _store_rows(o_ptr, eG * _dot(Q, S0, DT) + _dot(P, U, DT), bos, L, i_h, H, V, v0, BV, C)
 
 
 @triton.jit
 def _dv_local_kernel(q_ptr, w_ptr, Gc_ptr, do_ptr, chunks_ptr, du_ptr, scale, H, K, V,
                      C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr):
-    """Per (chunk, head, V block): dU's term from the chunk's own outputs, scale·Pᵀ dO with P = (Q Wᵀ) ⊙ D
-    (_dstates_kernel adds the term from the later chunks)."""
-    i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    v0 = i_v * BV
+    """Per (chunk, head), over its V blocks: dU's term from the chunk's own outputs, scale·Pᵀ dO with
+    P = (Q Wᵀ) ⊙ D (_dstates_kernel adds the term from the later chunks)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, L, _, _, P = _chunk_scores(q_ptr, w_ptr, Gc_ptr, chunks_ptr, i_c, i_h, H, K, C, BK, DT)
-    dO = _load_rows(do_ptr, bos, L, i_h, H, V, v0, BV, C)
-    _store_rows(du_ptr, scale * _dot(tl.trans(P), dO, DT), bos, L, i_h, H, V, v0, BV, C)
+    Pt = scale * tl.trans(P)
+    for v0 in range(0, V, BV):
+        dO = _load_rows(do_ptr, bos, L, i_h, H, V, v0, BV, C)
+        _store_rows(du_ptr, _dot(Pt, dO, DT), bos, L, i_h, H, V, v0, BV, C)
 
 
 @triton.jit
 def _dstates_kernel(q_ptr, w_ptr, wt_ptr, Gc_ptr, do_ptr, dsT_ptr, cu_ptr, coff_ptr, du_ptr, dh_ptr, ds0_ptr,
-                    scale, H, K, V, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
+                    scale, H, K, V, C: tl.constexpr, BH: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
                     HAS_DST: tl.constexpr):
     """Per (sequence, head, V block), backward over chunks: dS_C of every chunk, and dU = (the local term that
-    _dv_local_kernel left in du) + diag(e^{G_C − G}) W dS_C, in place."""
+    _dv_local_kernel left in du) + diag(e^{G_C − G}) W dS_C, in place. dS is held as two blocks of BH rows of K
+    (the second one empty when K <= BH)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     v0 = i_v * BV
     bos, eos, c0, n_c = _seq_range(cu_ptr, coff_ptr, i_n, C)
+    base = i_nh.to(tl.int64) * K * V
     if HAS_DST:
-        dS = _load_state(dsT_ptr, i_nh.to(tl.int64) * K * V, K, V, v0, BK, BV)
+        dS1 = _load_state(dsT_ptr, base, K, V, v0, BH, BV)
+        dS2 = _load_state(dsT_ptr, base + BH * V, K - BH, V, v0, BH, BV)
     else:
-        dS = tl.zeros([BK, BV], dtype=Gc_ptr.dtype.element_ty)
+        dS1 = tl.zeros([BH, BV], dtype=Gc_ptr.dtype.element_ty)
+        dS2 = tl.zeros([BH, BV], dtype=Gc_ptr.dtype.element_ty)
     for jj in range(0, n_c):
         j = n_c - 1 - jj
         t0, L, valid = _chunk_at(bos, eos, j, C)
-        _store_state(dh_ptr, ((c0 + j).to(tl.int64) * H + i_h) * K * V, dS, K, V, v0, BK, BV)
+        hb = ((c0 + j).to(tl.int64) * H + i_h) * K * V
+        _store_state(dh_ptr, hb, dS1, K, V, v0, BH, BV)
+        _store_state(dh_ptr, hb + BH * V, dS2, K - BH, V, v0, BH, BV)
         G, G_end = _chunk_gate(Gc_ptr, t0, L, i_h, H, valid, C)
-        W = _load_rows(w_ptr, t0, L, i_h, H, K, 0, BK, C)
-        dU = _load_rows(du_ptr, t0, L, i_h, H, V, v0, BV, C) + _dot(W * tl.exp(G_end - G)[:, None], dS, DT)
+        dU = _dot(_load_rows(w_ptr, t0, L, i_h, H, K, 0, BH, C), dS1, DT) + _dot(
+            _load_rows(w_ptr, t0, L, i_h, H, K, BH, BH, C), dS2, DT)
+        dU = _load_rows(du_ptr, t0, L, i_h, H, V, v0, BV, C) + tl.exp(G_end - G)[:, None] * dU
         _store_rows(du_ptr, dU, t0, L, i_h, H, V, v0, BV, C)
-        Q = _load_rows(q_ptr, t0, L, i_h, H, K, 0, BK, C)
         dO = _load_rows(do_ptr, t0, L, i_h, H, V, v0, BV, C)
-        Wt = _load_rows(wt_ptr, t0, L, i_h, H, K, 0, BK, C)
-        dS = (scale * _dot(tl.trans(Q * tl.exp(G)[:, None]), dO, DT) + tl.exp(G_end) * dS
-              - _dot(tl.trans(Wt), dU, DT))
-    _store_state(ds0_ptr, i_nh.to(tl.int64) * K * V, dS, K, V, v0, BK, BV)
+        eG = tl.exp(G)[None, :]
+        dS1 = (scale * _dot(_load_cols(q_ptr, t0, L, i_h, H, K, 0, BH, C) * eG, dO, DT) + tl.exp(G_end) * dS1
+               - _dot(_load_cols(wt_ptr, t0, L, i_h, H, K, 0, BH, C), dU, DT))
+        dS2 = (scale * _dot(_load_cols(q_ptr, t0, L, i_h, H, K, BH, BH, C) * eG, dO, DT) + tl.exp(G_end) * dS2
+               - _dot(_load_cols(wt_ptr, t0, L, i_h, H, K, BH, BH, C), dU, DT))
+    _store_state(ds0_ptr, base, dS1, K, V, v0, BH, BV)
+    _store_state(ds0_ptr, base + BH * V, dS2, K - BH, V, v0, BH, BV)
 
 
 @triton.jit
@@ -528,7 +549,9 @@ def _launch(dtype: torch.dtype, K: int, V: int):
     # 16-wide tiles at 8 warps made illegal memory accesses on an H200 (triton 3.6: the fp32 output kernel, and
     # the 16-bit grads_wy kernel at 8 warps) with K = V = 16: small heads run at most 4 warps
     cap = 4 if min(BK, BV) <= 16 else 8
-    return BK, BV, {k: dict(kw, num_warps=min(w, cap)) for k, w in cfg.items() if k not in ("BV", "stages")}
+    kws = {k: dict(kw, num_warps=min(w, cap)) for k, w in cfg.items() if k not in ("BV", "stages")}
+    kws["dstates"]["BH"] = max(low, kws["dstates"].pop("BK") // 2)      # dS in two blocks of rows
+    return BK, BV, kws
 
 
 _DT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32, torch.float64: tl.float64}
@@ -565,8 +588,7 @@ def _output(q, w, U, Gc, h, chunks, scale):
     V = U.shape[-1]
     _, BV, kw = _launch(q.dtype, K, V)
     o = torch.empty_like(U)
-    _output_kernel[(chunks.shape[0], H, triton.cdiv(V, BV))](q, w, U, Gc, h, chunks, o, scale, H, K, V,
-                                                             **kw["output"])
+    _output_kernel[(chunks.shape[0], H)](q, w, U, Gc, h, chunks, o, scale, H, K, V, **kw["output"])
     return o
 
 
@@ -599,7 +621,7 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         h, U, _ = _states(w, wt, ut, Gc, s0, cu, coff, NC)
         do = torch.zeros_like(v) if do is None else do.reshape(B * T, H, V).contiguous()
         dU, dh, ds0 = torch.empty_like(U), torch.empty_like(h), torch.empty_like(s0)
-        _dv_local_kernel[(NC, H, triton.cdiv(V, BV))](q, w, Gc, do, chunks, dU, ctx.scale, H, K, V, **kw["dv_local"])
+        _dv_local_kernel[(NC, H)](q, w, Gc, do, chunks, dU, ctx.scale, H, K, V, **kw["dv_local"])
         _dstates_kernel[(triton.cdiv(V, BV), N * H)](
             q, w, wt, Gc, do, s0 if dsT is None else dsT.contiguous(), cu, coff, dU, dh, ds0, ctx.scale, H, K, V,
             HAS_DST=dsT is not None, **kw["dstates"])
