@@ -42,10 +42,11 @@ from kalmix.ops.common.checks import compute_dtype
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 CHUNK = 64
 # per operand width (16-bit activations, or fp32/fp64): the V block, the pipeline depth and each kernel's warps
+# (or warps and its own pipeline depth)
 # (fp32 operands need twice the shared memory; the backward's per-chunk kernels hold three [C, K] fp32 accumulators).
 # 16-bit, H200 (benchmarks/delta_triton.py, 32K tokens, K = V = 128): grads_wy 0.565 ms at 8 warps, 0.338 at 4;
 # grads_qw 0.476 at 8, 0.907 at 4; dstates 0.318 at 8, 0.364 at 4; stages=3 slowed dstates and grads_qw 2-3x
-CONFIGS = {16: dict(BV=64, stages=2, prep=4, states=4, output=4, dv_local=4, dstates=8, grads_qw=8, grads_wy=4),
+CONFIGS = {16: dict(BV=64, stages=2, prep=4, states=4, output=4, dv_local=4, dstates=8, grads_qw=(8, 3), grads_wy=4),
            32: dict(BV=32, stages=1, prep=8, states=8, output=8, dv_local=4, dstates=8, grads_qw=8, grads_wy=8)}
 DOT_FP32 = tl.constexpr("ieee" if INTERPRET else "tf32x3")   # fp32 inputs: products accurate to ~fp32
 
@@ -60,6 +61,17 @@ def _dot(a, b, DT: tl.constexpr):
         return tl.dot(a, b)
     else:
         return tl.dot(a.to(DT), b.to(DT))
+
+
+@triton.jit
+def _dot_acc(a, b, acc, DT: tl.constexpr):
+    """acc + a @ b, accumulated by the tensor-core instruction itself (operands as in ``_dot``)."""
+    if DT == tl.float32:
+        return tl.dot(a, b, acc, input_precision=DOT_FP32)
+    elif DT == tl.float64:
+        return tl.dot(a, b, acc)
+    else:
+        return tl.dot(a.to(DT), b.to(DT), acc)
 
 
 @triton.jit
@@ -97,6 +109,13 @@ def _load_rows(ptr, bos, L, i_h, H, D, d0, BD: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
+def _raw_rows(ptr, bos, L, i_h, H, D, d0, BD: tl.constexpr, C: tl.constexpr):
+    """That block in the tensor's dtype (for tensor-core operands: no round trip through fp32)."""
+    p, m = _rows(ptr, bos, L, i_h, H, D, d0, BD, C)
+    return tl.load(p, mask=m, other=0.)
+
+
+@triton.jit
 def _load_cols(ptr, bos, L, i_h, H, D, d0, BD: tl.constexpr, C: tl.constexpr):
     """The block of ``_load_rows`` transposed, loaded as fp32 [BD, C]."""
     r = tl.arange(0, C)[None, :]
@@ -123,6 +142,14 @@ def _state(ptr, base, K, V, v0, BK: tl.constexpr, BV: tl.constexpr):
 def _load_state(ptr, base, K, V, v0, BK: tl.constexpr, BV: tl.constexpr):
     p, m = _state(ptr, base, K, V, v0, BK, BV)
     return _acc(tl.load(p, mask=m, other=0.))
+
+
+@triton.jit
+def _raw_state_t(ptr, base, K, V, v0, BK: tl.constexpr, BV: tl.constexpr):
+    """Columns v0..v0+BV of the [K, V] matrix at ``ptr + base``, transposed ([BV, BK]) in its dtype."""
+    k = tl.arange(0, BK)[None, :]
+    v = v0 + tl.arange(0, BV)[:, None]
+    return tl.load(ptr + base + (k * V + v), mask=(k < K) & (v < V), other=0.)
 
 
 @triton.jit
@@ -433,18 +460,18 @@ def _grads_qw_kernel(q_ptr, w_ptr, g_ptr, beta_ptr, chunks_ptr, h_ptr, dh_ptr, u
     dWs = tl.zeros([C, BK], dtype=G.dtype)          # Σ_v U dS_Cᵀ
     dWt = tl.zeros([C, BK], dtype=G.dtype)          # dW̃ = −Σ_v dU S_0ᵀ
     dP = tl.zeros([C, C], dtype=G.dtype)            # Σ_v dO Uᵀ
-    dG_end = tl.sum(tl.zeros([C], dtype=G.dtype), axis=0)
+    dGe = tl.zeros([BK], dtype=G.dtype)             # Σ_v (S_0 ⊙ dS_C) summed over V
     for v0 in range(0, V, BV):
-        S0 = _load_state(h_ptr, base, K, V, v0, BK, BV)
-        dSC = _load_state(dh_ptr, base, K, V, v0, BK, BV)
-        U = _load_rows(u_ptr, bos, L, i_h, H, V, v0, BV, C)
-        dU = _load_rows(du_ptr, bos, L, i_h, H, V, v0, BV, C)
-        dO = _load_rows(do_ptr, bos, L, i_h, H, V, v0, BV, C)
-        dQ += _dot(dO, tl.trans(S0), DT)
-        dP += _dot(dO, tl.trans(U), DT)
-        dWs += _dot(U, tl.trans(dSC), DT)
-        dWt -= _dot(dU, tl.trans(S0), DT)
-        dG_end += tl.sum(tl.sum(S0 * dSC, axis=1), axis=0)
+        S0t = _raw_state_t(h_ptr, base, K, V, v0, BK, BV)
+        dSCt = _raw_state_t(dh_ptr, base, K, V, v0, BK, BV)
+        U = _raw_rows(u_ptr, bos, L, i_h, H, V, v0, BV, C)
+        dO = _raw_rows(do_ptr, bos, L, i_h, H, V, v0, BV, C)
+        dQ = _dot_acc(dO, S0t, dQ, DT)
+        dP = _dot_acc(dO, tl.trans(U), dP, DT)
+        dWs = _dot_acc(U, dSCt, dWs, DT)
+        dWt = _dot_acc(-_raw_rows(du_ptr, bos, L, i_h, H, V, v0, BV, C), S0t, dWt, DT)
+        dGe += tl.sum(_acc(S0t) * _acc(dSCt), axis=0)
+    dG_end = tl.sum(dGe, axis=0)
     _store_rows(dwt_ptr, dWt, bos, L, i_h, H, K, 0, BK, C)
     Q = _load_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C)
     W = _load_rows(w_ptr, bos, L, i_h, H, K, 0, BK, C)
@@ -471,29 +498,30 @@ def _grads_wy_kernel(w_ptr, e_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, T_ptr, du
                      C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, STEP: tl.constexpr):
     """Per chunk, through Ũ = T diag(β) V, W̃ = T diag(β e^G) E and T = (I + A)⁻¹: dv, de, dβ, the rest of dw
     and dG, and dg (the reverse cumulative sum of dG: G_t = Σ_{r≤t} g_r). STEP (w = e = k, β = η c² with
-    c² = 1/(‖k‖² + step_eps)): one key gradient dw + de − 2 β c² dβ k, and dη = c² dβ in place of dβ."""
+    c² = 1/(‖k‖² + step_eps)): one key gradient dw + de − 2 β c² dβ k, and dη = c² dβ in place of dβ. Ũ and
+    W̃ are recomputed from T (H100: loading the forward's instead took 0.417 ms against 0.357)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, L, rows, cols, valid = _chunk_rows(chunks_ptr, i_c, C)
     G, beta, G_end = _gates(g_ptr, beta_ptr, bos, L, i_h, H, valid, C)
     eG = tl.exp(G)
-    Tm = _load_rows(T_ptr, bos, L, i_h, H, C, 0, C, C)
+    Tm = _raw_rows(T_ptr, bos, L, i_h, H, C, 0, C, C)
+    Tt = tl.trans(Tm)
     dA = tl.zeros([C, C], dtype=G.dtype)            # −Σ_v (Tᵀ dŨ) Ũᵀ
     dbeta = tl.zeros([C], dtype=G.dtype)
     for v0 in range(0, V, BV):
-        dU = _load_rows(du_ptr, bos, L, i_h, H, V, v0, BV, C)
         Vt = _load_rows(v_ptr, bos, L, i_h, H, V, v0, BV, C)
-        dXv = _dot(tl.trans(Tm), dU, DT)                                     # Tᵀ dŨ
+        dXv = _dot(Tt, _raw_rows(du_ptr, bos, L, i_h, H, V, v0, BV, C), DT)                   # Tᵀ dŨ
         _store_rows(dv_ptr, dXv * beta[:, None], bos, L, i_h, H, V, v0, BV, C)
         dbeta += tl.sum(Vt * dXv, axis=1)
-        dA -= _dot(dXv, tl.trans(_dot(Tm, Vt * beta[:, None], DT)), DT)
+        dA = _dot_acc(-dXv, tl.trans(_dot(Tm, Vt * beta[:, None], DT)), dA, DT)
     E = _load_rows(e_ptr, bos, L, i_h, H, K, 0, BK, C)
     W = _load_rows(w_ptr, bos, L, i_h, H, K, 0, BK, C)
-    dXe = _dot(tl.trans(Tm), _load_rows(dwt_ptr, bos, L, i_h, H, K, 0, BK, C), DT)     # Tᵀ dW̃
+    dXe = _dot(Tt, _raw_rows(dwt_ptr, bos, L, i_h, H, K, 0, BK, C), DT)                       # Tᵀ dW̃
     t_e = eG * tl.sum(E * dXe, axis=1)
     dbeta += t_e
     r = tl.arange(0, C)
     dG = tl.load(dG_ptr + (bos + r) * H + i_h, mask=valid, other=0.) + beta * t_e
-    dA -= _dot(dXe, tl.trans(_dot(Tm, E * (beta * eG)[:, None], DT)), DT)
+    dA = _dot_acc(-dXe, tl.trans(_dot(Tm, E * (beta * eG)[:, None], DT)), dA, DT)
     # A = strictly_lower(diag(β)(E Wᵀ) ⊙ D)
     D = _decay(G, rows, cols, True)
     dA = tl.where(cols < rows, dA, 0.)
@@ -549,7 +577,11 @@ def _launch(dtype: torch.dtype, K: int, V: int):
     # 16-wide tiles at 8 warps made illegal memory accesses on an H200 (triton 3.6: the fp32 output kernel, and
     # the 16-bit grads_wy kernel at 8 warps) with K = V = 16: small heads run at most 4 warps
     cap = 4 if min(BK, BV) <= 16 else 8
-    kws = {k: dict(kw, num_warps=min(w, cap)) for k, w in cfg.items() if k not in ("BV", "stages")}
+    kws = {}
+    for k, w in cfg.items():
+        if k not in ("BV", "stages"):
+            warps, stages = w if isinstance(w, tuple) else (w, cfg["stages"])
+            kws[k] = dict(kw, num_warps=min(warps, cap), num_stages=stages)
     kws["dstates"]["BH"] = max(low, kws["dstates"].pop("BK") // 2)      # dS in two blocks of rows
     return BK, BV, kws
 
