@@ -45,7 +45,9 @@ CHUNK = 64
 # (or warps and its own pipeline depth)
 # (fp32 operands need twice the shared memory; the backward's per-chunk kernels hold three [C, K] fp32 accumulators).
 # 16-bit, H200 (benchmarks/delta_triton.py, 32K tokens, K = V = 128): grads_wy 0.565 ms at 8 warps, 0.338 at 4;
-# grads_qw 0.476 at 8, 0.907 at 4; dstates 0.318 at 8, 0.364 at 4; stages=3 slowed dstates and grads_qw 2-3x
+# grads_qw 0.476 at 8, 0.907 at 4; dstates 0.318 at 8, 0.364 at 4. H100, the current kernels: dstates 0.260 at 8,
+# 0.315 at 4; output and dv_local 0.156 and 0.106 at 4, 0.174 and 0.124 at 8; grads_qw 0.455 at 3 stages, 0.480
+# at 2
 CONFIGS = {16: dict(BV=64, stages=2, prep=4, states=4, output=4, dv_local=4, dstates=8, grads_qw=(8, 3), grads_wy=4),
            32: dict(BV=32, stages=1, prep=8, states=8, output=8, dv_local=4, dstates=8, grads_qw=8, grads_wy=8)}
 DOT_FP32 = tl.constexpr("ieee" if INTERPRET else "tf32x3")   # fp32 inputs: products accurate to ~fp32
