@@ -54,26 +54,21 @@ DOT_FP32 = tl.constexpr("ieee" if INTERPRET else "tf32x3")   # fp32 inputs: prod
 
 
 @triton.jit
-def _dot(a, b, DT: tl.constexpr):
-    """a @ b on tensor cores with both operands in DT (the activations' 16-bit dtype, or fp32 as 3×TF32; fp64
-    stays fp64)."""
-    if DT == tl.float32:
-        return tl.dot(a, b, input_precision=DOT_FP32)
-    elif DT == tl.float64:
-        return tl.dot(a, b)
-    else:
-        return tl.dot(a.to(DT), b.to(DT))
-
-
-@triton.jit
 def _dot_acc(a, b, acc, DT: tl.constexpr):
-    """acc + a @ b, accumulated by the tensor-core instruction itself (operands as in ``_dot``)."""
+    """acc + a @ b on tensor cores with both operands in DT (the activations' 16-bit dtype, or fp32 as 3×TF32;
+    fp64 stays fp64), accumulated by the tensor-core instruction itself (acc None: a fresh product)."""
     if DT == tl.float32:
         return tl.dot(a, b, acc, input_precision=DOT_FP32)
     elif DT == tl.float64:
         return tl.dot(a, b, acc)
     else:
         return tl.dot(a.to(DT), b.to(DT), acc)
+
+
+@triton.jit
+def _dot(a, b, DT: tl.constexpr):
+    """a @ b as ``_dot_acc`` multiplies."""
+    return _dot_acc(a, b, None, DT)
 
 
 @triton.jit
@@ -106,8 +101,7 @@ def _rows(ptr, bos, L, i_h, H, D, d0, BD: tl.constexpr, C: tl.constexpr):
 @triton.jit
 def _load_rows(ptr, bos, L, i_h, H, D, d0, BD: tl.constexpr, C: tl.constexpr):
     """That block as fp32 [C, BD], 0 outside the rows and columns."""
-    p, m = _rows(ptr, bos, L, i_h, H, D, d0, BD, C)
-    return _acc(tl.load(p, mask=m, other=0.))
+    return _acc(_raw_rows(ptr, bos, L, i_h, H, D, d0, BD, C))
 
 
 @triton.jit
@@ -501,7 +495,7 @@ def _grads_wy_kernel(w_ptr, e_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, T_ptr, du
     """Per chunk, through Ũ = T diag(β) V, W̃ = T diag(β e^G) E and T = (I + A)⁻¹: dv, de, dβ, the rest of dw
     and dG, and dg (the reverse cumulative sum of dG: G_t = Σ_{r≤t} g_r). STEP (w = e = k, β = η c² with
     c² = 1/(‖k‖² + step_eps)): one key gradient dw + de − 2 β c² dβ k, and dη = c² dβ in place of dβ. Ũ and
-    W̃ are recomputed from T (H100: loading the forward's instead took 0.417 ms against 0.357)."""
+    W̃ are recomputed from T (H100: loading the forward's instead took 0.417 ms against 0.356)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, L, rows, cols, valid = _chunk_rows(chunks_ptr, i_c, C)
     G, beta, G_end = _gates(g_ptr, beta_ptr, bos, L, i_h, H, valid, C)
