@@ -25,11 +25,12 @@ import triton
 import triton.language as tl
 
 from kalmix.ops.common.checks import fail
-from kalmix.ops.common.delta_triton import _DT, _dot, _load_rows, _load_state, _store_rows, _store_state
+from kalmix.ops.common.delta_triton import _DT, _dot, _dot_acc, _load_rows, _load_state, _store_rows, _store_state
 
 C_SUB = 16      # tokens per sub-chunk (one unblocked 16×16 Cholesky each)
 SAVE = 4        # the forward keeps A every SAVE sub-chunks for the backward
 MAX_K = 128     # A [K, K] lives in registers
+ROW_BLOCK = 32  # rows of A per streamed block
 WARPS = dict(fwd=8, bwd=8)   # (no software pipelining: every sub-chunk depends on the last)
 
 
@@ -54,52 +55,69 @@ def _chol_inv(G, rows, cols, C: tl.constexpr):
 
 
 @triton.jit
-def _factor(U, A, rows, cols, DT: tl.constexpr, C: tl.constexpr):
-    """U A, R⁻¹ and W = R⁻¹ U A for the sub-chunk rows U [C, BK] and start state A [BK, BK]."""
-    UA = _dot(U, A, DT)
-    G = (rows == cols).to(A.dtype) + _dot(U, tl.trans(UA), DT)
-    Rinv = _chol_inv(G, rows, cols, C)
-    return UA, Rinv, _dot(Rinv, UA, DT)
-
-
-@triton.jit
-def _directions(Kh, A, W, rows, cols, DT: tl.constexpr):
-    """a = A_t k̂_t for every row (unnormalised), tril(K Wᵀ), ‖a‖ floored like F.normalize."""
-    KW = tl.where(cols <= rows, _dot(Kh, tl.trans(W), DT), 0.)
-    a = _dot(Kh, A, DT) - _dot(KW, W, DT)
-    return a, KW, tl.maximum(tl.sqrt(tl.sum(a * a, axis=1)), 1e-12)
-
-
-@triton.jit
 def _sub_chunk(i_b, T, j, C: tl.constexpr):
     """First token row and length of sub-chunk j of sequence i_b (sequences of T tokens laid end to end)."""
     return i_b * T + j * C, tl.minimum(C, T - j * C)
 
 
 @triton.jit
+def _a_rows(K, r0, BR: tl.constexpr, BK: tl.constexpr):
+    """Offsets of rows r0..r0+BR of a [K, K] matrix (all BK columns), and their mask."""
+    r = r0 + tl.arange(0, BR)[:, None]
+    c = tl.arange(0, BK)[None, :]
+    return r * K + c, (r < K) & (c < K)
+
+
+@triton.jit
 def _apath_fwd_kernel(k_ptr, u_ptr, a0_ptr, al_ptr, aT_ptr, asv_ptr, rinv_ptr, w_ptr, nrm_ptr, T, H, K, NSEG,
-                      STORE: tl.constexpr, SAVE: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
+                      STORE: tl.constexpr, SAVE: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+                      DT: tl.constexpr):
     """One (batch, head) per program: α̂ and the final A; with STORE, A every SAVE sub-chunks and per token the row
-    of its sub-chunk's R⁻¹, w_t and ‖a_t‖ for the backward."""
+    of its sub-chunk's R⁻¹, w_t and ‖a_t‖ for the backward. A lives in the output A_T (L2-resident) and is streamed
+    through registers BR rows at a time, twice per sub-chunk: once for U A and K̂ A, once for A ← A − WᵀW (W read
+    back from where it was stored: the backward's buffer, or a per-program [C, K] scratch in ``w_ptr``)."""
     i_bh = tl.program_id(0)
     i_b, i_h = i_bh // H, i_bh % H
     rows, cols = tl.arange(0, C)[:, None], tl.arange(0, C)[None, :]
-    A = _load_state(a0_ptr, i_bh * K * K, K, K, 0, BK, BK)
+    a_work = aT_ptr + i_bh.to(tl.int64) * K * K
+    for r0 in tl.static_range(0, BK, BR):
+        o, m = _a_rows(K, r0, BR, BK)
+        tl.store(a_work + o, tl.load(a0_ptr + i_bh.to(tl.int64) * K * K + o, mask=m), mask=m)
+    tl.debug_barrier()
     for j in range(0, tl.cdiv(T, C)):
         t0, L = _sub_chunk(i_b, T, j, C)
         Kh = _load_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C)
         U = _load_rows(u_ptr, t0, L, i_h, H, K, 0, BK, C)
-        UA, Rinv, W = _factor(U, A, rows, cols, DT, C)
-        a, KW, nrm = _directions(Kh, A, W, rows, cols, DT)
+        UA = tl.zeros([C, BK], DT)
+        KA = tl.zeros([C, BK], DT)
+        for r0 in tl.static_range(0, BK, BR):
+            o, m = _a_rows(K, r0, BR, BK)
+            Ar = tl.load(a_work + o, mask=m, other=0.)
+            if STORE:
+                if j % SAVE == 0:
+                    tl.store(asv_ptr + (i_bh * NSEG + j // SAVE).to(tl.int64) * K * K + o, Ar, mask=m)
+            UA = _dot_acc(_load_rows(u_ptr, t0, L, i_h, H, K, r0, BR, C), Ar, UA, DT)
+            KA = _dot_acc(_load_rows(k_ptr, t0, L, i_h, H, K, r0, BR, C), Ar, KA, DT)
+        G = _dot_acc(U, tl.trans(UA), (rows == cols).to(DT), DT)
+        Rinv = _chol_inv(G, rows, cols, C)
+        W = _dot(Rinv, UA, DT)
+        KW = tl.where(cols <= rows, _dot(Kh, tl.trans(W), DT), 0.)
+        a = _dot_acc(-KW, W, KA, DT)
+        nrm = tl.maximum(tl.sqrt(tl.sum(a * a, axis=1)), 1e-12)
         _store_rows(al_ptr, a / nrm[:, None], t0, L, i_h, H, K, 0, BK, C)
         if STORE:
-            if j % SAVE == 0:
-                _store_state(asv_ptr, (i_bh * NSEG + j // SAVE).to(tl.int64) * K * K, A, K, K, 0, BK, BK)
             _store_rows(rinv_ptr, Rinv, t0, L, i_h, H, C, 0, C, C)
-            _store_rows(w_ptr, W, t0, L, i_h, H, K, 0, BK, C)
             tl.store(nrm_ptr + (t0 + tl.arange(0, C)) * H + i_h, nrm, mask=tl.arange(0, C) < L)
-        A -= _dot(tl.trans(W), W, DT)
-    _store_state(aT_ptr, i_bh * K * K, A, K, K, 0, BK, BK)
+            w0, w_h, w_H = t0, i_h, H                          # W's rows in the backward's [B, T, H, K] buffer
+        else:
+            w0, w_h, w_H = i_bh * C, 0, 1                      # the program's [C, K] scratch
+        _store_rows(w_ptr, W, w0, L, w_h, w_H, K, 0, BK, C)
+        tl.debug_barrier()
+        for r0 in tl.static_range(0, BK, BR):
+            o, m = _a_rows(K, r0, BR, BK)
+            Wr = _load_rows(w_ptr, w0, L, w_h, w_H, K, r0, BR, C)           # columns r0.. of W
+            tl.store(a_work + o, _dot_acc(-tl.trans(Wr), W, tl.load(a_work + o, mask=m, other=0.), DT), mask=m)
+        tl.debug_barrier()
 
 
 @triton.jit
@@ -169,7 +187,8 @@ def _config(kh: torch.Tensor):
              "use impl='torch'")
     if kh.dtype not in (torch.float32, torch.float64):
         raise TypeError(f"the A path runs in fp32 or fp64, got {kh.dtype}")
-    return dict(C=C_SUB, BK=max(16, triton.next_power_of_2(K)), DT=_DT[kh.dtype])
+    BK = max(16, triton.next_power_of_2(K))
+    return dict(C=C_SUB, BK=BK, DT=_DT[kh.dtype])
 
 
 class APathFunction(torch.autograd.Function):
@@ -186,9 +205,10 @@ class APathFunction(torch.autograd.Function):
             asv, rinv = torch.empty(B * H * nseg, K, K, **f), torch.empty(B, T, H, C_SUB, **f)
             w, nrm = torch.empty_like(kh), torch.empty(B, T, H, **f)
         else:
-            asv = rinv = w = nrm = alpha    # not written
+            asv = rinv = nrm = alpha        # not written
+            w = torch.empty(B * H * C_SUB, K, **f)
         _apath_fwd_kernel[(B * H,)](kh, uh, A0, alpha, AT, asv, rinv, w, nrm, T, H, K, nseg, STORE=store, SAVE=SAVE,
-                                    num_warps=WARPS["fwd"], num_stages=1, **kw)
+                                    BR=min(ROW_BLOCK, kw["BK"]), num_warps=WARPS["fwd"], num_stages=1, **kw)
         if store:
             ctx.save_for_backward(kh, uh, alpha, asv, rinv, w, nrm)
         ctx.set_materialize_grads(False)
