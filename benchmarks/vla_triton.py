@@ -2,7 +2,7 @@
 the whole op against the fp64 torch impl, then timings of the A path alone and of the op next to fla's
 chunk_delta_rule and SDPA on the same tokens. From the repository root:
 
-    python benchmarks/vla_triton.py [--configs KEY=VALUE,... ...]   (keys: fwd, bwd (warps), save)
+    python benchmarks/vla_triton.py [--configs KEY=VALUE,... ...]   (keys: fwd, bwd (warps), save, rows)
 """
 import torch
 import torch.nn.functional as F
@@ -70,6 +70,7 @@ def timings(dev, configs):
         for cfg in configs:
             ap.WARPS.update({k: v for k, v in cfg.items() if k in ap.WARPS})
             ap.SAVE = cfg.get("save", ap.SAVE)
+            ap.ROW_BLOCK = cfg.get("rows", ap.ROW_BLOCK)
             apath = lambda: ap.write_directions_triton(*xs, A0)[0]  # noqa: E731
             f = lambda: ops.variational_linear_attention(q, k, v, u, impl="triton")[0]  # noqa: E731
             with torch.no_grad():

@@ -1,7 +1,7 @@
 """VLA's A path (the write directions α̂) as sequential Triton kernels, forward and backward.
 
 Per head, A_t = (A_0⁻¹ + Σ_{s≤t} û_s û_sᵀ)⁻¹ and α̂_t = a_t/‖a_t‖ with a_t = A_t k̂_t. One program per (batch,
-head) keeps A [K, K] in fp32 registers and walks sub-chunks of C = 16 tokens; for a sub-chunk with rows û, k̂:
+head) walks sub-chunks of C = 16 tokens with A [K, K] in fp32; for a sub-chunk with rows û, k̂:
 
     G = I + U A Uᵀ = R Rᵀ (Cholesky),  Y = R⁻¹ U,  W = Y A (rows w_t = z_t/√δ_t)
     a = K A − tril(K Wᵀ) W,            A ← A − Wᵀ W
@@ -13,10 +13,11 @@ Backward (README.md, `impl="triton"`): with P_t = A_t A⁻¹ = I − Σ_{s≤t} 
     ∂û_s = −Σ_{t≥s} [(a_t·û_s) b_t + (b_t·û_s) a_t] − 2 A_C Ā A_C û_s
     Ā ← P_Cᵀ Ā P_C + sym Σ_t (P_tᵀ ∂a_t)(P_tᵀ k̂_t)ᵀ
 
-The forward saves A every SAVE sub-chunks and, per token, its row of R⁻¹, w_t and ‖a_t‖; the backward rebuilds
-the sub-chunk starts of one segment (A ← A − WᵀW) into a per-program scratch and walks them in reverse, with no
-factorisation. Only the symmetric part of dA_0 is meaningful (A is symmetric; the op differentiates through
-(A + Aᵀ)/2).
+The forward keeps A in its A_T output (L2-resident) and streams it through registers ROW_BLOCK rows at a time
+(README.md says why and what it measured); the backward holds A and Ā in registers. The forward saves A every SAVE
+sub-chunks and, per token, its row of R⁻¹, w_t and ‖a_t‖; the backward rebuilds the sub-chunk starts of one
+segment (A ← A − WᵀW) into a per-program scratch and walks them in reverse, with no factorisation. Only the
+symmetric part of dA_0 is meaningful (A is symmetric; the op differentiates through (A + Aᵀ)/2).
 """
 from __future__ import annotations
 
