@@ -21,9 +21,11 @@ import kalmix.ops.vla.apath_triton as ap
 
 EDITS = {
     "nochol": [("Rinv = _chol_inv(G, rows, cols, C)", "Rinv = G * 0.01")],
-    "tf32": [("delta_triton import _DT, _dot,", "delta_triton import _DT,"),
-             ("@triton.jit\ndef _chol_inv", "@triton.jit\ndef _dot(a, b, DT: tl.constexpr):\n"
-              "    return tl.dot(a, b, input_precision='tf32')\n\n\n@triton.jit\ndef _chol_inv")],
+    "tf32": [("delta_triton import _DT, _dot, _dot_acc,", "delta_triton import _DT,"),
+             ("@triton.jit\ndef _chol_inv", "@triton.jit\ndef _dot_acc(a, b, acc, DT: tl.constexpr):\n"
+              "    return tl.dot(a, b, acc, input_precision='tf32')\n\n\n@triton.jit\n"
+              "def _dot(a, b, DT: tl.constexpr):\n    return _dot_acc(a, b, None, DT)\n\n\n"
+              "@triton.jit\ndef _chol_inv")],
 }
 VARIANTS = {"base": [], "nochol": EDITS["nochol"], "tf32": EDITS["tf32"],
             "nochol+tf32": EDITS["nochol"] + EDITS["tf32"]}
@@ -56,12 +58,14 @@ def main(B=16, T=2048, H=8, K=128):
         m = variant_module(name, edits, tmp)
         for warps in (4, 8):
             alpha, AT = torch.full_like(kh, float("nan")), torch.empty_like(A0)
+            w = torch.empty(B * H * m.C_SUB, K, device=dev)                  # the forward's W scratch
             nseg = triton.cdiv(triton.cdiv(T, m.C_SUB), m.SAVE)
+            kw = m._config(kh)
 
             def f():
-                return m._apath_fwd_kernel[(B * H,)](kh, uh, A0, alpha, AT, alpha, alpha, alpha, alpha, T, H, K, nseg,
-                                                     STORE=False, SAVE=m.SAVE, num_warps=warps, num_stages=1,
-                                                     **m._config(kh))
+                return m._apath_fwd_kernel[(B * H,)](kh, uh, A0, alpha, AT, alpha, alpha, w, alpha, T, H, K, nseg,
+                                                     STORE=False, SAVE=m.SAVE, BR=min(m.ROW_BLOCK, kw["BK"]),
+                                                     num_warps=warps, num_stages=1, **kw)
             compiled = f()
             t = do_bench(f, warmup=5, rep=20)
             ref = alpha.clone() if ref is None else ref

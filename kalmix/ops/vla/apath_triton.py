@@ -30,7 +30,7 @@ from kalmix.ops.common.delta_triton import _DT, _dot, _dot_acc, _load_rows, _loa
 
 C_SUB = 16      # tokens per sub-chunk (one unblocked 16×16 Cholesky each)
 SAVE = 4        # the forward keeps A every SAVE sub-chunks for the backward
-MAX_K = 128     # A [K, K] lives in registers
+MAX_K = 128     # the backward holds A [K, K] (and its gradient) in registers
 ROW_BLOCK = 32  # rows of A per streamed block
 WARPS = dict(fwd=8, bwd=8)   # (no software pipelining: every sub-chunk depends on the last)
 
@@ -80,10 +80,11 @@ def _apath_fwd_kernel(k_ptr, u_ptr, a0_ptr, al_ptr, aT_ptr, asv_ptr, rinv_ptr, w
     i_bh = tl.program_id(0)
     i_b, i_h = i_bh // H, i_bh % H
     rows, cols = tl.arange(0, C)[:, None], tl.arange(0, C)[None, :]
-    a_work = aT_ptr + i_bh.to(tl.int64) * K * K
+    base = i_bh.to(tl.int64) * K * K
+    a_work = aT_ptr + base
     for r0 in tl.static_range(0, BK, BR):
         o, m = _a_rows(K, r0, BR, BK)
-        tl.store(a_work + o, tl.load(a0_ptr + i_bh.to(tl.int64) * K * K + o, mask=m), mask=m)
+        tl.store(a_work + o, tl.load(a0_ptr + base + o, mask=m), mask=m)
     tl.debug_barrier()
     for j in range(0, tl.cdiv(T, C)):
         t0, L = _sub_chunk(i_b, T, j, C)
@@ -188,8 +189,7 @@ def _config(kh: torch.Tensor):
              "use impl='torch'")
     if kh.dtype not in (torch.float32, torch.float64):
         raise TypeError(f"the A path runs in fp32 or fp64, got {kh.dtype}")
-    BK = max(16, triton.next_power_of_2(K))
-    return dict(C=C_SUB, BK=BK, DT=_DT[kh.dtype])
+    return dict(C=C_SUB, BK=max(16, triton.next_power_of_2(K)), DT=_DT[kh.dtype])
 
 
 class APathFunction(torch.autograd.Function):
