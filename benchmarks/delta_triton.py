@@ -96,7 +96,7 @@ def kernel_breakdown(q, w, v, g, beta, s0, do, K):
     runs = {
         "prep": lambda: dt._prep_kernel[(NC, H)](wf, wf, vf, gf, bf, chunks, Gc, Tm, wt, ut, H, K, V, **kw["prep"]),
         "states": lambda: dt._states_kernel[(nv, N * H)](wf, wt, ut, Gc, s0, cu, coff, h, U, sT, H, K, V,
-                                                         **kw["states"]),
+                                                         HAS_S0=True, **kw["states"]),
         "output": lambda: dt._output_kernel[(NC, H)](qf, wf, U, Gc, h, chunks, o, sc, H, K, V, **kw["output"]),
         "dv_local": lambda: dt._dv_local_kernel[(NC, H)](qf, wf, Gc, dof, chunks, dU, sc, H, K, V, **kw["dv_local"]),
         "dstates": lambda: dt._dstates_kernel[(nv, N * H)](qf, wf, wt, Gc, dof, s0, cu, coff, dU, dh, ds0, sc, H, K,

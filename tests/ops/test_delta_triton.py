@@ -102,3 +102,27 @@ def test_kaczmarz_step_mode_with_key_norms_spread_over_two_decades(dtype, tol):
                                                                   cu_seqlens=cu, step_eps=eps), xs, dtype)
     for name, x, w in zip("o S dq dk dv dg deta dS0".split(), got, want):
         assert_close(name, x, w, tol)
+
+
+def test_batch_table_is_the_packed_table_of_equal_lengths():
+    """The cached table of an unpacked batch equals the one built from its cu_seqlens (a partial last chunk)."""
+    B, T = 3, 2 * dt.CHUNK + 5
+    cu = torch.arange(0, (B + 1) * T, T)
+    for got, want in zip(dt.batch_table(B, T, dt.CHUNK, cu.device), dt._chunk_table(cu, B, T, dt.CHUNK, True)):
+        assert got.dtype == want.dtype == torch.int32 and torch.equal(got, want)
+    assert torch.equal(dt.batch_offsets(B, T, cu.device), cu.to(torch.int32))
+
+
+def test_no_initial_state_and_16_bit_gates():
+    """state=None runs without an initial state: the same outputs and gradients as zeros, bit for bit, and no
+    gradient for it; gates stored in bf16 are read as they are and their gradients come back in bf16."""
+    q, w, e, v, g, beta, s0 = (x.float() for x in _inputs(2, 70, 2, 16, 16, 2, seed=5))
+    g, beta = g.bfloat16(), beta.bfloat16()
+    runs = []
+    for state in (torch.zeros_like(s0), None):
+        xs = [x.clone().requires_grad_() for x in (q, w, e, v, g, beta)]
+        o, S = dt.chunk_delta_rule_triton(*xs, scale=0.3, state=state)
+        runs.append([o, S, *torch.autograd.grad((o * v).sum() + S.sum(), xs)])
+    for name, a, b in zip("o S dq dw de dv dg dbeta".split(), *runs):
+        assert torch.equal(a, b), name
+    assert runs[1][-2].dtype == runs[1][-1].dtype == torch.bfloat16

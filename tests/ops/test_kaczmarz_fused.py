@@ -15,8 +15,9 @@ from kalmix.ops.common.varlen import run_packed
 from kalmix.ops.kaczmarz import fused
 
 
-def _gdn_stand_in(q, k, v, g, beta, *, scale, state, cu_seqlens):
-    """fla's contract (packed sequences, [N, H, K, V] states) computed by kalmix's chunked delta rule."""
+def _gdn_stand_in(q, k, v, g, beta, *, scale, state, cu_seqlens, final_state):
+    """fla's contract (packed sequences, [N, H, K, V] states, the final one only when asked) computed by kalmix's
+    chunked delta rule."""
     def core(q, k, v, g, beta, *, state):
         o, S = chunk_delta_rule(q, k, k, v, g, beta, scale=scale, state=state[0], chunk_size=8)
         return (o,), (S,)
@@ -24,7 +25,7 @@ def _gdn_stand_in(q, k, v, g, beta, *, scale, state, cu_seqlens):
         n = q.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
         state = q.new_zeros(n, q.shape[2], q.shape[3], v.shape[3])
     (o,), (S,) = run_packed(core, cu_seqlens, [q, k, v, g, beta.to(q.dtype)], (state.to(q.dtype),))
-    return o, S
+    return o, (S if final_state else None)
 
 
 def _draw(T, seed, n_seq=2, B=None):

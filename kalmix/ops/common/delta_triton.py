@@ -31,6 +31,7 @@ The backward recomputes the states (one pass over the chunks) but not the chunk 
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -57,8 +58,8 @@ DOT_FP32 = tl.constexpr("ieee" if INTERPRET else "tf32x3")   # fp32 inputs: prod
 def _dot_acc(a, b, acc, DT: tl.constexpr):
     """acc + a @ b on tensor cores with both operands in DT (the activations' 16-bit dtype, or fp32 as 3×TF32;
     fp64 stays fp64), accumulated by the tensor-core instruction itself (acc None: a fresh product)."""
-    if DT == tl.float32:
-        return tl.dot(a, b, acc, input_precision=DOT_FP32)
+    if DT == tl.float32:        # (the interpreter's 16-bit operands are multiplied in fp32)
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=DOT_FP32)
     elif DT == tl.float64:
         return tl.dot(a, b, acc)
     else:
@@ -114,10 +115,15 @@ def _raw_rows(ptr, bos, L, i_h, H, D, d0, BD: tl.constexpr, C: tl.constexpr):
 @triton.jit
 def _load_cols(ptr, bos, L, i_h, H, D, d0, BD: tl.constexpr, C: tl.constexpr):
     """The block of ``_load_rows`` transposed, loaded as fp32 [BD, C]."""
+    return _acc(_raw_cols(ptr, bos, L, i_h, H, D, d0, BD, C))
+
+
+@triton.jit
+def _raw_cols(ptr, bos, L, i_h, H, D, d0, BD: tl.constexpr, C: tl.constexpr):
+    """``_load_cols`` in the tensor's dtype."""
     r = tl.arange(0, C)[None, :]
     d = d0 + tl.arange(0, BD)[:, None]
-    return _acc(tl.load(ptr + (bos.to(tl.int64) * H + i_h) * D + (r * (H * D) + d), mask=(r < L) & (d < D),
-                        other=0.))
+    return tl.load(ptr + (bos.to(tl.int64) * H + i_h) * D + (r * (H * D) + d), mask=(r < L) & (d < D), other=0.)
 
 
 @triton.jit
@@ -136,8 +142,14 @@ def _state(ptr, base, K, V, v0, BK: tl.constexpr, BV: tl.constexpr):
 
 @triton.jit
 def _load_state(ptr, base, K, V, v0, BK: tl.constexpr, BV: tl.constexpr):
+    return _acc(_raw_state(ptr, base, K, V, v0, BK, BV))
+
+
+@triton.jit
+def _raw_state(ptr, base, K, V, v0, BK: tl.constexpr, BV: tl.constexpr):
+    """Columns v0..v0+BV of the [K, V] matrix at ``ptr + base`` in its dtype."""
     p, m = _state(ptr, base, K, V, v0, BK, BV)
-    return _acc(tl.load(p, mask=m, other=0.))
+    return tl.load(p, mask=m, other=0.)
 
 
 @triton.jit
@@ -181,8 +193,9 @@ def _inv_sq_norm(k, eps):
 def _step_kernel(k_ptr, eta_ptr, g_ptr, ext_ptr, dbeta_ptr, out_ptr, dk_ptr, n_rows, eps, K, R: tl.constexpr,
                  BK: tl.constexpr, BACKWARD: tl.constexpr, CHECK: tl.constexpr):
     """Blocks of R (token, head) rows, strided over the programs. Forward: β = η c², c² = 1/(‖k‖² + eps); CHECK
-    also folds g's and η's min, max and NaN count into the [2, 3] ``ext`` (checks.defer_check's layout), with
-    one set of atomics per program. BACKWARD: from dβ, dη = c² dβ and dk = −2 η c⁴ dβ k."""
+    also writes g's and η's min, max and NaN count over the program's rows to its [2, 3] row of ``ext``
+    ([programs, 2, 3], folded by checks.defer_check: no atomics, nothing to initialise). BACKWARD: from dβ,
+    dη = c² dβ and dk = −2 η c⁴ dβ k."""
     d = tl.arange(0, BK)[None, :]
     inf = float("inf")
     lo_g, hi_g, nan_g = tl.full([R], inf, tl.float32), tl.full([R], -inf, tl.float32), tl.zeros([R], tl.float32)
@@ -209,31 +222,40 @@ def _step_kernel(k_ptr, eta_ptr, g_ptr, ext_ptr, dbeta_ptr, out_ptr, dk_ptr, n_r
                 nan_g += (m & (g != g)).to(tl.float32)
                 nan_e += (m & (e != e)).to(tl.float32)
     if CHECK:
-        tl.atomic_min(ext_ptr, tl.min(lo_g, axis=0))
-        tl.atomic_max(ext_ptr + 1, tl.max(hi_g, axis=0))
-        tl.atomic_add(ext_ptr + 2, tl.sum(nan_g, axis=0))
-        tl.atomic_min(ext_ptr + 3, tl.min(lo_e, axis=0))
-        tl.atomic_max(ext_ptr + 4, tl.max(hi_e, axis=0))
-        tl.atomic_add(ext_ptr + 5, tl.sum(nan_e, axis=0))
+        row = ext_ptr + tl.program_id(0) * 6
+        tl.store(row, tl.min(lo_g, axis=0))
+        tl.store(row + 1, tl.max(hi_g, axis=0))
+        tl.store(row + 2, tl.sum(nan_g, axis=0))
+        tl.store(row + 3, tl.min(lo_e, axis=0))
+        tl.store(row + 4, tl.max(hi_e, axis=0))
+        tl.store(row + 5, tl.sum(nan_e, axis=0))
 
 
-_STEP_ROWS, _STEP_PROGRAMS = 16, 2048      # row block; at most this many programs (the check's atomics)
+# row block, most programs, warps. H100, 32K tokens × 8 heads × K = 128 in bf16, in a CUDA graph: 25-26 µs without
+# the check at most settings from 1056 programs up (the floor to read k: 20 µs); with the check's per-program
+# atomics (before the partial rows) 32.7 µs here, 37.3 at 16 rows, 2048 programs and 4 warps
+_STEP_ROWS, _STEP_PROGRAMS, _STEP_WARPS = 32, 1056, 8
+
+
+def step_programs(n_rows: int) -> int:
+    """Programs of the step pass over ``n_rows`` (token, head) rows: the rows of its check's [programs, 2, 3]."""
+    return max(1, min(triton.cdiv(n_rows, _STEP_ROWS), _STEP_PROGRAMS))
 
 
 def _step_launch(k, eta, dbeta, out, dk, eps, backward, g=None, ext=None):
     K = k.shape[-1]
     n = eta.numel()
-    grid = (max(1, min(triton.cdiv(n, _STEP_ROWS), _STEP_PROGRAMS)),)
-    _step_kernel[grid](k, eta, g, ext, dbeta, out, dk, n, eps, K, R=_STEP_ROWS, BK=triton.next_power_of_2(K),
-                       BACKWARD=backward, CHECK=ext is not None)
+    _step_kernel[(step_programs(n),)](k, eta, g, ext, dbeta, out, dk, n, eps, K, R=_STEP_ROWS,
+                                      BK=triton.next_power_of_2(K), BACKWARD=backward, CHECK=ext is not None,
+                                      num_warps=_STEP_WARPS)
 
 
 def kaczmarz_step(k: torch.Tensor, eta: torch.Tensor, eps: float, g: torch.Tensor | None = None,
                   ext: torch.Tensor | None = None) -> torch.Tensor:
     """β = η/(‖k‖² + eps) (0 where ‖k‖² + eps = 0) for k [..., K] and eta [...], in fp32 (fp64 for fp64 k): the
     Kaczmarz step that turns the delta rule on raw keys into the projection. One pass over k; differentiable.
-    With ``ext`` (``checks.extrema_buffer(2, ...)``) the same pass folds the min, max and NaN count of g (like
-    eta) and eta into it, for the op's value check."""
+    With ``ext`` ([step_programs(eta.numel()), 2, 3] fp32) the same pass writes each program's min, max and NaN
+    count of g (like eta) and eta into it, for the op's value check (``checks.defer_check``)."""
     if ext is not None:
         g = g.contiguous()
     if torch.is_grad_enabled() and (k.requires_grad or eta.requires_grad):
@@ -347,21 +369,25 @@ def _chunk_gate(Gc_ptr, t0, L, i_h, H, valid, C: tl.constexpr):
 
 @triton.jit
 def _states_kernel(w_ptr, wt_ptr, ut_ptr, Gc_ptr, s0_ptr, cu_ptr, coff_ptr, h_ptr, u_ptr, sT_ptr, H, K, V,
-                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr):
+                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, HAS_S0: tl.constexpr):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     v0 = i_v * BV
     bos, eos, c0, n_c = _seq_range(cu_ptr, coff_ptr, i_n, C)
-    S = _load_state(s0_ptr, i_nh.to(tl.int64) * K * V, K, V, v0, BK, BV)
+    if HAS_S0:
+        S = _load_state(s0_ptr, i_nh.to(tl.int64) * K * V, K, V, v0, BK, BV)
+    else:
+        S = tl.zeros([BK, BV], dtype=sT_ptr.dtype.element_ty)
     for j in range(0, n_c):
         t0, L, valid = _chunk_at(bos, eos, j, C)
         _store_state(h_ptr, ((c0 + j).to(tl.int64) * H + i_h) * K * V, S, K, V, v0, BK, BV)
         U = _load_rows(ut_ptr, t0, L, i_h, H, V, v0, BV, C) - _dot(
-            _load_rows(wt_ptr, t0, L, i_h, H, K, 0, BK, C), S, DT)
+            _raw_rows(wt_ptr, t0, L, i_h, H, K, 0, BK, C), S, DT)
         _store_rows(u_ptr, U, t0, L, i_h, H, V, v0, BV, C)
         G, G_end = _chunk_gate(Gc_ptr, t0, L, i_h, H, valid, C)
-        Wd = _load_rows(w_ptr, t0, L, i_h, H, K, 0, BK, C) * tl.exp(G_end - G)[:, None]
-        S = tl.exp(G_end) * S + _dot(tl.trans(Wd), U, DT)
+        # the decay e^{G_C − G} scales U's [C, BV] rows rather than W's [C, K] ones; W stays in its dtype
+        S = tl.exp(G_end) * S + _dot(tl.trans(_raw_rows(w_ptr, t0, L, i_h, H, K, 0, BK, C)),
+                                     U * tl.exp(G_end - G)[:, None], DT)
     _store_state(sT_ptr, i_nh.to(tl.int64) * K * V, S, K, V, v0, BK, BV)
 
 
@@ -369,11 +395,12 @@ def _states_kernel(w_ptr, wt_ptr, ut_ptr, Gc_ptr, s0_ptr, cu_ptr, coff_ptr, h_pt
 def _chunk_scores(q_ptr, w_ptr, Gc_ptr, chunks_ptr, i_c, i_h, H, K, C: tl.constexpr, BK: tl.constexpr,
                   DT: tl.constexpr):
     """Chunk i_c's first token and length, G, Q and the decayed scores P = (Q Wᵀ) ⊙ D (the output's intra-chunk
-    term, and in the backward the one dU gets from the chunk's own outputs)."""
+    term, and in the backward the one dU gets from the chunk's own outputs). Q in its dtype (a tensor-core
+    operand only)."""
     bos, L, rows, cols, valid = _chunk_rows(chunks_ptr, i_c, C)
     G, _ = _chunk_gate(Gc_ptr, bos, L, i_h, H, valid, C)
-    Q = _load_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C)
-    W = _load_rows(w_ptr, bos, L, i_h, H, K, 0, BK, C)
+    Q = _raw_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C)
+    W = _raw_rows(w_ptr, bos, L, i_h, H, K, 0, BK, C)
     return bos, L, G, Q, _dot(Q, tl.trans(W), DT) * _decay(G, rows, cols, False)
 
 
@@ -386,8 +413,8 @@ def _output_kernel(q_ptr, w_ptr, u_ptr, Gc_ptr, h_ptr, chunks_ptr, o_ptr, scale,
     eG = scale * tl.exp(G)[:, None]
     P = scale * P
     for v0 in range(0, V, BV):
-        S0 = _load_state(h_ptr, (i_c.to(tl.int64) * H + i_h) * K * V, K, V, v0, BK, BV)
-        U = _load_rows(u_ptr, bos, L, i_h, H, V, v0, BV, C)
+        S0 = _raw_state(h_ptr, (i_c.to(tl.int64) * H + i_h) * K * V, K, V, v0, BK, BV)
+        U = _raw_rows(u_ptr, bos, L, i_h, H, V, v0, BV, C)
         _store_rows(o_ptr, eG * _dot(Q, S0, DT) + _dot(P, U, DT), bos, L, i_h, H, V, v0, BV, C)
 
 
@@ -400,7 +427,7 @@ def _dv_local_kernel(q_ptr, w_ptr, Gc_ptr, do_ptr, chunks_ptr, du_ptr, scale, H,
     bos, L, _, _, P = _chunk_scores(q_ptr, w_ptr, Gc_ptr, chunks_ptr, i_c, i_h, H, K, C, BK, DT)
     Pt = scale * tl.trans(P)
     for v0 in range(0, V, BV):
-        dO = _load_rows(do_ptr, bos, L, i_h, H, V, v0, BV, C)
+        dO = _raw_rows(do_ptr, bos, L, i_h, H, V, v0, BV, C)
         _store_rows(du_ptr, _dot(Pt, dO, DT), bos, L, i_h, H, V, v0, BV, C)
 
 
@@ -429,16 +456,16 @@ def _dstates_kernel(q_ptr, w_ptr, wt_ptr, Gc_ptr, do_ptr, dsT_ptr, cu_ptr, coff_
         _store_state(dh_ptr, hb, dS1, K, V, v0, BH, BV)
         _store_state(dh_ptr, hb + BH * V, dS2, K - BH, V, v0, BH, BV)
         G, G_end = _chunk_gate(Gc_ptr, t0, L, i_h, H, valid, C)
-        dU = _dot(_load_rows(w_ptr, t0, L, i_h, H, K, 0, BH, C), dS1, DT) + _dot(
-            _load_rows(w_ptr, t0, L, i_h, H, K, BH, BH, C), dS2, DT)
+        dU = _dot(_raw_rows(w_ptr, t0, L, i_h, H, K, 0, BH, C), dS1, DT) + _dot(
+            _raw_rows(w_ptr, t0, L, i_h, H, K, BH, BH, C), dS2, DT)
         dU = _load_rows(du_ptr, t0, L, i_h, H, V, v0, BV, C) + tl.exp(G_end - G)[:, None] * dU
         _store_rows(du_ptr, dU, t0, L, i_h, H, V, v0, BV, C)
-        dO = _load_rows(do_ptr, t0, L, i_h, H, V, v0, BV, C)
+        dO = _raw_rows(do_ptr, t0, L, i_h, H, V, v0, BV, C)
         eG = tl.exp(G)[None, :]
         dS1 = (scale * _dot(_load_cols(q_ptr, t0, L, i_h, H, K, 0, BH, C) * eG, dO, DT) + tl.exp(G_end) * dS1
-               - _dot(_load_cols(wt_ptr, t0, L, i_h, H, K, 0, BH, C), dU, DT))
+               - _dot(_raw_cols(wt_ptr, t0, L, i_h, H, K, 0, BH, C), dU, DT))
         dS2 = (scale * _dot(_load_cols(q_ptr, t0, L, i_h, H, K, BH, BH, C) * eG, dO, DT) + tl.exp(G_end) * dS2
-               - _dot(_load_cols(wt_ptr, t0, L, i_h, H, K, BH, BH, C), dU, DT))
+               - _dot(_raw_cols(wt_ptr, t0, L, i_h, H, K, BH, BH, C), dU, DT))
     _store_state(ds0_ptr, base, dS1, K, V, v0, BH, BV)
     _store_state(ds0_ptr, base + BH * V, dS2, K - BH, V, v0, BH, BV)
 
@@ -542,21 +569,34 @@ def _grads_wy_kernel(w_ptr, e_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, T_ptr, du
 
 def _chunk_table(cu: torch.Tensor, B: int, T: int, C: int, packed: bool):
     """Per sequence: its first chunk [N]; per chunk: its token range [NC, 2] (int32, on cu's device)."""
-    dev = cu.device
     if not packed:
-        n = triton.cdiv(T, C)
-        start = (torch.arange(B, device=dev)[:, None] * T + torch.arange(n, device=dev)[None, :] * C).flatten()
-        end = torch.minimum(start + C, (start // T + 1) * T)
-        coff = torch.arange(0, B * n, n, device=dev)
-    else:
-        lens = cu[1:] - cu[:-1]
-        n = (lens + C - 1) // C
-        coff = torch.cumsum(n, 0) - n
-        n_total = int(n.sum())
-        seq = torch.repeat_interleave(torch.arange(len(n), device=dev), n, output_size=n_total)
-        start = cu[seq] + (torch.arange(n_total, device=dev) - coff[seq]) * C
-        end = torch.minimum(start + C, cu[seq + 1])
+        return batch_table(B, T, C, cu.device)
+    dev = cu.device
+    lens = cu[1:] - cu[:-1]
+    n = (lens + C - 1) // C
+    coff = torch.cumsum(n, 0) - n
+    n_total = int(n.sum())
+    seq = torch.repeat_interleave(torch.arange(len(n), device=dev), n, output_size=n_total)
+    start = cu[seq] + (torch.arange(n_total, device=dev) - coff[seq]) * C
+    end = torch.minimum(start + C, cu[seq + 1])
     return coff.to(torch.int32), torch.stack([start, end], 1).to(torch.int32).contiguous()
+
+
+@functools.lru_cache(maxsize=64)
+def batch_table(B: int, T: int, C: int, device: torch.device):
+    """``_chunk_table`` of B sequences of T tokens, kept per shape: an op call on a batch builds no tables (they
+    took ~10 small kernels and their launches per call). The kernels only read them."""
+    n = triton.cdiv(T, C)
+    start = torch.arange(0, B * T, T)[:, None] + torch.arange(0, n * C, C)[None, :]
+    end = torch.minimum(start + C, torch.arange(T, (B + 1) * T, T)[:, None])
+    coff = torch.arange(0, B * n, n, dtype=torch.int32)
+    return coff.to(device), torch.stack([start, end], -1).view(-1, 2).to(device=device, dtype=torch.int32)
+
+
+@functools.lru_cache(maxsize=64)
+def batch_offsets(B: int, T: int, device: torch.device) -> torch.Tensor:
+    """cu_seqlens [B + 1] (int32) of B sequences of T tokens, kept per shape like ``batch_table``."""
+    return torch.arange(0, (B + 1) * T, T, dtype=torch.int32).to(device)
 
 
 def _launch(dtype: torch.dtype, K: int, V: int):
@@ -599,7 +639,8 @@ def _prep(w, e, v, g, beta, chunks):
 
 
 def _states(w, wt, ut, Gc, s0, cu, coff, n_chunks):
-    """Chunk-start states h [NC, H, K, V] and pseudo-values U (the activations' dtype), final state (fp32)."""
+    """Chunk-start states h [NC, H, K, V] and pseudo-values U (the activations' dtype), final state (fp32); s0
+    None: zero initial states."""
     Ttot, H, K = w.shape
     V = ut.shape[-1]
     _, BV, kw = _launch(w.dtype, K, V)
@@ -607,7 +648,8 @@ def _states(w, wt, ut, Gc, s0, cu, coff, n_chunks):
     act = dict(dtype=w.dtype, device=w.device)
     h, U = torch.empty(n_chunks, H, K, V, **act), torch.empty(Ttot, H, V, **act)
     sT = torch.empty(N, H, K, V, dtype=compute_dtype(w), device=w.device)
-    _states_kernel[(triton.cdiv(V, BV), N * H)](w, wt, ut, Gc, s0, cu, coff, h, U, sT, H, K, V, **kw["states"])
+    _states_kernel[(triton.cdiv(V, BV), N * H)](w, wt, ut, Gc, s0, cu, coff, h, U, sT, H, K, V,
+                                                HAS_S0=s0 is not None, **kw["states"])
     return h, U, sT
 
 
@@ -629,14 +671,14 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         if step_eps is not None:                # beta is η; the kernels take the step η/(‖k‖² + eps)
             flat[5] = step.reshape(B * T, *step.shape[2:]).contiguous()
         coff, chunks = _chunk_table(cu, B, T, CHUNK, packed)
-        s0 = s0.contiguous()
+        s0 = None if s0 is None else s0.contiguous()
         Gc, Tm, wt, ut = _prep(*flat[1:], chunks)
         h, U, sT = _states(flat[1], wt, ut, Gc, s0, cu, coff, chunks.shape[0])
         o = _output(flat[0], flat[1], U, Gc, h, chunks, scale)
         # the backward reuses the chunk systems (their solve is the forward's costliest kernel) and recomputes
         # only the states
         ctx.save_for_backward(*flat, s0, cu, coff, chunks, Gc, Tm, wt, ut)
-        ctx.scale, ctx.shape, ctx.step_eps = scale, (B, T, H, K, V), step_eps
+        ctx.scale, ctx.shape, ctx.step_eps, ctx.beta_dtype = scale, (B, T, H, K, V), step_eps, beta.dtype
         ctx.set_materialize_grads(False)
         return o.view(B, T, H, V), sT
 
@@ -648,15 +690,15 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         NC, N = chunks.shape[0], cu.numel() - 1
         h, U, _ = _states(w, wt, ut, Gc, s0, cu, coff, NC)
         do = torch.zeros_like(v) if do is None else do.reshape(B * T, H, V).contiguous()
-        dU, dh, ds0 = torch.empty_like(U), torch.empty_like(h), torch.empty_like(s0)
+        dU, dh, ds0 = torch.empty_like(U), torch.empty_like(h), Gc.new_empty(N, H, K, V)
         _dv_local_kernel[(NC, H)](q, w, Gc, do, chunks, dU, ctx.scale, H, K, V, **kw["dv_local"])
         _dstates_kernel[(triton.cdiv(V, BV), N * H)](
-            q, w, wt, Gc, do, s0 if dsT is None else dsT.contiguous(), cu, coff, dU, dh, ds0, ctx.scale, H, K, V,
+            q, w, wt, Gc, do, dU if dsT is None else dsT.contiguous(), cu, coff, dU, dh, ds0, ctx.scale, H, K, V,
             HAS_DST=dsT is not None, **kw["dstates"])
         step = ctx.step_eps is not None
         dq, dw, dv = (torch.empty_like(x) for x in (q, w, v))
         de = dw if step else torch.empty_like(e)                # STEP writes the one key's gradient to dw
-        dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
+        dg, dbeta = torch.empty_like(g), torch.empty_like(beta, dtype=ctx.beta_dtype)    # (η's dtype for step_eps)
         acc = compute_dtype(q)
         # dW̃ only feeds a tensor-core product (operands in the activations' dtype): it is kept in that dtype
         dw32, dwt, dG = torch.empty_like(w, dtype=acc), torch.empty_like(w), torch.empty_like(g, dtype=acc)
@@ -665,19 +707,19 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         _grads_wy_kernel[(NC, H)](w, e, v, g, beta, chunks, Tm, dU, dwt, dG, dw32, dw, de, dv, dg, dbeta,
                                   0. if ctx.step_eps is None else ctx.step_eps, H, K, V, STEP=step, **kw["grads_wy"])
         shape = lambda x: x.view(B, T, *x.shape[1:])  # noqa: E731
-        return (shape(dq), shape(dw), None if step else shape(de), shape(dv), shape(dg), shape(dbeta), ds0, None,
-                None, None, None, None)
+        return (shape(dq), shape(dw), None if step else shape(de), shape(dv), shape(dg), shape(dbeta),
+                None if s0 is None else ds0, None, None, None, None, None)
 
 
-def chunk_delta_rule_triton(q, w, e, v, g, beta, *, scale: float, state: torch.Tensor,
+def chunk_delta_rule_triton(q, w, e, v, g, beta, *, scale: float, state: torch.Tensor | None,
                             cu_seqlens: torch.Tensor | None = None, step_eps: float | None = None,
                             step: torch.Tensor | None = None):
     """The rule of the module docstring on GPU tensors (or under TRITON_INTERPRET).
 
     Args:
         q, w, e: [B, T, H, K]; v: [B, T, H, V], all of one dtype (bf16/fp16/fp32; fp64 runs in fp64);
-        g (log γ <= 0), beta: [B, T, H], any float dtype.
-        state: [N, H, K, V] initial states (N = B, or the number of packed sequences).
+        g (log γ <= 0), beta: [B, T, H], any float dtype (their gradients come in it).
+        state: [N, H, K, V] initial states (N = B, or the number of packed sequences), or None (zeros).
         cu_seqlens: [N + 1] offsets of packed sequences (B = 1).
         step_eps: the Kaczmarz rule: w and e are one tensor k, ``beta`` is η and the step is
             η/(‖k‖² + step_eps) (0 where that denominator is 0), computed in the kernels; gradients reach k
@@ -689,13 +731,12 @@ def chunk_delta_rule_triton(q, w, e, v, g, beta, *, scale: float, state: torch.T
     if step_eps is not None and w is not e:
         raise ValueError("chunk_delta_rule_triton: step_eps needs the write and erase keys to be one tensor")
     B, T = q.shape[:2]
-    if cu_seqlens is None:
-        cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
-    else:
-        cu = cu_seqlens.to(torch.int32)
+    cu = batch_offsets(B, T, q.device) if cu_seqlens is None else cu_seqlens.to(torch.int32)
     acc = compute_dtype(q)
     if step_eps is not None and step is None:
         step = kaczmarz_step(w.detach(), beta.detach(), step_eps)     # its gradient is folded into dw and dη
-    return ChunkDeltaRuleFunction.apply(q, w, e, v, g.to(acc), beta if step_eps is not None else beta.to(acc),
-                                        state.to(acc), cu, cu_seqlens is not None, scale, step_eps,
+    # the kernels read the gates in fp32 whatever they are stored in; fp64 runs are converted to keep fp64
+    g, beta = (x if acc == torch.float32 else x.to(acc) for x in (g, beta))
+    state = None if state is None else state.to(acc)
+    return ChunkDeltaRuleFunction.apply(q, w, e, v, g, beta, state, cu, cu_seqlens is not None, scale, step_eps,
                                         None if step is None else step.detach())

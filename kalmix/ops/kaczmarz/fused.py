@@ -24,8 +24,8 @@ from typing import Sequence
 import torch
 import triton
 
-from kalmix.ops.common.checks import Range, compute_dtype, defer_check, extrema_buffer, no_check
-from kalmix.ops.common.delta_triton import chunk_delta_rule_triton, kaczmarz_step
+from kalmix.ops.common.checks import Range, defer_check, no_check
+from kalmix.ops.common.delta_triton import chunk_delta_rule_triton, kaczmarz_step, step_programs
 
 _OP = "kaczmarz_attention"
 log = logging.getLogger("kalmix")
@@ -47,10 +47,11 @@ def engine(device: torch.device, dtype: torch.dtype, needs_grad: bool) -> str:
     return "fla"
 
 
-def _fla_gdn(q, k, v, g, beta, *, scale, state, cu_seqlens):
-    """fla's chunk_gated_delta_rule: o [B, T, H, V] in q's dtype, final state [N, H, K, V] fp32."""
+def _fla_gdn(q, k, v, g, beta, *, scale, state, cu_seqlens, final_state):
+    """fla's chunk_gated_delta_rule: o [B, T, H, V] in q's dtype, final state [N, H, K, V] fp32 (None unless
+    ``final_state``: fla zero-fills it)."""
     from fla.ops import chunk_gated_delta_rule
-    return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=state, output_final_state=True,
+    return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=state, output_final_state=final_state,
                                   cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())
 
 
@@ -65,7 +66,8 @@ def announce(dtype: torch.dtype) -> None:
         _told = True
 
 
-def kaczmarz_fused(q, k, v, g, eta, *, state, eps, scale, cu_seqlens=None, check: Sequence[Range] = ()):
+def kaczmarz_fused(q, k, v, g, eta, *, state, eps, scale, cu_seqlens=None, check: Sequence[Range] = (),
+                   final_state: bool = True):
     """Kaczmarz attention on fla's or kalmix's chunk kernels (module docstring). q, k [B, T, H, K],
     v [B, T, H, V] of one dtype; g, eta [B, T, H]; ``state`` [N, H, K, V] fp32 (fp64 for fp64 inputs) or None
     (zeros); packed sequences are handed to the kernels. ``check``: the op's ranges of g and eta, checked by
@@ -73,17 +75,15 @@ def kaczmarz_fused(q, k, v, g, eta, *, state, eps, scale, cu_seqlens=None, check
     check's ``finish()`` (checks.defer_check), to call before the outputs are used."""
     needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, eta, state))
     use_fla = engine(q.device, q.dtype, needs_grad) == "fla"
-    ext = extrema_buffer(2, q.device) if check else None
+    ext = torch.empty(step_programs(eta.numel()), 2, 3, device=q.device) if check else None
     # fla's kernels take β with its gradient; kalmix's fold the step's gradient into dk and dη themselves
     beta = kaczmarz_step(k if use_fla else k.detach(), eta if use_fla else eta.detach(), eps, g, ext)
     finish = defer_check(_OP, check, ext) if check else no_check
     if use_fla:
-        return (*_fla_gdn(q, k, v, g, beta, scale=scale, state=state, cu_seqlens=cu_seqlens), finish)
+        return (*_fla_gdn(q, k, v, g, beta, scale=scale, state=state, cu_seqlens=cu_seqlens,
+                          final_state=final_state), finish)
     if q.device.type == "cuda":
         announce(q.dtype)
-    if state is None:
-        n = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
-        state = q.new_zeros(n, q.shape[2], q.shape[3], v.shape[3], dtype=compute_dtype(q))
     o, S = chunk_delta_rule_triton(q, k, k, v, g, eta, scale=scale, state=state, cu_seqlens=cu_seqlens,
                                    step_eps=eps, step=beta)
     return o, S, finish

@@ -55,7 +55,7 @@ def kaczmarz_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     scale = K ** -0.5 if scale is None else scale
     if fn is kaczmarz_fused:    # the kernels take the activations in their dtype and pack sequences themselves
         o, S, finish = fn(q, k, v, g, eta, state=initial_state, eps=eps, scale=scale, cu_seqlens=cu_seqlens,
-                          check=ranges)                    # the step's pass checks the values
+                          check=ranges, final_state=output_final_state)   # the step's pass checks the values
         finish()
         return o, (S if output_final_state else None)
     finish = check_ranges(_OP, ranges)                     # raises once the kernels are queued
