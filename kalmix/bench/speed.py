@@ -8,6 +8,7 @@ the same run (copy bandwidth, bf16 matmul rate).
 from __future__ import annotations
 
 import csv
+import inspect
 import math
 import os
 import platform
@@ -51,16 +52,18 @@ def _leaves(*xs):
     return [x.requires_grad_() for x in xs]
 
 
-def _op(op_name: str, case: str, impl: str):
+def _op(op_name: str, case: str, impl: str, check_values: bool):
     """Inputs drawn like the tests' (``kalmix.ops.common.testing.CASES``), cast to the timed dtype (Kalman's
-    decay and process noise stay fp32 parameters)."""
+    decay and process noise stay fp32 parameters). Ops with a value check run it only with ``check_values`` (its
+    read-back is one host synchronisation per call, which fla's ops do not make; the layers skip it)."""
     def build(s: Shape, dt, dev):
         xs = CASES[case].inputs(s.B, s.T, s.H, s.K, s.V, torch.float32, torch.Generator().manual_seed(0))
         n_params = 2 if case == "kalman" else 0
         xs = [x.to(dev, dt) for x in xs[:len(xs) - n_params]] + [x.to(dev) for x in xs[len(xs) - n_params:]]
         leaves = _leaves(*xs)
         fn = getattr(ops, op_name)
-        return (lambda: fn(*leaves, impl=impl)[0]), leaves
+        kw = {"check_values": check_values} if "check_values" in inspect.signature(fn).parameters else {}
+        return (lambda: fn(*leaves, impl=impl, **kw)[0]), leaves
     return build
 
 
@@ -136,15 +139,17 @@ def _layer(name, impl, d_model, heads, head_dim, d_state):
     return build
 
 
-def targets(ops_filter, impls_filter, d_model, heads, head_dim, d_state, device) -> list[Target]:
-    """Everything ``kalmix speed`` can time on this device (fla's kernels only on CUDA)."""
+def targets(ops_filter, impls_filter, d_model, heads, head_dim, d_state, device, check_values: bool = False
+            ) -> list[Target]:
+    """Everything ``kalmix speed`` can time on this device (fla's kernels only on CUDA); ``check_values``: the
+    ops run their value checks."""
     out = []
     op_cases = {"kalman_attention": "kalman", "gated_kalmanet": "gka", "kaczmarz_attention": "kaczmarz",
                 "variational_linear_attention": "vla"}
     for op_name, case in op_cases.items():
         for impl in ops.runnable_impls(op_name, device):
             out.append(Target(op_name, impl, "op", case, "kalman" if case == "kalman" else "matrix",
-                              _op(op_name, case, impl)))
+                              _op(op_name, case, impl, check_values)))
     if device.type == "cuda":
         for fn_name, model in (("chunk_delta_rule", "delta"), ("chunk_gated_delta_rule", "gated_delta"),
                                ("chunk_simple_gla", "simple_gla"), ("chunk_gla", "gla")):
@@ -254,6 +259,7 @@ class SpeedConfig:
     warmup: int = 25
     rep: int = 100
     plots: bool = True
+    check_values: bool = False
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -336,7 +342,8 @@ def run(cfg: SpeedConfig, progress: bool = True) -> list[dict]:
     device = torch.device(cfg.device)
     meta = versions()
     ceil = ceilings(device, cfg.warmup, cfg.rep)
-    ts = targets(cfg.ops, cfg.impls, cfg.d_model, cfg.heads, cfg.head_dim, cfg.d_state, device)
+    ts = targets(cfg.ops, cfg.impls, cfg.d_model, cfg.heads, cfg.head_dim, cfg.d_state, device, cfg.check_values)
+    meta["check_values"] = cfg.check_values
     rows = []
     os.makedirs(cfg.out, exist_ok=True)
     csv_path = os.path.join(cfg.out, "speed.csv")
@@ -393,7 +400,9 @@ def write_csv(rows: list[dict], path: str) -> None:
 def format_table(rows: list[dict], ceil: dict, meta: dict, device: torch.device) -> str:
     lines = [f"{meta['device_name']}  torch {meta['torch']}  triton {meta['triton']}  fla {meta['fla']}  "
              f"git {meta['git']}  measured ceilings: copy {ceil['copy_GBps']:.0f} GB/s, "
-             f"matmul {ceil['matmul_TFLOPs']:.1f} TFLOP/s"]
+             f"matmul {ceil['matmul_TFLOPs']:.1f} TFLOP/s",
+             "ops timed " + ("with their value checks (one host synchronisation per call)" if meta.get("check_values")
+                             else "with check_values=False, as the layers call them (--check-values: with them)")]
     if device.type != "cuda":
         lines.append("NOTE: CPU run - these times say nothing about GPU speed.")
     head = (f"{'op':34s} {'impl':6s} {'mode':7s} {'dtype':5s} {'B':>4s} {'T':>6s} {'ms p50':>9s} {'Mtok/s':>8s} "

@@ -1,9 +1,13 @@
 """`kalmix speed` on CPU with tiny shapes, and the byte/FLOP models on shapes counted by hand."""
 import csv
+import functools
 
 import pytest
+import torch
 
+from kalmix import ops
 from kalmix.bench.models import Shape, io_bytes, op_bytes, op_flops
+from kalmix.bench.speed import SpeedConfig, targets
 from kalmix.cli import main
 
 
@@ -64,3 +68,25 @@ def test_cli_on_cpu_writes_csv_and_plots(tmp_path, capsys):
         assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
     table = capsys.readouterr().out
     assert "CPU run - these times say nothing about GPU speed" in table
+    assert "with check_values=False, as the layers call them" in table
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_ops_run_their_value_checks_only_when_asked(monkeypatch, check):
+    """Op targets pass check_values as configured (off by default, as the layers call the ops); an op without
+    a value check (VLA) is called without it."""
+    seen = {}
+    real = ops.kaczmarz_attention
+
+    @functools.wraps(real)
+    def spy(*a, **kw):
+        seen.update(kw)
+        return real(*a, **kw)
+    monkeypatch.setattr(ops, "kaczmarz_attention", spy)
+    cpu = torch.device("cpu")
+    ts = {t.name: t for t in targets(("kaczmarz", "variational"), ("torch",), 16, 2, 8, 4, cpu, check)}
+    for name in ("kaczmarz_attention", "variational_linear_attention"):
+        fn, _ = ts[name].build(Shape(1, 8, 2, 8, 8), torch.float32, cpu)
+        assert fn().shape == (1, 8, 2, 8)
+    assert seen["check_values"] is check
+    assert SpeedConfig().check_values is False
