@@ -13,6 +13,7 @@ from _gpu_script import run
 from kalmix.ops.common import delta_triton as dt
 from kalmix.ops.common.delta import chunk_delta_rule
 from kalmix.ops.common.testing import random_functional_grads, rel_err
+from kalmix.ops.common.varlen import batch_offsets
 
 
 def inputs(B, T, H, K, V, dtype, dev, seed=0, same_keys=True):
@@ -80,7 +81,7 @@ def kernel_breakdown(q, w, v, g, beta, s0, do, K):
     B, T, H, _ = q.shape
     V = v.shape[-1]
     qf, wf, vf, gf, bf = [x.reshape(B * T, *x.shape[2:]).contiguous().detach() for x in (q, w, v, g, beta)]
-    cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
+    cu = batch_offsets(B, T, q.device)
     coff, chunks = dt._chunk_table(cu, B, T, dt.CHUNK, False)
     BK, BV, kw = dt._launch(q.dtype, K, V)
     NC, N = chunks.shape[0], B

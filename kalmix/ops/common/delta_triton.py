@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from kalmix.ops.common.checks import compute_dtype
+from kalmix.ops.common.varlen import batch_offsets
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 CHUNK = 64
@@ -592,12 +593,6 @@ def batch_table(B: int, T: int, C: int, device: torch.device):
     end = torch.minimum(start + C, torch.arange(T, (B + 1) * T, T)[:, None])
     coff = torch.arange(0, B * n, n, dtype=torch.int32)
     return coff.to(device), torch.stack([start, end], -1).view(-1, 2).to(device=device, dtype=torch.int32)
-
-
-@functools.lru_cache(maxsize=64)
-def batch_offsets(B: int, T: int, device: torch.device) -> torch.Tensor:
-    """cu_seqlens [B + 1] (int32) of B sequences of T tokens, kept per shape like ``batch_table``."""
-    return torch.arange(0, (B + 1) * T, T, dtype=torch.int32).to(device)
 
 
 def _launch(dtype: torch.dtype, K: int, V: int):

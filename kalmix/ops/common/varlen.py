@@ -1,9 +1,18 @@
-"""Packed variable-length sequences (``cu_seqlens``) for the PyTorch implementations."""
+"""Packed variable-length sequences (``cu_seqlens``): the PyTorch implementations' loop over them, and the
+offsets the Triton kernels take for a plain batch."""
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import torch
+
+
+@functools.lru_cache(maxsize=64)
+def batch_offsets(B: int, T: int, device: torch.device) -> torch.Tensor:
+    """cu_seqlens [B + 1] (int32) of B sequences of T tokens, kept per shape (read only): a kernel call on a batch
+    launches nothing to build it."""
+    return torch.arange(0, (B + 1) * T, T, dtype=torch.int32).to(device)
 
 
 def run_packed(core: Callable, cu_seqlens: torch.Tensor | None, acts: Sequence[torch.Tensor | None],

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from kalmix.ops.common.checks import compute_dtype, fail
+from kalmix.ops.common.varlen import batch_offsets
 from kalmix.ops.common.delta_triton import (_DT, DOT_FP32, INTERPRET, _chunk_at, _chunk_rows, _chunk_table, _decay,
                                             _dot, _dot32, _gates, _load_rows, _load_state, _seq_range, _store_rows,
                                             _store_state)
@@ -477,10 +478,7 @@ def gka_fused(q, k, v, g, beta, alpha, *, state, scale, ridge, num_iters, cu_seq
                   "use impl='torch'")
     if num_iters is None:
         fail(_OP, "num_iters=None (the exact solve, a reference) runs with impl='torch' or 'naive' only")
-    if cu_seqlens is None:
-        cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
-    else:
-        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    cu = batch_offsets(B, T, q.device) if cu_seqlens is None else cu_seqlens.to(device=q.device, dtype=torch.int32)
     acc = compute_dtype(q)
     h0, u0 = (s.to(acc).contiguous() for s in state)
     g, beta, alpha = (x.to(acc) for x in (g, beta, alpha))

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kalmix.ops.common.varlen import batch_offsets
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 CHUNK = 4                               # tokens between checkpoints (unrolled; the backward holds their states)
 FWD_CONFIG = (16, 1)                                        # (channels per program, warps)
@@ -334,8 +336,7 @@ def _offsets(cu_seqlens: torch.Tensor | None, B: int, T: int, device: torch.devi
     """Sequence starts ``cu`` [S + 1], each sequence's first checkpoint [S] and the number of checkpoints."""
     if cu_seqlens is None:
         n = triton.cdiv(T, CHUNK)
-        cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
-        return cu, torch.arange(0, B * n, n, dtype=torch.int32, device=device), B * n
+        return batch_offsets(B, T, device), torch.arange(0, B * n, n, dtype=torch.int32, device=device), B * n
     n = (cu_seqlens[1:] - cu_seqlens[:-1] + CHUNK - 1) // CHUNK
     return cu_seqlens, (torch.cumsum(n, 0) - n).to(torch.int32), int(n.sum())
 
