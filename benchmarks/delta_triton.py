@@ -92,7 +92,7 @@ def kernel_breakdown(q, w, v, g, beta, s0, do, K):
     dof = do.reshape(B * T, H, V).contiguous()
     dU, dh, ds0 = torch.empty_like(U), torch.empty_like(h), torch.empty_like(s0)
     dq, dw, de, dv, dg, db = (torch.empty_like(x) for x in (qf, wf, wf, vf, gf, bf))
-    dw32, dwt, dG = torch.empty_like(wf, dtype=torch.float32), torch.empty_like(wf), torch.empty_like(gf)
+    dwp, dwt, dG = torch.empty_like(wf), torch.empty_like(wf), torch.empty_like(gf)
     nv = triton.cdiv(V, BV)
     runs = {
         "prep": lambda: dt._prep_kernel[(NC, H)](wf, wf, vf, gf, bf, chunks, Gc, Tm, wt, ut, H, K, V, **kw["prep"]),
@@ -102,9 +102,9 @@ def kernel_breakdown(q, w, v, g, beta, s0, do, K):
         "dv_local": lambda: dt._dv_local_kernel[(NC, H)](qf, wf, Gc, dof, chunks, dU, sc, H, K, V, **kw["dv_local"]),
         "dstates": lambda: dt._dstates_kernel[(nv, N * H)](qf, wf, wt, Gc, dof, s0, cu, coff, dU, dh, ds0, sc, H, K,
                                                            V, HAS_DST=False, **kw["dstates"]),
-        "grads_qw": lambda: dt._grads_qw_kernel[(NC, H)](qf, wf, gf, bf, chunks, h, dh, U, dU, dof, dq, dw32, dwt,
+        "grads_qw": lambda: dt._grads_qw_kernel[(NC, H)](qf, wf, gf, bf, chunks, h, dh, U, dU, dof, dq, dwp, dwt,
                                                          dG, sc, H, K, V, **kw["grads_qw"]),
-        "grads_wy": lambda: dt._grads_wy_kernel[(NC, H)](wf, wf, vf, gf, bf, chunks, Tm, dU, dwt, dG, dw32, dw, de, dv,
+        "grads_wy": lambda: dt._grads_wy_kernel[(NC, H)](wf, wf, vf, gf, bf, chunks, Tm, dU, dwt, dG, dwp, dw, de, dv,
                                                          dg, db, 0., H, K, V, STEP=False, **kw["grads_wy"]),
     }
     print("    per kernel:", "  ".join(f"{k} {do_bench(f):.3f}" for k, f in runs.items()))

@@ -476,14 +476,14 @@ def _dstates_kernel(q_ptr, w_ptr, wt_ptr, Gc_ptr, do_ptr, dsT_ptr, cu_ptr, coff_
 def _grads_qw_kernel(q_ptr, w_ptr, g_ptr, beta_ptr, chunks_ptr, h_ptr, dh_ptr, u_ptr, du_ptr, do_ptr,
                      dq_ptr, dw_ptr, dwt_ptr, dG_ptr, scale, H, K, V,
                      C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr):
-    """Per chunk: dq; the parts of dw and of dG from o and S_C; dW̃ = −dU S_0ᵀ for _grads_wy_kernel."""
+    """Per chunk: dq; the parts of dw (dwp) and of dG from o and S_C; dW̃ = −dU S_0ᵀ for _grads_wy_kernel."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, L, rows, cols, valid = _chunk_rows(chunks_ptr, i_c, C)
     G, beta, G_end = _gates(g_ptr, beta_ptr, bos, L, i_h, H, valid, C)
     base = (i_c.to(tl.int64) * H + i_h) * K * V
     dQ = tl.zeros([C, BK], dtype=G.dtype)           # Σ_v dO S_0ᵀ
     dWs = tl.zeros([C, BK], dtype=G.dtype)          # Σ_v U dS_Cᵀ
-    dWt = tl.zeros([C, BK], dtype=G.dtype)          # dW̃ = −Σ_v dU S_0ᵀ
+    dWt = tl.zeros([C, BK], dtype=G.dtype)          # Σ_v dU S_0ᵀ (dW̃ is its negative)
     dP = tl.zeros([C, C], dtype=G.dtype)            # Σ_v dO Uᵀ
     dGe = tl.zeros([BK], dtype=G.dtype)             # Σ_v (S_0 ⊙ dS_C) summed over V
     for v0 in range(0, V, BV):
@@ -494,31 +494,29 @@ def _grads_qw_kernel(q_ptr, w_ptr, g_ptr, beta_ptr, chunks_ptr, h_ptr, dh_ptr, u
         dQ = _dot_acc(dO, S0t, dQ, DT)
         dP = _dot_acc(dO, tl.trans(U), dP, DT)
         dWs = _dot_acc(U, dSCt, dWs, DT)
-        dWt = _dot_acc(-_raw_rows(du_ptr, bos, L, i_h, H, V, v0, BV, C), S0t, dWt, DT)
+        dWt = _dot_acc(_raw_rows(du_ptr, bos, L, i_h, H, V, v0, BV, C), S0t, dWt, DT)
         dGe += tl.sum(_acc(S0t) * _acc(dSCt), axis=0)
     dG_end = tl.sum(dGe, axis=0)
-    _store_rows(dwt_ptr, dWt, bos, L, i_h, H, K, 0, BK, C)
-    Q = _load_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C)
-    W = _load_rows(w_ptr, bos, L, i_h, H, K, 0, BK, C)
-    # o's state term scale·e^G Q S_0 and S_C's terms e^{G_C} S_0 + (e^{G_C − G} W)ᵀ U
-    dQ = scale * tl.exp(G)[:, None] * dQ
-    dG = tl.sum(Q * dQ, axis=1)
+    _store_rows(dwt_ptr, -dWt, bos, L, i_h, H, K, 0, BK, C)
+    Q = _raw_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C)
+    W = _raw_rows(w_ptr, bos, L, i_h, H, K, 0, BK, C)
+    # S_C's terms e^{G_C} S_0 + (e^{G_C − G} W)ᵀ U
     dWs = tl.exp(G_end - G)[:, None] * dWs
-    r_w = tl.sum(W * dWs, axis=1)
-    dG -= r_w
-    dG_end = dG_end * tl.exp(G_end) + tl.sum(r_w, axis=0)
-    # o's intra-chunk term scale·((Q Wᵀ) ⊙ D) U
+    dG_end = dG_end * tl.exp(G_end) + tl.sum(tl.sum(_acc(W) * dWs, axis=1), axis=0)
+    # o = scale·e^G Q S_0 + scale·((Q Wᵀ) ⊙ D) U: dq and dw in full, then dG = Σ_k q dq − Σ_k w dw per row (the
+    # decay's derivative, as each e^{G_t − G_s} pairs q_t with w_s; S_C's term enters through dw with its sign)
     dPD = scale * dP * _decay(G, rows, cols, False)
-    M = dPD * _dot(Q, tl.trans(W), DT)
-    dG += tl.sum(M, axis=1) - tl.sum(M, axis=0)
-    _store_rows(dq_ptr, dQ + _dot(dPD, W, DT), bos, L, i_h, H, K, 0, BK, C)
-    _store_rows(dw_ptr, dWs + _dot(tl.trans(dPD), Q, DT), bos, L, i_h, H, K, 0, BK, C)
+    dQ = _dot_acc(dPD, W, scale * tl.exp(G)[:, None] * dQ, DT)
+    dWs = _dot_acc(tl.trans(dPD), Q, dWs, DT)
+    dG = tl.sum(_acc(Q) * dQ, axis=1) - tl.sum(_acc(W) * dWs, axis=1)
+    _store_rows(dq_ptr, dQ, bos, L, i_h, H, K, 0, BK, C)
+    _store_rows(dw_ptr, dWs, bos, L, i_h, H, K, 0, BK, C)
     r = tl.arange(0, C)
     tl.store(dG_ptr + (bos + r) * H + i_h, dG + tl.where(r == L - 1, dG_end, 0.), mask=valid)
 
 
 @triton.jit
-def _grads_wy_kernel(w_ptr, e_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, T_ptr, du_ptr, dwt_ptr, dG_ptr, dw32_ptr,
+def _grads_wy_kernel(w_ptr, e_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, T_ptr, du_ptr, dwt_ptr, dG_ptr, dwp_ptr,
                      dw_ptr, de_ptr, dv_ptr, dg_ptr, dbeta_ptr, step_eps, H, K, V,
                      C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, STEP: tl.constexpr):
     """Per chunk, through Ũ = T diag(β) V, W̃ = T diag(β e^G) E and T = (I + A)⁻¹: dv, de, dβ, the rest of dw
@@ -556,7 +554,7 @@ def _grads_wy_kernel(w_ptr, e_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, T_ptr, du
     dG += tl.sum(M, axis=1) - tl.sum(M, axis=0)
     dAD = dA * D * beta[:, None]
     dE = (beta * eG)[:, None] * dXe + _dot(dAD, W, DT)
-    dW = _load_rows(dw32_ptr, bos, L, i_h, H, K, 0, BK, C) + _dot(tl.trans(dAD), E, DT)
+    dW = _load_rows(dwp_ptr, bos, L, i_h, H, K, 0, BK, C) + _dot(tl.trans(dAD), E, DT)
     if STEP:
         c2 = _inv_sq_norm(E, step_eps)
         _store_rows(dw_ptr, dW + dE - (2. * beta * c2 * dbeta)[:, None] * E, bos, L, i_h, H, K, 0, BK, C)
@@ -695,12 +693,13 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         dq, dw, dv = (torch.empty_like(x) for x in (q, w, v))
         de = dw if step else torch.empty_like(e)                # STEP writes the one key's gradient to dw
         dg, dbeta = torch.empty_like(g), torch.empty_like(beta, dtype=ctx.beta_dtype)    # (η's dtype for step_eps)
-        acc = compute_dtype(q)
-        # dW̃ only feeds a tensor-core product (operands in the activations' dtype): it is kept in that dtype
-        dw32, dwt, dG = torch.empty_like(w, dtype=acc), torch.empty_like(w), torch.empty_like(g, dtype=acc)
-        _grads_qw_kernel[(NC, H)](q, w, g, beta, chunks, h, dh, U, dU, do, dq, dw32, dwt, dG, ctx.scale, H, K, V,
+        # dW̃ only feeds a tensor-core product (operands in the activations' dtype) and dw's partial sum dwp is
+        # stored as dw is (as fla stores dk's): both are kept in the activations' dtype (H100: grads_qw 421 -> 404
+        # us for a 16-bit dwp)
+        dwp, dwt, dG = torch.empty_like(w), torch.empty_like(w), torch.empty_like(g, dtype=compute_dtype(q))
+        _grads_qw_kernel[(NC, H)](q, w, g, beta, chunks, h, dh, U, dU, do, dq, dwp, dwt, dG, ctx.scale, H, K, V,
                                   **kw["grads_qw"])
-        _grads_wy_kernel[(NC, H)](w, e, v, g, beta, chunks, Tm, dU, dwt, dG, dw32, dw, de, dv, dg, dbeta,
+        _grads_wy_kernel[(NC, H)](w, e, v, g, beta, chunks, Tm, dU, dwt, dG, dwp, dw, de, dv, dg, dbeta,
                                   0. if ctx.step_eps is None else ctx.step_eps, H, K, V, STEP=step, **kw["grads_wy"])
         shape = lambda x: x.view(B, T, *x.shape[1:])  # noqa: E731
         return (shape(dq), shape(dw), None if step else shape(de), shape(dv), shape(dg), shape(dbeta),
