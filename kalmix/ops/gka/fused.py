@@ -32,8 +32,8 @@ import triton.language as tl
 from kalmix.ops.common.checks import compute_dtype, fail
 from kalmix.ops.common.varlen import batch_offsets
 from kalmix.ops.common.delta_triton import (_DT, DOT_FP32, INTERPRET, _chunk_at, _chunk_rows, _chunk_table, _decay,
-                                            _dot, _dot32, _dot_acc, _gates, _load_rows, _load_state, _seq_range,
-                                            _store_rows, _store_state)
+                                            _dot, _dot32, _dot_acc, _gates, _load_rows, _load_state, _raw_rows,
+                                            _raw_state, _seq_range, _store_rows, _store_state)
 
 _OP = "gated_kalmanet"
 MAX_K = 128         # H_c [K, K] is one tile
@@ -64,7 +64,7 @@ def _scan(x_ptr, D, d0, k_ptr, g_ptr, beta_ptr, s0_ptr, h_ptr, sT_ptr, cu_ptr, c
         _store_state(h_ptr, ((c0 + j).to(tl.int64) * H + i_h) * K * D, S, K, D, d0, BK, BD)
         G, beta, G_end = _gates(g_ptr, beta_ptr, t0, L, i_h, H, valid, C)
         Kd = _load_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C) * (beta * tl.exp(G_end - G))[:, None]
-        S = tl.exp(G_end) * S + _dot(tl.trans(Kd), _load_rows(x_ptr, t0, L, i_h, H, D, d0, BD, C), DT)
+        S = tl.exp(G_end) * S + _dot(tl.trans(Kd), _raw_rows(x_ptr, t0, L, i_h, H, D, d0, BD, C), DT)
     _store_state(sT_ptr, i_nh.to(tl.int64) * K * D, S, K, D, d0, BK, BD)
 
 
@@ -148,8 +148,8 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_ptr, h_p
         Qt = Q
     P = M * _dot(Qt, tl.trans(Kc), DT)
     for v0 in range(0, V, BV):
-        U0 = _load_state(u_ptr, base * K * V, K, V, v0, BK, BV)
-        out = Gam[:, None] * _dot(Qt, U0, DT) + _dot(P, _load_rows(v_ptr, bos, L, i_h, H, V, v0, BV, C), DT)
+        U0 = _raw_state(u_ptr, base * K * V, K, V, v0, BK, BV)
+        out = Gam[:, None] * _dot(Qt, U0, DT) + _dot(P, _raw_rows(v_ptr, bos, L, i_h, H, V, v0, BV, C), DT)
         _store_rows(o_ptr, scale * out, bos, L, i_h, H, V, v0, BV, C)
 
 
@@ -165,9 +165,9 @@ def _solve_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_pt
     base = i_c.to(tl.int64) * H + i_h
     dQt = tl.zeros([C, BK], dtype=G.dtype)          # scale·U_t do_t = Γ dO U_cᵀ + (M ⊙ dO Vᵀ) K
     for v0 in range(0, V, BV):
-        U0 = _load_state(u_ptr, base * K * V, K, V, v0, BK, BV)
-        dO = _load_rows(do_ptr, bos, L, i_h, H, V, v0, BV, C)
-        Vc = _load_rows(v_ptr, bos, L, i_h, H, V, v0, BV, C)
+        U0 = _raw_state(u_ptr, base * K * V, K, V, v0, BK, BV)
+        dO = _raw_rows(do_ptr, bos, L, i_h, H, V, v0, BV, C)
+        Vc = _raw_rows(v_ptr, bos, L, i_h, H, V, v0, BV, C)
         dQt += Gam[:, None] * _dot(dO, tl.trans(U0), DT) + _dot(M * _dot(dO, tl.trans(Vc), DT), Kc, DT)
     dQt = scale * dQt
     r = tl.arange(0, C)
@@ -215,13 +215,13 @@ def _dscan(D, d0, dsT_ptr, ds0_ptr, dst_ptr, s_ptr, dge_ptr, q_ptr, k_ptr, x_ptr
     if HAS_DST:
         S = _load_state(dsT_ptr, i_nh.to(tl.int64) * K * D, K, D, d0, BK, BD)
     else:
-        S = tl.zeros([BK, BD], dtype=dst_ptr.dtype.element_ty)
+        S = tl.zeros([BK, BD], dtype=ds0_ptr.dtype.element_ty)        # the compute dtype
     for jj in range(0, n_c):
         j = n_c - 1 - jj
         t0, L, valid = _chunk_at(bos, eos, j, C)
         base = (c0 + j).to(tl.int64) * H + i_h
         _store_state(dst_ptr, base * K * D, S, K, D, d0, BK, BD)
-        S0 = _load_state(s_ptr, base * K * D, K, D, d0, BK, BD)
+        S0 = _raw_state(s_ptr, base * K * D, K, D, d0, BK, BD)
         tl.atomic_add(dge_ptr + base, tl.sum(tl.sum(S * S0, axis=1), axis=0))
         G, beta, G_end = _gates(g_ptr, beta_ptr, t0, L, i_h, H, valid, C)
         Gam = tl.exp(G)
@@ -233,8 +233,8 @@ def _dscan(D, d0, dsT_ptr, ds0_ptr, dst_ptr, s_ptr, dge_ptr, q_ptr, k_ptr, x_ptr
                 mvec = _per_token(m_ptr, t0, i_h, H, valid, C)
                 Y = _load_rows(y_ptr, t0, L, i_h, H, K, 0, BK, C)
                 Xd = _load_rows(x_ptr, t0, L, i_h, H, K, d0, BD, C)
-                Kc = _load_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C)
-                Kd = _load_rows(k_ptr, t0, L, i_h, H, K, d0, BD, C)
+                Kc = _raw_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C)
+                Kd = _raw_rows(k_ptr, t0, L, i_h, H, K, d0, BD, C)
                 S += (tl.sum(Gam * Gam * cvec, axis=0) * S0 - _dot(tl.trans(Gam[:, None] * Y), Xd, DT)
                       + _dot(tl.trans(Kc * mvec[:, None]), Kd, DT))
         else:
@@ -242,7 +242,7 @@ def _dscan(D, d0, dsT_ptr, ds0_ptr, dst_ptr, s_ptr, dge_ptr, q_ptr, k_ptr, x_ptr
             if SOLVE:
                 alpha = _per_token(alpha_ptr, t0, i_h, H, valid, C)
                 Q += alpha[:, None] * (_load_rows(x_ptr, t0, L, i_h, H, K, 0, BK, C) - Q)
-            S += scale * _dot(tl.trans(Gam[:, None] * Q), _load_rows(do_ptr, t0, L, i_h, H, D, d0, BD, C), DT)
+            S += scale * _dot(tl.trans(Gam[:, None] * Q), _raw_rows(do_ptr, t0, L, i_h, H, D, d0, BD, C), DT)
     _store_state(ds0_ptr, i_nh.to(tl.int64) * K * D, S, K, D, d0, BK, BD)
 
 
@@ -285,10 +285,10 @@ def _grads_u_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_ptr,
     dGam = Gam * 0.                                 # ∂/∂Γ_t of the Γ_t U_cᵀ q̃_t term
     bend = beta * tl.exp(G_end - G)
     for v0 in range(0, V, BV):
-        U0 = _load_state(u_ptr, base * K * V, K, V, v0, BK, BV)
-        E = _load_state(du_ptr, base * K * V, K, V, v0, BK, BV)
-        Vc = _load_rows(v_ptr, bos, L, i_h, H, V, v0, BV, C)
-        dO = _load_rows(do_ptr, bos, L, i_h, H, V, v0, BV, C)
+        U0 = _raw_state(u_ptr, base * K * V, K, V, v0, BK, BV)
+        E = _raw_state(du_ptr, base * K * V, K, V, v0, BK, BV)
+        Vc = _raw_rows(v_ptr, bos, L, i_h, H, V, v0, BV, C)
+        dO = _raw_rows(do_ptr, bos, L, i_h, H, V, v0, BV, C)
         dOV += _dot(dO, tl.trans(Vc), DT)
         dGam += tl.sum(dO * _dot(Qt, U0, DT), axis=1)
         KE = _dot(Kc, E, DT)
@@ -320,7 +320,7 @@ def _grads_h_kernel(k_ptr, g_ptr, beta_ptr, chunks_ptr, dh_ptr, x_ptr, y_ptr, c_
     Kc = _load_rows(k_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)
     base = i_c.to(tl.int64) * H + i_h
     bend = beta * tl.exp(G_end - G)
-    Dm = _load_state(dh_ptr, base * K * K, K, K, 0, BK, BK).to(DT)
+    Dm = _raw_state(dh_ptr, base * K * K, K, K, 0, BK, BK).to(DT)
     KD = _dot(Kc, Dm, DT)
     e = _per_token(e_ptr, bos, i_h, H, valid, C) + tl.sum(KD * Kc, axis=1)
     dK = _load_rows(dkp_ptr, bos, L, i_h, H, K, 0, BK, C) + bend[:, None] * (KD + _dot(Kc, tl.trans(Dm), DT))
@@ -445,8 +445,9 @@ class GKAFunction(torch.autograd.Function):
         solve = n_iters > 0
         _solve_bwd_kernel[(NC, H)](q, k, v, g, beta, alpha, chunks, h, u, coef, x, hn, do, dq, dalpha, y, cvec, mvec,
                                    khk, dgam, dkp, scale, n_iters, H, K, V, BV=BD, SOLVE=solve, **kw["solve_bwd"])
-        dh, du = torch.empty(NC, H, K, K, dtype=acc, device=q.device), torch.empty(NC, H, K, V, dtype=acc,
-                                                                                   device=q.device)
+        # the chunk-end state gradients only feed tensor-core products (operands in the activations' dtype):
+        # stored in that dtype, as the states are
+        dh, du = torch.empty(NC, H, K, K, dtype=q.dtype, device=q.device), torch.empty_like(u)
         dh0, du0 = torch.empty_like(h0), torch.empty_like(u0)
         dge = torch.zeros(NC, H, dtype=acc, device=q.device)
         has_dst = dhT is not None or duT is not None
