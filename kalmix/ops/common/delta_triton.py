@@ -240,8 +240,14 @@ _STEP_ROWS, _STEP_PROGRAMS, _STEP_WARPS = 32, 1056, 8
 
 
 def step_programs(n_rows: int) -> int:
-    """Programs of the step pass over ``n_rows`` (token, head) rows: the rows of its check's [programs, 2, 3]."""
+    """Programs of the step pass over ``n_rows`` (token, head) rows."""
     return max(1, min(triton.cdiv(n_rows, _STEP_ROWS), _STEP_PROGRAMS))
+
+
+def step_extrema(n_rows: int, device: torch.device) -> torch.Tensor:
+    """The buffer the step pass over ``n_rows`` rows writes its check into: per program, g's then η's min, max and
+    NaN count ([programs, 2, 3] fp32, every element written by the pass)."""
+    return torch.empty(step_programs(n_rows), 2, 3, device=device)
 
 
 def _step_launch(k, eta, dbeta, out, dk, eps, backward, g=None, ext=None):
@@ -256,7 +262,7 @@ def kaczmarz_step(k: torch.Tensor, eta: torch.Tensor, eps: float, g: torch.Tenso
                   ext: torch.Tensor | None = None) -> torch.Tensor:
     """β = η/(‖k‖² + eps) (0 where ‖k‖² + eps = 0) for k [..., K] and eta [...], in fp32 (fp64 for fp64 k): the
     Kaczmarz step that turns the delta rule on raw keys into the projection. One pass over k; differentiable.
-    With ``ext`` ([step_programs(eta.numel()), 2, 3] fp32) the same pass writes each program's min, max and NaN
+    With ``ext`` (``step_extrema(eta.numel())``) the same pass writes each program's min, max and NaN
     count of g (like eta) and eta into it, for the op's value check (``checks.defer_check``)."""
     if ext is not None:
         g = g.contiguous()

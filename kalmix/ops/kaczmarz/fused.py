@@ -25,7 +25,7 @@ import torch
 import triton
 
 from kalmix.ops.common.checks import Range, defer_check, no_check
-from kalmix.ops.common.delta_triton import chunk_delta_rule_triton, kaczmarz_step, step_programs
+from kalmix.ops.common.delta_triton import chunk_delta_rule_triton, kaczmarz_step, step_extrema
 
 _OP = "kaczmarz_attention"
 log = logging.getLogger("kalmix")
@@ -75,7 +75,7 @@ def kaczmarz_fused(q, k, v, g, eta, *, state, eps, scale, cu_seqlens=None, check
     check's ``finish()`` (checks.defer_check), to call before the outputs are used."""
     needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, eta, state))
     use_fla = engine(q.device, q.dtype, needs_grad) == "fla"
-    ext = torch.empty(step_programs(eta.numel()), 2, 3, device=q.device) if check else None
+    ext = step_extrema(eta.numel(), q.device) if check else None
     # fla's kernels take β with its gradient; kalmix's fold the step's gradient into dk and dη themselves
     beta = kaczmarz_step(k if use_fla else k.detach(), eta if use_fla else eta.detach(), eps, g, ext)
     finish = defer_check(_OP, check, ext) if check else no_check
