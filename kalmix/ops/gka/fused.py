@@ -151,7 +151,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_ptr, h_p
     P = M * _dot(Qt, tl.trans(Kc), DT)
     for v0 in range(0, V, BV):
         U0 = _raw_state(u_ptr, base * K * V, K, V, v0, BK, BV)
-        out = Gam[:, None] * _dot(Qt, U0, DT) + _dot(P, _raw_rows(v_ptr, bos, L, i_h, H, V, v0, BV, C), DT)
+        out = _dot_acc(Gam[:, None] * Qt, U0, _dot(P, _raw_rows(v_ptr, bos, L, i_h, H, V, v0, BV, C), DT), DT)
         _store_rows(o_ptr, scale * out, bos, L, i_h, H, V, v0, BV, C)
 
 
@@ -170,7 +170,7 @@ def _solve_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_pt
         U0 = _raw_state(u_ptr, base * K * V, K, V, v0, BK, BV)
         dO = _raw_rows(do_ptr, bos, L, i_h, H, V, v0, BV, C)
         Vc = _raw_rows(v_ptr, bos, L, i_h, H, V, v0, BV, C)
-        dQt += Gam[:, None] * _dot(dO, tl.trans(U0), DT) + _dot(M * _dot(dO, tl.trans(Vc), DT), Kc, DT)
+        dQt = _dot_acc(M * _dot(dO, tl.trans(Vc), DT), Kc, _dot_acc(Gam[:, None] * dO, tl.trans(U0), dQt, DT), DT)
     dQt = scale * dQt
     r = tl.arange(0, C)
     tok = (bos + r) * H + i_h
