@@ -83,25 +83,26 @@ def kernel_breakdown(q, w, v, g, beta, s0, do, K):
     qf, wf, vf, gf, bf = [x.reshape(B * T, *x.shape[2:]).contiguous().detach() for x in (q, w, v, g, beta)]
     cu = batch_offsets(B, T, q.device)
     coff, chunks = dt._chunk_table(cu, B, T, dt.CHUNK, False)
-    BK, BV, kw = dt._launch(q.dtype, K, V)
     NC, N = chunks.shape[0], B
+    kw = dt._launch(q.dtype, K, V, dt._narrow(q.dtype, V, N * H, q.device))[2]
     sc = K ** -0.5
-    Gc, Tm, wt, ut = dt._prep(wf, wf, vf, gf, bf, chunks)
+    Gc, Tm, wt, ut, _, _ = dt._prep(wf, wf, vf, gf, bf, chunks)
     h, U, sT = dt._states(wf, wt, ut, Gc, s0, cu, coff, NC)
     o = torch.empty_like(U)
     dof = do.reshape(B * T, H, V).contiguous()
     dU, dh, ds0 = torch.empty_like(U), torch.empty_like(h), torch.empty_like(s0)
     dq, dw, de, dv, dg, db = (torch.empty_like(x) for x in (qf, wf, wf, vf, gf, bf))
     dwp, dwt, dG = torch.empty_like(wf), torch.empty_like(wf), torch.empty_like(gf)
-    nv = triton.cdiv(V, BV)
+    nv, nvd = triton.cdiv(V, kw["states"]["BV"]), triton.cdiv(V, kw["dstates"]["BV"])
     runs = {
-        "prep": lambda: dt._prep_kernel[(NC, H)](wf, wf, vf, gf, bf, chunks, Gc, Tm, wt, ut, H, K, V, **kw["prep"]),
+        "prep": lambda: dt._prep_kernel[(NC, H)](wf, wf, vf, gf, bf, chunks, Gc, Tm, wt, ut, None, None, 0., H, K, V,
+                                                 STEP=False, CHECK=False, **kw["prep"]),
         "states": lambda: dt._states_kernel[(nv, N * H)](wf, wt, ut, Gc, s0, cu, coff, h, U, sT, H, K, V,
                                                          HAS_S0=True, **kw["states"]),
         "output": lambda: dt._output_kernel[(NC, H)](qf, wf, U, Gc, h, chunks, o, sc, H, K, V, **kw["output"]),
         "dv_local": lambda: dt._dv_local_kernel[(NC, H)](qf, wf, Gc, dof, chunks, dU, sc, H, K, V, **kw["dv_local"]),
-        "dstates": lambda: dt._dstates_kernel[(nv, N * H)](qf, wf, wt, Gc, dof, s0, cu, coff, dU, dh, ds0, sc, H, K,
-                                                           V, HAS_DST=False, **kw["dstates"]),
+        "dstates": lambda: dt._dstates_kernel[(nvd, N * H)](qf, wf, wt, Gc, dof, s0, cu, coff, dU, dh, ds0, sc, H, K,
+                                                            V, HAS_DST=False, HAS_DS0=True, **kw["dstates"]),
         "grads_qw": lambda: dt._grads_qw_kernel[(NC, H)](qf, wf, gf, bf, chunks, h, dh, U, dU, dof, dq, dwp, dwt,
                                                          dG, sc, H, K, V, **kw["grads_qw"]),
         "grads_wy": lambda: dt._grads_wy_kernel[(NC, H)](wf, wf, vf, gf, bf, chunks, Tm, dU, dwt, dG, dwp, dw, de, dv,

@@ -7,6 +7,7 @@ import torch
 from kalmix import ops
 from kalmix.ops.common.testing import (CASES, gka_layer_inputs, kalman_realistic_inputs, outputs_and_grads,
                                        random_functional_grads, rel_err, run_case)
+from kalmix.ops.common import delta_triton
 from kalmix.ops.kaczmarz import fused as kaczmarz_fused
 
 # fp32 kernels (3xTF32 or fp32 CUDA-core math) against fp64; bf16 activations against fp64 on the same rounded
@@ -65,13 +66,26 @@ def test_delta_kernels_small_heads(name, dtype, head, dev):
         _check(f"{name} {str(dtype)[6:]} K=V={head} T={T}", out + grad, ref_out + ref_grad, TOL[dtype])
 
 
+@pytest.mark.parametrize("narrow", [False, True])
+@pytest.mark.parametrize("name", ["kaczmarz", "vla"])
+def test_delta_kernels_at_both_launches(name, narrow, dev, monkeypatch):
+    """The states and dstates kernels at both of their 16-bit launches (CONFIGS' usual V block and the "narrow"
+    one the op picks when few (sequence, head) programs would leave multiprocessors idle; at these sizes it
+    picks narrow), bf16 against fp64."""
+    monkeypatch.setattr(delta_triton, "_narrow", lambda *a: narrow)
+    args, state, low, low_state, _ = _case_inputs(name, dev, torch.bfloat16, False)
+    ref_out, ref_grad = outputs_and_grads(CASES[name], args, state, "torch")
+    out, grad = outputs_and_grads(CASES[name], low, low_state, "triton")
+    _check(f"{name} bf16 narrow={narrow}", out + grad, ref_out + ref_grad, TOL[torch.bfloat16])
+
+
 def test_kaczmarz_fla_engine_forward(dev):
     """fla's chunk_gated_delta_rule engine (forward only where fla refuses its backward) on the same check."""
     args, state, low, low_state, cu = _case_inputs("kaczmarz", dev, torch.float32, False)
     with torch.no_grad():
         ref = run_case(CASES["kaczmarz"], args, state, "torch")
         saved = kaczmarz_fused.engine
-        kaczmarz_fused.engine = lambda device, dtype, needs_grad: "fla"
+        kaczmarz_fused.engine = lambda device, dtype: "fla"
         try:
             got = run_case(CASES["kaczmarz"], low, low_state, "triton")
         finally:
@@ -94,7 +108,7 @@ def test_kaczmarz_key_norms_spread_over_two_decades(eng, dtype, dev):
     args = [(a.to(dtype) if i < 3 else a.float()).double().to(dev) for i, a in enumerate(args)]
     low = [(a.to(dtype) if i < 3 else a.float()) for i, a in enumerate(args)]
     saved = kaczmarz_fused.engine
-    kaczmarz_fused.engine = lambda device, dtype, needs_grad: eng
+    kaczmarz_fused.engine = lambda device, dtype: eng
     try:
         if eng == "kalmix":
             ref_out, ref_grad = outputs_and_grads(CASES["kaczmarz"], args, state, "torch")

@@ -104,6 +104,26 @@ def test_kaczmarz_step_mode_with_key_norms_spread_over_two_decades(dtype, tol):
         assert_close(name, x, w, tol)
 
 
+@pytest.mark.parametrize("narrow", [False, True])
+def test_16_bit_activations_at_both_launches_of_the_sequential_kernels(monkeypatch, narrow):
+    """bf16 activations with the states and dstates kernels at CONFIGS' usual V block and at the "narrow" one
+    the op picks when few (sequence, head) programs would leave the GPU idle: V = 80 spans 2 or 3 V blocks (the
+    last partial). Against the fp64 path on the same bf16-rounded inputs (the interpreter multiplies 16-bit
+    operands in fp32; T, W̃, Ũ, h and U are stored in bf16)."""
+    monkeypatch.setattr(dt, "_narrow", lambda *a: narrow)
+    cfg = dt.CONFIGS[16]
+    assert cfg["narrow"]["BV"] < cfg["BV"] < 80 < 2 * cfg["BV"]
+    xs = [x.to(torch.bfloat16).double() if i < 4 else x for i, x in enumerate(_inputs(2, 130, 2, 32, 80, 2, seed=6))]
+    scale = 0.3
+    ref = _outputs_and_grads(lambda x: _reference(x, scale), xs, torch.float64)
+    got = _outputs_and_grads(lambda x: dt.chunk_delta_rule_triton(*[t.to(torch.bfloat16) if i < 4 else t.float()
+                                                                    for i, t in enumerate(x[:6])],
+                                                                  scale=scale, state=x[6].float()),
+                             xs, torch.float64)
+    for name, x, r in zip("o S dq dw de dv dg dbeta dS0".split(), got, ref):
+        assert_close(name, x.double(), r, 2e-2)
+
+
 def test_batch_table_is_the_packed_table_of_equal_lengths():
     """The cached table of an unpacked batch equals the one built from its cu_seqlens (a partial last chunk)."""
     B, T = 3, 2 * dt.CHUNK + 5

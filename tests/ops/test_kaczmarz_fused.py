@@ -52,7 +52,7 @@ def test_both_engines_match_the_loop(monkeypatch, engine, packed):
         calls.append(1)
         return _gdn_stand_in(*a, **kw)
     monkeypatch.setattr(fused, "_fla_gdn", stand_in)
-    monkeypatch.setattr(fused, "engine", lambda device, dtype, needs_grad: engine)
+    monkeypatch.setattr(fused, "engine", lambda device, dtype: engine)
     cu = torch.tensor([0, 9, 9, 70]) if packed else None
     args, state = _draw(70, seed=4, n_seq=3 if packed else 2, B=1 if packed else None)
     eps, scale = 1e-3, 0.4
@@ -72,15 +72,14 @@ def test_both_engines_match_the_loop(monkeypatch, engine, packed):
 
 
 def test_engine_choice(monkeypatch):
-    """fla wherever it runs both ways; kalmix's kernels for training where fla refuses its gated backward, for
-    fp64 and off CUDA."""
+    """fla wherever it runs both ways; kalmix's kernels where fla refuses its gated backward (with or without
+    gradients: one engine per machine), for fp64 and off CUDA."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     for refused in (False, True):
         monkeypatch.setattr(fused, "fla_gated_backward_refused", lambda device, r=refused: r)
-        assert fused.engine(cuda, torch.bfloat16, needs_grad=False) == "fla"
-        assert fused.engine(cuda, torch.bfloat16, needs_grad=True) == ("kalmix" if refused else "fla")
-        assert fused.engine(cuda, torch.float64, needs_grad=False) == "kalmix"
-        assert fused.engine(cpu, torch.float32, needs_grad=False) == "kalmix"
+        assert fused.engine(cuda, torch.bfloat16) == ("kalmix" if refused else "fla")
+        assert fused.engine(cuda, torch.float64) == "kalmix"
+        assert fused.engine(cpu, torch.float32) == "kalmix"
 
 
 def test_standing_in_for_fla_on_a_gpu_is_logged_once(monkeypatch, caplog):
@@ -140,24 +139,26 @@ def test_step_kernel_and_its_gradient_match_torch(monkeypatch, dtype):
         assert_close(name, x.detach(), r.detach(), tol)
 
 
-@pytest.mark.parametrize("programs", [2048, 3])
-@pytest.mark.parametrize("engine", ["fla", "kalmix"])
-def test_the_step_pass_checks_the_values_like_the_other_impls(monkeypatch, engine, programs):
-    """impl="triton" checks g and eta in the pass that computes the step: the same errors as check_ranges,
-    across several programs (the bad value sits in the last row; with 3 programs each strides over several row
-    blocks), NaN included; check_values=False skips it."""
-    monkeypatch.setattr(delta_triton, "_STEP_PROGRAMS", programs)
+@pytest.mark.parametrize("engine, programs, T", [("fla", 2048, 37), ("fla", 3, 37), ("kalmix", None, 150)])
+def test_the_step_pass_checks_the_values_like_the_other_impls(monkeypatch, engine, programs, T):
+    """impl="triton" checks g and eta in the pass that computes the step (fla's engine: the step pass, across
+    several programs, each striding over several row blocks with 3; kalmix's: its first chunk kernel, one
+    program per chunk and head, the bad value in the short last chunk or a middle one): the same errors as
+    check_ranges, NaN included; check_values=False skips it."""
+    if programs is not None:
+        monkeypatch.setattr(delta_triton, "_STEP_PROGRAMS", programs)
     monkeypatch.setattr(fused, "_fla_gdn", _gdn_stand_in)
-    monkeypatch.setattr(fused, "engine", lambda device, dtype, needs_grad: engine)
-    args, _ = _draw(37, seed=6)
+    monkeypatch.setattr(fused, "engine", lambda device, dtype: engine)
+    args, _ = _draw(T, seed=6)
     q, k, v, g, eta = (a.float() for a in args)
-    bad = {"g > 0": ("g", g.clone().index_put_((torch.tensor(1), torch.tensor(36), torch.tensor(1)),
-                                                torch.tensor(0.5)), r"`g` must lie in \[-inf, 0.0\]"),
-           "eta = 0": ("eta", eta.clone().index_put_((torch.tensor(1), torch.tensor(36), torch.tensor(1)),
-                                                      torch.tensor(0.)), r"`eta` must lie in \(0.0, 1.0\]"),
+
+    def put(x, t, value):
+        return x.clone().index_put_((torch.tensor(1), torch.tensor(t), torch.tensor(1)), torch.tensor(value))
+    bad = {"g > 0": ("g", put(g, T - 1, 0.5), r"`g` must lie in \[-inf, 0.0\]"),
+           "eta = 0": ("eta", put(eta, T - 1, 0.), r"`eta` must lie in \(0.0, 1.0\]"),
            "eta > 1": ("eta", eta * 1.5 + 0.5, r"`eta` must lie in \(0.0, 1.0\]"),
-           "NaN g": ("g", g.clone().index_put_((torch.tensor(1), torch.tensor(36), torch.tensor(1)),
-                                               torch.tensor(float("nan"))), r"`g` contains NaN")}
+           "NaN g": ("g", put(g, T - 1, float("nan")), r"`g` contains NaN"),
+           "NaN eta": ("eta", put(eta, T // 2, float("nan")), r"`eta` contains NaN")}
     for name, (which, x, msg) in bad.items():
         gates = {"g": g, "eta": eta, which: x}
         with pytest.raises(ValueError, match=msg):

@@ -19,8 +19,9 @@ through T by dA = −(Tᵀ dŨ) Ũᵀ − (Tᵀ dW̃) W̃ᵀ. Chunk-start states
 T, W̃ and Ũ are (T in the activations' dtype: it only ever feeds tensor-core products).
 
 Kernels (every tensor laid out [tokens, H, *] with packed sequences; a chunk never crosses a sequence):
-    _step_kernel      per row block: the Kaczmarz step β = η/(‖k‖² + eps) (``step_eps``), and its backward
-    _prep_kernel      per (chunk, head): G, T, W̃, Ũ (kept by the forward for the backward)
+    _step_kernel      per row block: the Kaczmarz step β = η/(‖k‖² + eps) and its backward, for fla's kernels
+    _prep_kernel      per (chunk, head): G, T, W̃, Ũ (kept by the forward for the backward); with ``step_eps``
+                      the step itself from the chunk's keys
     _states_kernel    per (sequence, head, V block), forward over chunks: chunk-start states h, U, final state
     _output_kernel    per (chunk, head): O
     _dv_local_kernel  per (chunk, head): dU's term from the chunk's own outputs, scale·Pᵀ dO
@@ -47,10 +48,17 @@ CHUNK = 64
 # (or warps and its own pipeline depth)
 # (fp32 operands need twice the shared memory; the backward's per-chunk kernels hold three [C, K] fp32 accumulators).
 # 16-bit, H200 (benchmarks/delta_triton.py, 32K tokens, K = V = 128): grads_wy 0.565 ms at 8 warps, 0.338 at 4;
-# grads_qw 0.476 at 8, 0.907 at 4; dstates 0.318 at 8, 0.364 at 4. H100, the current kernels: dstates 0.260 at 8,
-# 0.315 at 4; output and dv_local 0.156 and 0.106 at 4, 0.174 and 0.124 at 8; grads_qw 0.455 at 3 stages, 0.480
-# at 2
-CONFIGS = {16: dict(BV=64, stages=2, prep=4, states=4, output=4, dv_local=4, dstates=8, grads_qw=(8, 3), grads_wy=4),
+# grads_qw 0.476 at 8, 0.907 at 4. H100, the current kernels: output and dv_local 0.156 and 0.106 at 4, 0.174 and
+# 0.124 at 8; grads_qw 0.455 at 3 stages, 0.480 at 2; prep with the Kaczmarz step 0.234 at 2 stages, 0.228 at 3,
+# 0.233 at 1, 0.50 at 8 warps (spills).
+# "narrow": the V block and launches of the two kernels that walk each (sequence, head) through its chunks in
+# order, used when their programs at the usual V block would not fill the GPU (``_narrow``). H100, alone, 32K
+# tokens: at B = 16 (128 programs of V blocks of 64), states 0.157 ms at (4 warps, 2 stages), 0.154 at (4, 3),
+# 0.159 at (8, 3); dstates 0.257 at (8, 2), 0.215 at (8, 3), 0.307 at (4, 3); at B = 4 (64 programs) with V
+# blocks of 64 / 32: states 0.290 / 0.269 at (4, 2), 0.232 / 0.181 at (4, 3), 0.250 / 0.173 at (4, 4); dstates
+# 0.452 / 0.408 at (8, 2), 0.419 / 0.339 at (8, 3), 0.524 / 0.294 at (4, 3)
+CONFIGS = {16: dict(BV=64, stages=2, prep=(4, 3), states=(4, 3), output=4, dv_local=4, dstates=(8, 3),
+                    grads_qw=(8, 3), grads_wy=4, narrow=dict(BV=32, states=(4, 4), dstates=(4, 3))),
            32: dict(BV=32, stages=1, prep=8, states=8, output=8, dv_local=4, dstates=8, grads_qw=8, grads_wy=8)}
 DOT_FP32 = tl.constexpr("ieee" if INTERPRET else "tf32x3")   # fp32 inputs: products accurate to ~fp32
 
@@ -174,20 +182,30 @@ def _last(G, L, C: tl.constexpr):
 
 
 @triton.jit
+def _gate_rows(g_ptr, beta_ptr, bos, i_h, H, valid, C: tl.constexpr):
+    """g_t and β_t of the chunk's rows as [C] fp32 (0 past its end)."""
+    r = (bos + tl.arange(0, C)) * H + i_h
+    return _acc(tl.load(g_ptr + r, mask=valid, other=0.)), _acc(tl.load(beta_ptr + r, mask=valid, other=0.))
+
+
+@triton.jit
 def _gates(g_ptr, beta_ptr, bos, L, i_h, H, valid, C: tl.constexpr):
     """G_t (log decay from the chunk start) and β_t as [C] fp32, and G at the chunk's last token."""
-    r = tl.arange(0, C)
-    g = _acc(tl.load(g_ptr + (bos + r) * H + i_h, mask=valid, other=0.))
-    beta = _acc(tl.load(beta_ptr + (bos + r) * H + i_h, mask=valid, other=0.))
+    g, beta = _gate_rows(g_ptr, beta_ptr, bos, i_h, H, valid, C)
     G = tl.cumsum(g, axis=0)
     return G, beta, _last(G, L, C)
 
 
 @triton.jit
+def _inv_den(den):
+    """1/den, 0 where den = 0 (the step of a zero key with eps = 0: it writes nothing)."""
+    return tl.where(den > 0, 1. / tl.where(den > 0, den, 1.), 0.)
+
+
+@triton.jit
 def _inv_sq_norm(k, eps):
     """c² = 1/(‖k‖² + eps) per row of a [R, BK] block (0 where ‖k‖² + eps = 0: such a key writes nothing)."""
-    den = tl.sum(k * k, axis=1) + eps
-    return tl.where(den > 0, 1. / tl.where(den > 0, den, 1.), 0.)
+    return _inv_den(tl.sum(k * k, axis=1) + eps)
 
 
 @triton.jit
@@ -322,11 +340,11 @@ def _merge(Tm, A, rows, cols, size: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
-def _system(E, W, G, beta, rows, cols, C: tl.constexpr, DT: tl.constexpr):
-    """T = (I + A)⁻¹ for A = strictly_lower(diag(β)(E Wᵀ) ⊙ D): the diagonal blocks of 4 by forward substitution
-    (the blocks' rows i together), then two merges of four blocks each (4 → 16 → 64)."""
+def _system(KW, G, beta, rows, cols, C: tl.constexpr, DT: tl.constexpr):
+    """T = (I + A)⁻¹ for A = strictly_lower(diag(β) KW ⊙ D), KW = E Wᵀ: the diagonal blocks of 4 by forward
+    substitution (the blocks' rows i together), then two merges of four blocks each (4 → 16 → 64)."""
     tl.static_assert(C == 64)
-    A = _dot(E, tl.trans(W), DT) * _decay(G, rows, cols, True) * beta[:, None]
+    A = KW * _decay(G, rows, cols, True) * beta[:, None]
     eye = (rows == cols).to(G.dtype)
     Tm = eye
     for i in tl.static_range(1, 4):
@@ -336,21 +354,45 @@ def _system(E, W, G, beta, rows, cols, C: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
-def _prep_kernel(w_ptr, e_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, Gc_ptr, T_ptr, wt_ptr, ut_ptr, H, K, V,
-                 C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr):
+def _extrema(x, valid, out):
+    """min, max and NaN count of the [C] values x over the valid rows, stored at out[0..2]."""
+    x = x.to(tl.float32)
+    tl.store(out, tl.min(tl.where(valid, x, float("inf")), axis=0))
+    tl.store(out + 1, tl.max(tl.where(valid, x, -float("inf")), axis=0))
+    tl.store(out + 2, tl.sum((valid & (x != x)).to(tl.float32), axis=0))
+
+
+@triton.jit
+def _prep_kernel(w_ptr, e_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, Gc_ptr, T_ptr, wt_ptr, ut_ptr, step_ptr, ext_ptr,
+                 step_eps, H, K, V, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
+                 STEP: tl.constexpr, CHECK: tl.constexpr):
+    """Per (chunk, head): G, T, W̃, Ũ. STEP (w is e = k, ``beta`` is η): the step β = η/(‖k‖² + eps), ‖k_t‖² read
+    off the diagonal of K Kᵀ (which the system needs anyway), stored to ``step``. CHECK: g's then η's min, max and
+    NaN count over the chunk into this program's [2, 3] row of ``ext`` ([programs, 2, 3], folded by
+    checks.defer_check: no atomics, nothing to initialise)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, L, rows, cols, valid = _chunk_rows(chunks_ptr, i_c, C)
-    G, beta, G_end = _gates(g_ptr, beta_ptr, bos, L, i_h, H, valid, C)
+    g, beta = _gate_rows(g_ptr, beta_ptr, bos, i_h, H, valid, C)
+    G = tl.cumsum(g, axis=0)
     E = _load_rows(e_ptr, bos, L, i_h, H, K, 0, BK, C)
-    W = _load_rows(w_ptr, bos, L, i_h, H, K, 0, BK, C)
-    Tm = _system(E, W, G, beta, rows, cols, C, DT)
+    W = E if STEP else _load_rows(w_ptr, bos, L, i_h, H, K, 0, BK, C)
+    KW = _dot(E, tl.trans(W), DT)
     r = tl.arange(0, C)
+    if STEP:
+        eta = beta
+        beta = eta * _inv_den(tl.sum(tl.where(rows == cols, KW, 0.), axis=1) + step_eps)
+        tl.store(step_ptr + (bos + r) * H + i_h, beta, mask=valid)
+    Tm = _system(KW, G, beta, rows, cols, C, DT)
     tl.store(Gc_ptr + (bos + r) * H + i_h, G, mask=valid)
     _store_rows(T_ptr, Tm, bos, L, i_h, H, C, 0, C, C)
     _store_rows(wt_ptr, _dot(Tm, E * (beta * tl.exp(G))[:, None], DT), bos, L, i_h, H, K, 0, BK, C)
     for v0 in range(0, V, BV):
         Vt = _load_rows(v_ptr, bos, L, i_h, H, V, v0, BV, C)
         _store_rows(ut_ptr, _dot(Tm, Vt * beta[:, None], DT), bos, L, i_h, H, V, v0, BV, C)
+    if CHECK:
+        row = ext_ptr + (i_c * tl.num_programs(1) + i_h) * 6
+        _extrema(g, valid, row)
+        _extrema(eta, valid, row + 3)
 
 
 @triton.jit
@@ -442,10 +484,10 @@ def _dv_local_kernel(q_ptr, w_ptr, Gc_ptr, do_ptr, chunks_ptr, du_ptr, scale, H,
 @triton.jit
 def _dstates_kernel(q_ptr, w_ptr, wt_ptr, Gc_ptr, do_ptr, dsT_ptr, cu_ptr, coff_ptr, du_ptr, dh_ptr, ds0_ptr,
                     scale, H, K, V, C: tl.constexpr, BH: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
-                    HAS_DST: tl.constexpr):
+                    HAS_DST: tl.constexpr, HAS_DS0: tl.constexpr):
     """Per (sequence, head, V block), backward over chunks: dS_C of every chunk, and dU = (the local term that
-    _dv_local_kernel left in du) + diag(e^{G_C − G}) W dS_C, in place. dS is held as two blocks of BH rows of K
-    (the second one empty when K <= BH)."""
+    _dv_local_kernel left in du) + diag(e^{G_C − G}) W dS_C, in place; dS_0 when HAS_DS0 (there is an initial
+    state). dS is held as two blocks of BH rows of K (the second one empty when K <= BH)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     v0 = i_v * BV
@@ -474,8 +516,9 @@ def _dstates_kernel(q_ptr, w_ptr, wt_ptr, Gc_ptr, do_ptr, dsT_ptr, cu_ptr, coff_
                - _dot(_raw_cols(wt_ptr, t0, L, i_h, H, K, 0, BH, C), dU, DT))
         dS2 = (scale * _dot(_load_cols(q_ptr, t0, L, i_h, H, K, BH, BH, C) * eG, dO, DT) + tl.exp(G_end) * dS2
                - _dot(_raw_cols(wt_ptr, t0, L, i_h, H, K, BH, BH, C), dU, DT))
-    _store_state(ds0_ptr, base, dS1, K, V, v0, BH, BV)
-    _store_state(ds0_ptr, base + BH * V, dS2, K - BH, V, v0, BH, BV)
+    if HAS_DS0:
+        _store_state(ds0_ptr, base, dS1, K, V, v0, BH, BV)
+        _store_state(ds0_ptr, base + BH * V, dS2, K - BH, V, v0, BH, BV)
 
 
 @triton.jit
@@ -599,8 +642,22 @@ def batch_table(B: int, T: int, C: int, device: torch.device):
     return coff.to(device), torch.stack([start, end], -1).view(-1, 2).to(device=device, dtype=torch.int32)
 
 
-def _launch(dtype: torch.dtype, K: int, V: int):
-    """(BK, BV, {kernel: launch keywords}) for activations of ``dtype`` and head sizes K, V."""
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _narrow(dtype: torch.dtype, V: int, n_seq_heads: int, device: torch.device) -> bool:
+    """Whether the sequential kernels (states, dstates) take CONFIGS' "narrow" V blocks: when their
+    (sequence, head, V block) programs at the usual V block would leave streaming multiprocessors idle."""
+    cfg = CONFIGS[16 if dtype.itemsize == 2 else 32]
+    return ("narrow" in cfg and device.type == "cuda"
+            and n_seq_heads * triton.cdiv(V, cfg["BV"]) < _sm_count(device))
+
+
+def _launch(dtype: torch.dtype, K: int, V: int, narrow: bool = False):
+    """(BK, BV, {kernel: launch keywords}) for activations of ``dtype`` and head sizes K, V; ``narrow``: the
+    states and dstates kernels take CONFIGS' "narrow" V block and launches (their grids read kw[...]["BV"])."""
     cfg = CONFIGS[16 if dtype.itemsize == 2 else 32]
     # 16-bit tiles at least 32 wide: with K = V = 16 (16-wide tiles) the bf16 kernels returned garbage (H200,
     # triton 3.6); the padding is masked
@@ -613,11 +670,15 @@ def _launch(dtype: torch.dtype, K: int, V: int):
     # 16-wide tiles at 8 warps made illegal memory accesses on an H200 (triton 3.6: the fp32 output kernel, and
     # the 16-bit grads_wy kernel at 8 warps) with K = V = 16: small heads run at most 4 warps
     cap = 4 if min(BK, BV) <= 16 else 8
+    sub = cfg["narrow"] if narrow and "narrow" in cfg else {}
     kws = {}
     for k, w in cfg.items():
-        if k not in ("BV", "stages"):
+        if k not in ("BV", "stages", "narrow"):
+            w = sub.get(k, w)
             warps, stages = w if isinstance(w, tuple) else (w, cfg["stages"])
             kws[k] = dict(kw, num_warps=min(warps, cap), num_stages=stages)
+            if k in sub:
+                kws[k]["BV"] = max(low, min(sub["BV"], triton.next_power_of_2(V)))
     kws["dstates"]["BH"] = max(low, kws["dstates"].pop("BK") // 2)      # dS in two blocks of rows
     return BK, BV, kws
 
@@ -625,17 +686,22 @@ def _launch(dtype: torch.dtype, K: int, V: int):
 _DT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32, torch.float64: tl.float64}
 
 
-def _prep(w, e, v, g, beta, chunks):
+def _prep(w, e, v, g, beta, chunks, step_eps=None, check=False):
     """Per chunk: G [tokens, H] (fp32), T [tokens, H, C] and the WY factors W̃, Ũ (the activations' dtype: the
-    tensor-core operands they feed are)."""
+    tensor-core operands they feed are). With ``step_eps`` (w is e, ``beta`` is η) also the step β [tokens, H]
+    (fp32) the kernel computed, and with ``check`` the extremes of g and η ([programs, 2, 3]); else None."""
     Ttot, H, K = w.shape
     V = v.shape[-1]
     _, _, kw = _launch(w.dtype, K, V)
     act = dict(dtype=w.dtype, device=w.device)
     Gc = torch.empty(Ttot, H, dtype=compute_dtype(w), device=w.device)
     Tm, wt, ut = torch.empty(Ttot, H, CHUNK, **act), torch.empty(Ttot, H, K, **act), torch.empty(Ttot, H, V, **act)
-    _prep_kernel[(chunks.shape[0], H)](w, e, v, g, beta, chunks, Gc, Tm, wt, ut, H, K, V, **kw["prep"])
-    return Gc, Tm, wt, ut
+    step = torch.empty_like(Gc) if step_eps is not None else None
+    ext = torch.empty(chunks.shape[0] * H, 2, 3, device=w.device) if check else None
+    _prep_kernel[(chunks.shape[0], H)](w, e, v, g, beta, chunks, Gc, Tm, wt, ut, step, ext,
+                                       0. if step_eps is None else step_eps, H, K, V, STEP=step is not None,
+                                       CHECK=check, **kw["prep"])
+    return Gc, Tm, wt, ut, step, ext
 
 
 def _states(w, wt, ut, Gc, s0, cu, coff, n_chunks):
@@ -643,13 +709,13 @@ def _states(w, wt, ut, Gc, s0, cu, coff, n_chunks):
     None: zero initial states."""
     Ttot, H, K = w.shape
     V = ut.shape[-1]
-    _, BV, kw = _launch(w.dtype, K, V)
     N = cu.numel() - 1
+    kw = _launch(w.dtype, K, V, _narrow(w.dtype, V, N * H, w.device))[2]["states"]
     act = dict(dtype=w.dtype, device=w.device)
     h, U = torch.empty(n_chunks, H, K, V, **act), torch.empty(Ttot, H, V, **act)
     sT = torch.empty(N, H, K, V, dtype=compute_dtype(w), device=w.device)
-    _states_kernel[(triton.cdiv(V, BV), N * H)](w, wt, ut, Gc, s0, cu, coff, h, U, sT, H, K, V,
-                                                HAS_S0=s0 is not None, **kw["states"])
+    _states_kernel[(triton.cdiv(V, kw["BV"]), N * H)](w, wt, ut, Gc, s0, cu, coff, h, U, sT, H, K, V,
+                                                      HAS_S0=s0 is not None, **kw)
     return h, U, sT
 
 
@@ -664,15 +730,15 @@ def _output(q, w, U, Gc, h, chunks, scale):
 
 class ChunkDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, w, e, v, g, beta, s0, cu, packed, scale, step_eps, step):
+    def forward(ctx, q, w, e, v, g, beta, s0, cu, packed, scale, step_eps, check):
         B, T, H, K = q.shape
         V = v.shape[-1]
         flat = [x.reshape(B * T, *x.shape[2:]).contiguous() for x in (q, w, e, v, g, beta)]
-        if step_eps is not None:                # beta is η; the kernels take the step η/(‖k‖² + eps)
-            flat[5] = step.reshape(B * T, *step.shape[2:]).contiguous()
         coff, chunks = _chunk_table(cu, B, T, CHUNK, packed)
         s0 = None if s0 is None else s0.contiguous()
-        Gc, Tm, wt, ut = _prep(*flat[1:], chunks)
+        Gc, Tm, wt, ut, step, ext = _prep(*flat[1:], chunks, step_eps, check)
+        if step is not None:                    # beta was η; the backward takes the step η/(‖k‖² + eps)
+            flat[5] = step
         h, U, sT = _states(flat[1], wt, ut, Gc, s0, cu, coff, chunks.shape[0])
         o = _output(flat[0], flat[1], U, Gc, h, chunks, scale)
         # the backward reuses the chunk systems (their solve is the forward's costliest kernel) and recomputes
@@ -680,21 +746,25 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         ctx.save_for_backward(*flat, s0, cu, coff, chunks, Gc, Tm, wt, ut)
         ctx.scale, ctx.shape, ctx.step_eps, ctx.beta_dtype = scale, (B, T, H, K, V), step_eps, beta.dtype
         ctx.set_materialize_grads(False)
-        return o.view(B, T, H, V), sT
+        if ext is None:
+            return o.view(B, T, H, V), sT
+        ctx.mark_non_differentiable(ext)
+        return o.view(B, T, H, V), sT, ext
 
     @staticmethod
-    def backward(ctx, do, dsT):
+    def backward(ctx, do, dsT, *_):
         q, w, e, v, g, beta, s0, cu, coff, chunks, Gc, Tm, wt, ut = ctx.saved_tensors
         B, T, H, K, V = ctx.shape
-        BK, BV, kw = _launch(q.dtype, K, V)
         NC, N = chunks.shape[0], cu.numel() - 1
+        kw = _launch(q.dtype, K, V, _narrow(q.dtype, V, N * H, q.device))[2]
         h, U, _ = _states(w, wt, ut, Gc, s0, cu, coff, NC)
         do = torch.zeros_like(v) if do is None else do.reshape(B * T, H, V).contiguous()
-        dU, dh, ds0 = torch.empty_like(U), torch.empty_like(h), Gc.new_empty(N, H, K, V)
+        dU, dh = torch.empty_like(U), torch.empty_like(h)
+        ds0 = None if s0 is None else Gc.new_empty(N, H, K, V)
         _dv_local_kernel[(NC, H)](q, w, Gc, do, chunks, dU, ctx.scale, H, K, V, **kw["dv_local"])
-        _dstates_kernel[(triton.cdiv(V, BV), N * H)](
+        _dstates_kernel[(triton.cdiv(V, kw["dstates"]["BV"]), N * H)](
             q, w, wt, Gc, do, dU if dsT is None else dsT.contiguous(), cu, coff, dU, dh, ds0, ctx.scale, H, K, V,
-            HAS_DST=dsT is not None, **kw["dstates"])
+            HAS_DST=dsT is not None, HAS_DS0=s0 is not None, **kw["dstates"])
         step = ctx.step_eps is not None
         dq, dw, dv = (torch.empty_like(x) for x in (q, w, v))
         de = dw if step else torch.empty_like(e)                # STEP writes the one key's gradient to dw
@@ -709,12 +779,12 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
                                   0. if ctx.step_eps is None else ctx.step_eps, H, K, V, STEP=step, **kw["grads_wy"])
         shape = lambda x: x.view(B, T, *x.shape[1:])  # noqa: E731
         return (shape(dq), shape(dw), None if step else shape(de), shape(dv), shape(dg), shape(dbeta),
-                None if s0 is None else ds0, None, None, None, None, None)
+                ds0, None, None, None, None, None)
 
 
 def chunk_delta_rule_triton(q, w, e, v, g, beta, *, scale: float, state: torch.Tensor | None,
                             cu_seqlens: torch.Tensor | None = None, step_eps: float | None = None,
-                            step: torch.Tensor | None = None):
+                            check: bool = False):
     """The rule of the module docstring on GPU tensors (or under TRITON_INTERPRET).
 
     Args:
@@ -723,21 +793,23 @@ def chunk_delta_rule_triton(q, w, e, v, g, beta, *, scale: float, state: torch.T
         state: [N, H, K, V] initial states (N = B, or the number of packed sequences), or None (zeros).
         cu_seqlens: [N + 1] offsets of packed sequences (B = 1).
         step_eps: the Kaczmarz rule: w and e are one tensor k, ``beta`` is η and the step is
-            η/(‖k‖² + step_eps) (0 where that denominator is 0), computed in the kernels; gradients reach k
-            (on w) and η.
-        step: with ``step_eps``, that step [B, T, H] if the caller computed it already (``kaczmarz_step``).
+            η/(‖k‖² + step_eps) (0 where that denominator is 0), computed by the first kernel from the keys it
+            loads anyway; gradients reach k (on w) and η.
+        check: with ``step_eps``, that kernel also writes the extremes of g and η per (chunk, head), for
+            ``checks.defer_check`` ([programs, 2, 3]: g's then η's min, max and NaN count).
     Returns:
-        o [B, T, H, V] in v's dtype, final state [N, H, K, V] in fp32 (fp64 for fp64 inputs).
+        o [B, T, H, V] in v's dtype, final state [N, H, K, V] in fp32 (fp64 for fp64 inputs), and with ``check``
+        the extremes.
     """
     if step_eps is not None and w is not e:
         raise ValueError("chunk_delta_rule_triton: step_eps needs the write and erase keys to be one tensor")
+    if check and step_eps is None:
+        raise ValueError("chunk_delta_rule_triton: check reads the extremes of g and η, which need step_eps")
     B, T = q.shape[:2]
     cu = batch_offsets(B, T, q.device) if cu_seqlens is None else cu_seqlens.to(torch.int32)
     acc = compute_dtype(q)
-    if step_eps is not None and step is None:
-        step = kaczmarz_step(w.detach(), beta.detach(), step_eps)     # its gradient is folded into dw and dη
     # the kernels read the gates in fp32 whatever they are stored in; fp64 runs are converted to keep fp64
     g, beta = (x if acc == torch.float32 else x.to(acc) for x in (g, beta))
     state = None if state is None else state.to(acc)
     return ChunkDeltaRuleFunction.apply(q, w, e, v, g, beta, state, cu, cu_seqlens is not None, scale, step_eps,
-                                        None if step is None else step.detach())
+                                        check)
