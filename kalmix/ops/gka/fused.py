@@ -38,10 +38,13 @@ from kalmix.ops.common.delta_triton import (_DT, DOT_FP32, INTERPRET, _chunk_at,
 _OP = "gated_kalmanet"
 MAX_K = 128         # H_c [K, K] is one tile
 # per operand width (16-bit activations, or fp32/fp64): the chunk length C, the column block of the states and of
-# V, and each kernel's warps (fp32's 3×TF32 operands need twice the shared memory, hence the smaller tiles). H100,
-# 16-bit: the solves at 4 warps (one warpgroup for the chunk's 64 rows; 8 warps took 2.9 ms against 1.76),
-# grads_h at 4 (0.94 ms against 1.17 at 8), dstates at 8 (0.83 against 0.88); states at 8 was slower (0.71 vs 0.47)
-CONFIGS = {16: dict(C=64, BV=64, states=4, fwd=4, solve_bwd=4, dstates=8, grads_u=8, grads_h=4),
+# V, and each kernel's warps, or (warps, pipeline stages) (else 1 stage) (fp32's 3×TF32 operands need twice the
+# shared memory, hence the smaller tiles). H100, 16-bit: the solves at 4 warps (one warpgroup for the chunk's 64
+# rows; 8 warps took 2.9 ms against 1.76), grads_h at 4 (0.94 ms against 1.17 at 8), dstates at 8 (0.83 against
+# 0.88); states at 8 was slower (0.71 vs 0.47). Stages (B = 16, T = 2048 / B = 4, T = 8192, ms per call): states
+# 0.237 / 0.365 at 1, 0.190 / 0.249 at 2, 0.206 / 0.261 at 3; fwd 1.40 at 1, 1.35 at 2; grads_u 0.666 at 1,
+# 0.616 at 2; solve_bwd 1.96 at 1, 2.04 at 2; dstates 0.82 at 1, 0.95 at 2, 1.07 at 3; grads_h 0.96 at 1 and 2
+CONFIGS = {16: dict(C=64, BV=64, states=(4, 2), fwd=(4, 2), solve_bwd=4, dstates=8, grads_u=(8, 2), grads_h=4),
            32: dict(C=32, BV=32, states=4, fwd=8, solve_bwd=8, dstates=4, grads_u=8, grads_h=8)}
 
 
@@ -375,8 +378,9 @@ def _launch(dtype: torch.dtype, K: int, V: int):
     BD = max(16, min(cfg["BV"], triton.next_power_of_2(V)))
     # the interpreter's dot overflows on 16-bit operands (numpy has no bf16): there they are multiplied in fp32
     DT = tl.float32 if INTERPRET and dtype.itemsize == 2 else _DT[dtype]
-    kw = dict(C=cfg["C"], BK=BK, DT=DT, num_stages=1)
-    return BK, BD, {k: dict(kw, num_warps=w) for k, w in cfg.items() if k not in ("C", "BV")}
+    kw = dict(C=cfg["C"], BK=BK, DT=DT)
+    return BK, BD, {k: dict(kw, num_warps=w[0], num_stages=w[1]) if isinstance(w, tuple) else
+                    dict(kw, num_warps=w, num_stages=1) for k, w in cfg.items() if k not in ("C", "BV")}
 
 
 def _states(k, v, g, beta, h0, u0, cu, coff, NC):
