@@ -336,7 +336,8 @@ def _offsets(cu_seqlens: torch.Tensor | None, B: int, T: int, device: torch.devi
     """Sequence starts ``cu`` [S + 1], each sequence's first checkpoint [S] and the number of checkpoints."""
     if cu_seqlens is None:
         n = triton.cdiv(T, CHUNK)
-        return batch_offsets(B, T, device), torch.arange(0, B * n, n, dtype=torch.int32, device=device), B * n
+        # each sequence's first checkpoint: the starts of B runs of n checkpoints (cached per shape, no kernel)
+        return batch_offsets(B, T, device), batch_offsets(B, n, device)[:-1], B * n
     n = (cu_seqlens[1:] - cu_seqlens[:-1] + CHUNK - 1) // CHUNK
     return cu_seqlens, (torch.cumsum(n, 0) - n).to(torch.int32), int(n.sum())
 
