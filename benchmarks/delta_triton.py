@@ -84,7 +84,7 @@ def kernel_breakdown(q, w, v, g, beta, s0, do, K):
     cu = batch_offsets(B, T, q.device)
     coff, chunks = dt._chunk_table(cu, B, T, dt.CHUNK, False)
     NC, N = chunks.shape[0], B
-    kw = dt._launch(q.dtype, K, V, dt._narrow(q.dtype, V, N * H, q.device))[2]
+    kw = dt._launch(q.dtype, K, V, dt._narrow(q.dtype, V, N * H, q.device))
     sc = K ** -0.5
     Gc, Tm, wt, ut, _, _ = dt._prep(wf, wf, vf, gf, bf, chunks)
     h, U, sT = dt._states(wf, wt, ut, Gc, s0, cu, coff, NC)

@@ -209,6 +209,31 @@ def _inv_sq_norm(k, eps):
 
 
 @triton.jit
+def _no_extrema(R: tl.constexpr):
+    """Running (min, max, NaN count) per lane of an [R] block before any value: (+inf, −inf, 0)."""
+    return tl.full([R], float("inf"), tl.float32), tl.full([R], -float("inf"), tl.float32), tl.zeros([R], tl.float32)
+
+
+@triton.jit
+def _add_extrema(ext, x, valid):
+    """The running extremes ``ext`` (``_no_extrema``) updated with the valid values of the [R] block x (as fp32)."""
+    lo, hi, nan = ext
+    x = x.to(tl.float32)
+    return (tl.minimum(lo, tl.where(valid, x, float("inf"))), tl.maximum(hi, tl.where(valid, x, -float("inf"))),
+            nan + (valid & (x != x)).to(tl.float32))
+
+
+@triton.jit
+def _store_extrema(out, ext):
+    """min, max and NaN count of the running extremes at out[0..2]: one range of a program's row in the
+    [programs, n, 3] layout checks.defer_check folds (no atomics, nothing to initialise)."""
+    lo, hi, nan = ext
+    tl.store(out, tl.min(lo, axis=0))
+    tl.store(out + 1, tl.max(hi, axis=0))
+    tl.store(out + 2, tl.sum(nan, axis=0))
+
+
+@triton.jit
 def _step_kernel(k_ptr, eta_ptr, g_ptr, ext_ptr, dbeta_ptr, out_ptr, dk_ptr, n_rows, eps, K, R: tl.constexpr,
                  BK: tl.constexpr, BACKWARD: tl.constexpr, CHECK: tl.constexpr):
     """Blocks of R (token, head) rows, strided over the programs. Forward: β = η c², c² = 1/(‖k‖² + eps); CHECK
@@ -216,9 +241,7 @@ def _step_kernel(k_ptr, eta_ptr, g_ptr, ext_ptr, dbeta_ptr, out_ptr, dk_ptr, n_r
     ([programs, 2, 3], folded by checks.defer_check: no atomics, nothing to initialise). BACKWARD: from dβ,
     dη = c² dβ and dk = −2 η c⁴ dβ k."""
     d = tl.arange(0, BK)[None, :]
-    inf = float("inf")
-    lo_g, hi_g, nan_g = tl.full([R], inf, tl.float32), tl.full([R], -inf, tl.float32), tl.zeros([R], tl.float32)
-    lo_e, hi_e, nan_e = tl.full([R], inf, tl.float32), tl.full([R], -inf, tl.float32), tl.zeros([R], tl.float32)
+    ext_g, ext_e = _no_extrema(R), _no_extrema(R)
     for r0 in range(tl.program_id(0) * R, n_rows, tl.num_programs(0) * R):
         r = r0 + tl.arange(0, R)
         m = r < n_rows
@@ -234,20 +257,12 @@ def _step_kernel(k_ptr, eta_ptr, g_ptr, ext_ptr, dbeta_ptr, out_ptr, dk_ptr, n_r
         else:
             tl.store(out_ptr + r, eta * c2, mask=m)
             if CHECK:
-                g = tl.load(g_ptr + r, mask=m, other=0.).to(tl.float32)
-                e = eta.to(tl.float32)
-                lo_g, hi_g = tl.minimum(lo_g, tl.where(m, g, inf)), tl.maximum(hi_g, tl.where(m, g, -inf))
-                lo_e, hi_e = tl.minimum(lo_e, tl.where(m, e, inf)), tl.maximum(hi_e, tl.where(m, e, -inf))
-                nan_g += (m & (g != g)).to(tl.float32)
-                nan_e += (m & (e != e)).to(tl.float32)
+                ext_g = _add_extrema(ext_g, tl.load(g_ptr + r, mask=m, other=0.), m)
+                ext_e = _add_extrema(ext_e, eta, m)
     if CHECK:
         row = ext_ptr + tl.program_id(0) * 6
-        tl.store(row, tl.min(lo_g, axis=0))
-        tl.store(row + 1, tl.max(hi_g, axis=0))
-        tl.store(row + 2, tl.sum(nan_g, axis=0))
-        tl.store(row + 3, tl.min(lo_e, axis=0))
-        tl.store(row + 4, tl.max(hi_e, axis=0))
-        tl.store(row + 5, tl.sum(nan_e, axis=0))
+        _store_extrema(row, ext_g)
+        _store_extrema(row + 3, ext_e)
 
 
 # row block, most programs, warps. H100, 32K tokens × 8 heads × K = 128 in bf16, alone in a CUDA graph: 26.8 µs
@@ -354,22 +369,13 @@ def _system(KW, G, beta, rows, cols, C: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
-def _extrema(x, valid, out):
-    """min, max and NaN count of the [C] values x over the valid rows, stored at out[0..2]."""
-    x = x.to(tl.float32)
-    tl.store(out, tl.min(tl.where(valid, x, float("inf")), axis=0))
-    tl.store(out + 1, tl.max(tl.where(valid, x, -float("inf")), axis=0))
-    tl.store(out + 2, tl.sum((valid & (x != x)).to(tl.float32), axis=0))
-
-
-@triton.jit
 def _prep_kernel(w_ptr, e_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, Gc_ptr, T_ptr, wt_ptr, ut_ptr, step_ptr, ext_ptr,
                  step_eps, H, K, V, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
                  STEP: tl.constexpr, CHECK: tl.constexpr):
     """Per (chunk, head): G, T, W̃, Ũ. STEP (w is e = k, ``beta`` is η): the step β = η/(‖k‖² + eps), ‖k_t‖² read
     off the diagonal of K Kᵀ (which the system needs anyway), stored to ``step``. CHECK: g's then η's min, max and
-    NaN count over the chunk into this program's [2, 3] row of ``ext`` ([programs, 2, 3], folded by
-    checks.defer_check: no atomics, nothing to initialise)."""
+    NaN count over the chunk into this program's [2, 3] row of ``ext`` ([programs, 2, 3], the step pass's
+    layout)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, L, rows, cols, valid = _chunk_rows(chunks_ptr, i_c, C)
     g, beta = _gate_rows(g_ptr, beta_ptr, bos, i_h, H, valid, C)
@@ -391,8 +397,8 @@ def _prep_kernel(w_ptr, e_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, Gc_ptr, T_ptr
         _store_rows(ut_ptr, _dot(Tm, Vt * beta[:, None], DT), bos, L, i_h, H, V, v0, BV, C)
     if CHECK:
         row = ext_ptr + (i_c * tl.num_programs(1) + i_h) * 6
-        _extrema(g, valid, row)
-        _extrema(eta, valid, row + 3)
+        _store_extrema(row, _add_extrema(_no_extrema(C), g, valid))
+        _store_extrema(row + 3, _add_extrema(_no_extrema(C), eta, valid))
 
 
 @triton.jit
@@ -638,8 +644,8 @@ def batch_table(B: int, T: int, C: int, device: torch.device):
     n = triton.cdiv(T, C)
     start = torch.arange(0, B * T, T)[:, None] + torch.arange(0, n * C, C)[None, :]
     end = torch.minimum(start + C, torch.arange(T, (B + 1) * T, T)[:, None])
-    coff = torch.arange(0, B * n, n, dtype=torch.int32)
-    return coff.to(device), torch.stack([start, end], -1).view(-1, 2).to(device=device, dtype=torch.int32)
+    table = torch.stack([start, end], -1).view(-1, 2).to(device=device, dtype=torch.int32)
+    return batch_offsets(B, n, device)[:-1], table      # each sequence's first chunk: starts of B runs of n
 
 
 @functools.lru_cache(maxsize=None)
@@ -647,18 +653,23 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _config(dtype: torch.dtype) -> dict:
+    """CONFIGS' entry for activations of ``dtype`` (16-bit, or fp32/fp64)."""
+    return CONFIGS[16 if dtype.itemsize == 2 else 32]
+
+
 def _narrow(dtype: torch.dtype, V: int, n_seq_heads: int, device: torch.device) -> bool:
     """Whether the sequential kernels (states, dstates) take CONFIGS' "narrow" V blocks: when their
     (sequence, head, V block) programs at the usual V block would leave streaming multiprocessors idle."""
-    cfg = CONFIGS[16 if dtype.itemsize == 2 else 32]
+    cfg = _config(dtype)
     return ("narrow" in cfg and device.type == "cuda"
             and n_seq_heads * triton.cdiv(V, cfg["BV"]) < _sm_count(device))
 
 
-def _launch(dtype: torch.dtype, K: int, V: int, narrow: bool = False):
-    """(BK, BV, {kernel: launch keywords}) for activations of ``dtype`` and head sizes K, V; ``narrow``: the
-    states and dstates kernels take CONFIGS' "narrow" V block and launches (their grids read kw[...]["BV"])."""
-    cfg = CONFIGS[16 if dtype.itemsize == 2 else 32]
+def _launch(dtype: torch.dtype, K: int, V: int, narrow: bool = False) -> dict:
+    """{kernel: launch keywords} for activations of ``dtype`` and head sizes K, V (the grids over V blocks read
+    kw[kernel]["BV"]); ``narrow``: the states and dstates kernels take CONFIGS' "narrow" V block and launches."""
+    cfg = _config(dtype)
     # 16-bit tiles at least 32 wide: with K = V = 16 (16-wide tiles) the bf16 kernels returned garbage (H200,
     # triton 3.6); the padding is masked
     low = 32 if dtype.itemsize == 2 else 16
@@ -680,7 +691,7 @@ def _launch(dtype: torch.dtype, K: int, V: int, narrow: bool = False):
             if k in sub:
                 kws[k]["BV"] = max(low, min(sub["BV"], triton.next_power_of_2(V)))
     kws["dstates"]["BH"] = max(low, kws["dstates"].pop("BK") // 2)      # dS in two blocks of rows
-    return BK, BV, kws
+    return kws
 
 
 _DT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32, torch.float64: tl.float64}
@@ -692,7 +703,7 @@ def _prep(w, e, v, g, beta, chunks, step_eps=None, check=False):
     (fp32) the kernel computed, and with ``check`` the extremes of g and η ([programs, 2, 3]); else None."""
     Ttot, H, K = w.shape
     V = v.shape[-1]
-    _, _, kw = _launch(w.dtype, K, V)
+    kw = _launch(w.dtype, K, V)
     act = dict(dtype=w.dtype, device=w.device)
     Gc = torch.empty(Ttot, H, dtype=compute_dtype(w), device=w.device)
     Tm, wt, ut = torch.empty(Ttot, H, CHUNK, **act), torch.empty(Ttot, H, K, **act), torch.empty(Ttot, H, V, **act)
@@ -710,7 +721,7 @@ def _states(w, wt, ut, Gc, s0, cu, coff, n_chunks):
     Ttot, H, K = w.shape
     V = ut.shape[-1]
     N = cu.numel() - 1
-    kw = _launch(w.dtype, K, V, _narrow(w.dtype, V, N * H, w.device))[2]["states"]
+    kw = _launch(w.dtype, K, V, _narrow(w.dtype, V, N * H, w.device))["states"]
     act = dict(dtype=w.dtype, device=w.device)
     h, U = torch.empty(n_chunks, H, K, V, **act), torch.empty(Ttot, H, V, **act)
     sT = torch.empty(N, H, K, V, dtype=compute_dtype(w), device=w.device)
@@ -722,7 +733,7 @@ def _states(w, wt, ut, Gc, s0, cu, coff, n_chunks):
 def _output(q, w, U, Gc, h, chunks, scale):
     Ttot, H, K = q.shape
     V = U.shape[-1]
-    _, BV, kw = _launch(q.dtype, K, V)
+    kw = _launch(q.dtype, K, V)
     o = torch.empty_like(U)
     _output_kernel[(chunks.shape[0], H)](q, w, U, Gc, h, chunks, o, scale, H, K, V, **kw["output"])
     return o
@@ -756,7 +767,7 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         q, w, e, v, g, beta, s0, cu, coff, chunks, Gc, Tm, wt, ut = ctx.saved_tensors
         B, T, H, K, V = ctx.shape
         NC, N = chunks.shape[0], cu.numel() - 1
-        kw = _launch(q.dtype, K, V, _narrow(q.dtype, V, N * H, q.device))[2]
+        kw = _launch(q.dtype, K, V, _narrow(q.dtype, V, N * H, q.device))
         h, U, _ = _states(w, wt, ut, Gc, s0, cu, coff, NC)
         do = torch.zeros_like(v) if do is None else do.reshape(B * T, H, V).contiguous()
         dU, dh = torch.empty_like(U), torch.empty_like(h)
