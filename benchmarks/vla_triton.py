@@ -2,7 +2,7 @@
 the whole op against the fp64 torch impl, then timings of the A path alone and of the op next to fla's
 chunk_delta_rule and SDPA on the same tokens. From the repository root:
 
-    python benchmarks/vla_triton.py [--configs KEY=VALUE,... ...]   (keys: fwd, bwd (warps), save, rows)
+    python benchmarks/vla_triton.py [--configs KEY=VALUE,... ...]   (keys: fwd, blocks, carry, da0 (warps), save, rows)
 """
 import torch
 import torch.nn.functional as F

@@ -54,6 +54,34 @@ def test_fp32_against_fp64_with_strong_evidence():
         assert_close(name, x, r, 2e-4)
 
 
+def test_fp32_initial_state_gradient_of_a_carried_ill_conditioned_state():
+    """A_0 from 600 earlier tokens on 4 directions (condition number ~1e3): Ā_0 = A_0⁻¹ B̃ A_0⁻¹ would lose
+    ~cond² of fp32's precision, the carried Ā keeps it."""
+    kh, uh, _ = _inputs(1, 600, 2, 16, seed=11)
+    uh = F.normalize(uh[:, :4].repeat(1, 150, 1, 1) + 0.05 * uh, dim=-1)
+    _, A0 = write_directions(kh, uh, torch.eye(16, dtype=torch.float64).expand(1, 2, 16, 16) / 0.1)
+    A0 = 0.5 * (A0 + A0.mT)
+    ev = torch.linalg.eigvalsh(A0)
+    assert ev.max() / ev.min() > 500
+    xs = _inputs(1, 90, 2, 16, seed=12)[:2] + [A0]
+    ref = _run(write_directions, xs)
+    got = _run(write_directions_triton, [x.float() for x in xs])
+    for name, x, r in zip("alpha A dk du dA0".split(), got, ref):
+        assert_close(name, x, r, 2e-5)
+
+
+def test_gradients_without_the_initial_state_gradient():
+    """A_0 a constant (the op's default): the forward keeps no R⁻¹ rows and the backward no Ā carry."""
+    kh, uh, A0 = _inputs(2, 150, 2, 20, seed=4)
+    got, ref = [], []
+    for fn, out in ((write_directions_triton, got), (write_directions, ref)):
+        xs = [x.detach().requires_grad_() for x in (kh, uh)]
+        alpha, A = fn(*xs, A0)
+        out += [alpha.detach(), A.detach(), *random_functional_grads((alpha, A), xs)]
+    for name, x, r in zip("alpha A dk du".split(), got, ref):
+        assert_close(name, x, r, 1e-11)
+
+
 def test_head_dim_beyond_registers_is_refused():
     xs = _inputs(1, 4, 1, apath_triton.MAX_K + 1, seed=0, dtype=torch.float32)
     with pytest.raises(ValueError, match="impl='torch'"):

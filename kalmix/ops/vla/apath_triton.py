@@ -6,18 +6,26 @@ head) walks sub-chunks of C = 16 tokens with A [K, K] in fp32; for a sub-chunk w
     G = I + U A Uᵀ = R Rᵀ (Cholesky),  Y = R⁻¹ U,  W = Y A (rows w_t = z_t/√δ_t)
     a = K A − tril(K Wᵀ) W,            A ← A − Wᵀ W
 
-Backward (README.md, `impl="triton"`): with P_t = A_t A⁻¹ = I − Σ_{s≤t} w_s y_sᵀ, b_t = A_t ∂a_t, and Ā the
-(symmetric) gradient of the sub-chunk's end state,
+Backward (README.md, `impl="triton"`). With M_t = A_t⁻¹ = A_0⁻¹ + Σ_{s≤t} û_s û_sᵀ, the gradient with respect to
+M_t is the same for every M_t upstream of a token, so −∂L/∂M before token t is the additive
+B̃_t = A_T Ā_T A_T + sym Σ_{t'≥t} b_t' a_t'ᵀ with b_t = A_t ∂a_t (∂a_t: the gradient of a_t through α̂ = a/‖a‖):
 
-    ∂k̂_t = b_t
-    ∂û_s = −Σ_{t≥s} [(a_t·û_s) b_t + (b_t·û_s) a_t] − 2 A_C Ā A_C û_s
+    ∂k̂_t = b_t = A_0 ∂a_t − Σ_{s≤t} (w_s·∂a_t) w_s                (A_0: the block's start)
+    ∂û_s = −2 B̃_s û_s = −Σ_{t≥s in the block} [(a_t·û_s) b_t + (b_t·û_s) a_t] − 2 B̃_(after the block) û_s
+
+so no step of the backward depends on another except through B̃'s sums. ``_apath_bwd_blocks_kernel`` runs one
+program per block of SAVE sub-chunks (from the A the forward saved at its start) for b_t, the block's own terms of
+∂û and its share Δ = sym Σ b_t a_tᵀ; ``_apath_carry_kernel`` walks the blocks backwards adding −2 B̃ û_s, B̃ the
+sum of the later Δ. The initial A's gradient Ā_0 = A_0⁻¹ B̃_0 A_0⁻¹ would lose its accuracy where A_0 is
+ill-conditioned (a state carried over a long sequence), so ``_apath_da0_kernel`` carries Ā itself when it is
+asked for, by sub-chunks: with P_t = A_t A_0⁻¹ = I − Σ_{s≤t} w_s y_sᵀ, Y = R⁻¹ U,
+
     Ā ← P_Cᵀ Ā P_C + sym Σ_t (P_tᵀ ∂a_t)(P_tᵀ k̂_t)ᵀ
 
 The forward keeps A in its A_T output (L2-resident) and streams it through registers ROW_BLOCK rows at a time
-(README.md says why and what it measured); the backward holds A and Ā in registers. The forward saves A every SAVE
-sub-chunks and, per token, its row of R⁻¹, w_t and ‖a_t‖; the backward rebuilds the sub-chunk starts of one
-segment (A ← A − WᵀW) into a per-program scratch and walks them in reverse, with no factorisation. Only the
-symmetric part of dA_0 is meaningful (A is symmetric; the op differentiates through (A + Aᵀ)/2).
+(README.md says why and what it measured). For the backward it saves A every SAVE sub-chunks and, per token, w_t
+and ‖a_t‖ (and its row of R⁻¹ when Ā_0 is asked for). Only the symmetric part of dA_0 is meaningful (A is
+symmetric; the op differentiates through (A + Aᵀ)/2).
 """
 from __future__ import annotations
 
@@ -32,7 +40,8 @@ C_SUB = 16      # tokens per sub-chunk (one unblocked 16×16 Cholesky each)
 SAVE = 4        # the forward keeps A every SAVE sub-chunks for the backward
 MAX_K = 128     # the backward holds A [K, K] (and its gradient) in registers
 ROW_BLOCK = 32  # rows of A per streamed block
-WARPS = dict(fwd=8, bwd=8)   # (no software pipelining: every sub-chunk depends on the last)
+CARRY_COLS = 32  # columns of B̃ per program of the backward's carry
+WARPS = dict(fwd=8, blocks=8, carry=4, da0=8)   # (no software pipelining: every sub-chunk depends on the last)
 
 
 @triton.jit
@@ -71,12 +80,13 @@ def _a_rows(K, r0, BR: tl.constexpr, BK: tl.constexpr):
 
 @triton.jit
 def _apath_fwd_kernel(k_ptr, u_ptr, a0_ptr, al_ptr, aT_ptr, asv_ptr, rinv_ptr, w_ptr, nrm_ptr, T, H, K, NSEG,
-                      STORE: tl.constexpr, SAVE: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
-                      DT: tl.constexpr):
-    """One (batch, head) per program: α̂ and the final A; with STORE, A every SAVE sub-chunks and per token the row
-    of its sub-chunk's R⁻¹, w_t and ‖a_t‖ for the backward. A lives in the output A_T (L2-resident) and is streamed
-    through registers BR rows at a time, twice per sub-chunk: once for U A and K̂ A, once for A ← A − WᵀW (W read
-    back from where it was stored: the backward's buffer, or a per-program [C, K] scratch in ``w_ptr``)."""
+                      STORE: tl.constexpr, RINV: tl.constexpr, SAVE: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                      BR: tl.constexpr, DT: tl.constexpr):
+    """One (batch, head) per program: α̂ and the final A; with STORE, A every SAVE sub-chunks and per token w_t and
+    ‖a_t‖ for the backward (with RINV also the token's row of its sub-chunk's R⁻¹, for the initial A's gradient).
+    A lives in the output A_T (L2-resident) and is streamed through registers BR rows at a time, twice per
+    sub-chunk: once for U A and K̂ A, once for A ← A − WᵀW (W read back from where it was stored: the backward's
+    buffer, or a per-program [C, K] scratch in ``w_ptr``)."""
     i_bh = tl.program_id(0)
     i_b, i_h = i_bh // H, i_bh % H
     rows, cols = tl.arange(0, C)[:, None], tl.arange(0, C)[None, :]
@@ -107,8 +117,9 @@ def _apath_fwd_kernel(k_ptr, u_ptr, a0_ptr, al_ptr, aT_ptr, asv_ptr, rinv_ptr, w
         a = _dot_acc(-KW, W, KA, DT)
         nrm = tl.maximum(tl.sqrt(tl.sum(a * a, axis=1)), 1e-12)
         _store_rows(al_ptr, a / nrm[:, None], t0, L, i_h, H, K, 0, BK, C)
-        if STORE:
+        if RINV:
             _store_rows(rinv_ptr, Rinv, t0, L, i_h, H, C, 0, C, C)
+        if STORE:
             tl.store(nrm_ptr + (t0 + tl.arange(0, C)) * H + i_h, nrm, mask=tl.arange(0, C) < L)
             w0, w_h, w_H = t0, i_h, H                          # W's rows in the backward's [B, T, H, K] buffer
         else:
@@ -123,63 +134,88 @@ def _apath_fwd_kernel(k_ptr, u_ptr, a0_ptr, al_ptr, aT_ptr, asv_ptr, rinv_ptr, w
 
 
 @triton.jit
-def _apath_bwd_kernel(k_ptr, u_ptr, al_ptr, asv_ptr, rinv_ptr, w_ptr, nrm_ptr, dal_ptr, daT_ptr, scr_ptr, dk_ptr,
-                      du_ptr, da0_ptr, T, H, K, NSEG, HAS_DAT: tl.constexpr, SAVE: tl.constexpr, C: tl.constexpr,
-                      BK: tl.constexpr, DT: tl.constexpr):
-    """One (batch, head) per program, backwards over segments of SAVE sub-chunks: their start states from the
-    saved one (A ← A − WᵀW) into a per-program scratch, then the sub-chunks in reverse (module docstring)."""
+def _unit_grad(al, dal, nrm):
+    """∂a from ∂α̂ through α̂ = a/‖a‖ (rows; ‖a‖ below 1e-12 was clamped, so there the map was a/1e-12)."""
+    return tl.where(nrm[:, None] > 1e-12, dal - al * tl.sum(al * dal, axis=1)[:, None], dal) / nrm[:, None]
+
+
+@triton.jit
+def _apath_bwd_blocks_kernel(u_ptr, al_ptr, asv_ptr, w_ptr, nrm_ptr, dal_ptr, dk_ptr, du_ptr, dlt_ptr, T, H, K,
+                             NSEG, C: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
+    """One (block of C = SAVE·C_SUB tokens, batch, head) per program, from the A saved at the block's start: the
+    rows b_t = A_t ∂a_t (= ∂k̂_t), ∂û_s's terms from the block's own tokens, and the block's share
+    Δ = sym Σ_t b_t a_tᵀ of the gradient with respect to A⁻¹ (module docstring)."""
+    i_s, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    t0, L = _sub_chunk(i_b, T, i_s, C)
+    rows, cols = tl.arange(0, C)[:, None], tl.arange(0, C)[None, :]
+    blk = (i_bh * NSEG + i_s).to(tl.int64) * K * K
+    A = _load_state(asv_ptr, blk, K, K, 0, BK, BK)
+    W = _load_rows(w_ptr, t0, L, i_h, H, K, 0, BK, C)
+    U = _load_rows(u_ptr, t0, L, i_h, H, K, 0, BK, C)
+    al = _load_rows(al_ptr, t0, L, i_h, H, K, 0, BK, C)
+    nrm = tl.load(nrm_ptr + (t0 + tl.arange(0, C)) * H + i_h, mask=tl.arange(0, C) < L, other=1.)
+    a = al * nrm[:, None]
+    da = _unit_grad(al, _load_rows(dal_ptr, t0, L, i_h, H, K, 0, BK, C), nrm)
+    # A_t = A_0 − Σ_{s≤t} w_s w_sᵀ inside the block
+    Bm = _dot(da, A, DT) - _dot(tl.where(cols <= rows, _dot(da, tl.trans(W), DT), 0.), W, DT)
+    _store_rows(dk_ptr, Bm, t0, L, i_h, H, K, 0, BK, C)
+    up = cols >= rows
+    dU = -_dot(tl.where(up, _dot(U, tl.trans(a), DT), 0.), Bm, DT) \
+        - _dot(tl.where(up, _dot(U, tl.trans(Bm), DT), 0.), a, DT)
+    _store_rows(du_ptr, dU, t0, L, i_h, H, K, 0, BK, C)
+    dlt = _dot_acc(tl.trans(a), Bm, _dot(tl.trans(Bm), a, DT), DT)
+    _store_state(dlt_ptr, blk, 0.5 * dlt, K, K, 0, BK, BK)
+
+
+@triton.jit
+def _apath_carry_kernel(u_ptr, dlt_ptr, bT_ptr, du_ptr, T, H, K, NSEG, HAS_DAT: tl.constexpr, C: tl.constexpr,
+                        BK: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr):
+    """One (column block, batch, head) per program, backwards over the blocks: ∂û_s −= 2 B̃ û_s with B̃ the
+    gradient with respect to A⁻¹ from every later token (B̃_T = A_T Ā_T A_T, plus each later block's Δ)."""
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    c0 = i_c * BC
+    if HAS_DAT:
+        Bt = _load_state(bT_ptr, i_bh.to(tl.int64) * K * K, K, K, c0, BK, BC)
+    else:
+        Bt = tl.zeros([BK, BC], dtype=DT)
+    for i in range(0, NSEG):
+        s = NSEG - 1 - i
+        t0, L = _sub_chunk(i_b, T, s, C)
+        dU = _load_rows(du_ptr, t0, L, i_h, H, K, c0, BC, C)
+        dU = _dot_acc(_load_rows(u_ptr, t0, L, i_h, H, K, 0, BK, C), -2. * Bt, dU, DT)
+        _store_rows(du_ptr, dU, t0, L, i_h, H, K, c0, BC, C)
+        Bt += _load_state(dlt_ptr, (i_bh * NSEG + s).to(tl.int64) * K * K, K, K, c0, BK, BC)
+
+
+@triton.jit
+def _apath_da0_kernel(k_ptr, u_ptr, al_ptr, rinv_ptr, w_ptr, nrm_ptr, dal_ptr, daT_ptr, da0_ptr, T, H, K,
+                      HAS_DAT: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
+    """One (batch, head) per program, backwards over the sub-chunks: the gradient Ā of the initial A, carried as
+    Ā ← P_Cᵀ Ā P_C + sym Σ_t (P_tᵀ ∂a_t)(P_tᵀ k̂_t)ᵀ with P_tᵀ x = x − Σ_{s≤t} (w_s·x) y_s, Y = R⁻¹ U (module
+    docstring: A₀⁻¹ B̃ A₀⁻¹ would lose Ā where A₀ is ill-conditioned)."""
     i_bh = tl.program_id(0)
     i_b, i_h = i_bh // H, i_bh % H
     rows, cols = tl.arange(0, C)[:, None], tl.arange(0, C)[None, :]
     if HAS_DAT:
-        Ab = _load_state(daT_ptr, i_bh * K * K, K, K, 0, BK, BK)
+        Ab = _load_state(daT_ptr, i_bh.to(tl.int64) * K * K, K, K, 0, BK, BK)
     else:
         Ab = tl.zeros([BK, BK], dtype=DT)
-    NS = tl.cdiv(T, C)
-    for i in range(0, NSEG):
-        seg = NSEG - 1 - i
-        n_sub = tl.minimum(SAVE, NS - seg * SAVE)
-        A = _load_state(asv_ptr, (i_bh * NSEG + seg).to(tl.int64) * K * K, K, K, 0, BK, BK)
-        for jj in range(0, n_sub):
-            _store_state(scr_ptr, (i_bh * SAVE + jj) * K * K, A, K, K, 0, BK, BK)
-            if jj < n_sub - 1:
-                t0, L = _sub_chunk(i_b, T, seg * SAVE + jj, C)
-                W = _load_rows(w_ptr, t0, L, i_h, H, K, 0, BK, C)
-                A -= _dot(tl.trans(W), W, DT)
-        tl.debug_barrier()
-        for ii in range(0, n_sub):
-            jj = n_sub - 1 - ii
-            A = _load_state(scr_ptr, (i_bh * SAVE + jj) * K * K, K, K, 0, BK, BK)
-            t0, L = _sub_chunk(i_b, T, seg * SAVE + jj, C)
-            Kh = _load_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C)
-            U = _load_rows(u_ptr, t0, L, i_h, H, K, 0, BK, C)
-            W = _load_rows(w_ptr, t0, L, i_h, H, K, 0, BK, C)
-            al = _load_rows(al_ptr, t0, L, i_h, H, K, 0, BK, C)
-            dal = _load_rows(dal_ptr, t0, L, i_h, H, K, 0, BK, C)
-            Y = _dot(_load_rows(rinv_ptr, t0, L, i_h, H, C, 0, C, C), U, DT)
-            nrm = tl.load(nrm_ptr + (t0 + tl.arange(0, C)) * H + i_h, mask=tl.arange(0, C) < L, other=1.)
-            a = al * nrm[:, None]
-            KW = tl.where(cols <= rows, _dot(Kh, tl.trans(W), DT), 0.)
-            da = tl.where(nrm[:, None] > 1e-12, dal - al * tl.sum(al * dal, axis=1)[:, None], dal) / nrm[:, None]
-            DW = tl.where(cols <= rows, _dot(da, tl.trans(W), DT), 0.)
-            Bm = _dot(da, A, DT) - _dot(DW, W, DT)                                   # rows b_t = A_t ∂a_t
-            _store_rows(dk_ptr, Bm, t0, L, i_h, H, K, 0, BK, C)
-            # ∂û: the sub-chunk's own directions (t >= s), then the end state through A_C = A − WᵀW
-            up = cols >= rows
-            dU = -_dot(tl.where(up, _dot(U, tl.trans(a), DT), 0.), Bm, DT) \
-                - _dot(tl.where(up, _dot(U, tl.trans(Bm), DT), 0.), a, DT)
-            UAC = _dot(U, A, DT) - _dot(_dot(U, tl.trans(W), DT), W, DT)             # rows (A_C û_s)ᵀ
-            X = _dot(UAC, Ab, DT)
-            dU -= 2. * (_dot(X, A, DT) - _dot(_dot(X, tl.trans(W), DT), W, DT))
-            _store_rows(du_ptr, dU, t0, L, i_h, H, K, 0, BK, C)
-            # Ā ← P_Cᵀ Ā P_C + sym Σ_t (P_tᵀ ∂a_t)(P_tᵀ k̂_t)ᵀ with P_tᵀ x_t = x_t − Σ_{s≤t} (w_s·x_t) y_s
-            Z = _dot(W, Ab, DT)
-            Pd = da - _dot(DW, Y, DT)
-            Pk = Kh - _dot(KW, Y, DT)
-            Ab += _dot(tl.trans(Y), _dot(_dot(Z, tl.trans(W), DT), Y, DT) - Z, DT) - _dot(tl.trans(Z), Y, DT) \
-                + 0.5 * (_dot(tl.trans(Pd), Pk, DT) + _dot(tl.trans(Pk), Pd, DT))
-        tl.debug_barrier()
-    _store_state(da0_ptr, i_bh * K * K, Ab, K, K, 0, BK, BK)
+    for i in range(0, tl.cdiv(T, C)):
+        t0, L = _sub_chunk(i_b, T, tl.cdiv(T, C) - 1 - i, C)
+        Kh = _load_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C)
+        W = _load_rows(w_ptr, t0, L, i_h, H, K, 0, BK, C)
+        Y = _dot(_load_rows(rinv_ptr, t0, L, i_h, H, C, 0, C, C), _load_rows(u_ptr, t0, L, i_h, H, K, 0, BK, C), DT)
+        al = _load_rows(al_ptr, t0, L, i_h, H, K, 0, BK, C)
+        nrm = tl.load(nrm_ptr + (t0 + tl.arange(0, C)) * H + i_h, mask=tl.arange(0, C) < L, other=1.)
+        da = _unit_grad(al, _load_rows(dal_ptr, t0, L, i_h, H, K, 0, BK, C), nrm)
+        Pd = da - _dot(tl.where(cols <= rows, _dot(da, tl.trans(W), DT), 0.), Y, DT)
+        Pk = Kh - _dot(tl.where(cols <= rows, _dot(Kh, tl.trans(W), DT), 0.), Y, DT)
+        Z = _dot(W, Ab, DT)
+        Ab += _dot(tl.trans(Y), _dot(_dot(Z, tl.trans(W), DT), Y, DT) - Z, DT) - _dot(tl.trans(Z), Y, DT) \
+            + 0.5 * (_dot(tl.trans(Pd), Pk, DT) + _dot(tl.trans(Pk), Pd, DT))
+    _store_state(da0_ptr, i_bh.to(tl.int64) * K * K, Ab, K, K, 0, BK, BK)
 
 
 def _config(kh: torch.Tensor):
@@ -200,36 +236,46 @@ class APathFunction(torch.autograd.Function):
         kh, uh, A0 = kh.contiguous(), uh.contiguous(), A0.contiguous()
         nseg = triton.cdiv(triton.cdiv(T, C_SUB), SAVE)
         alpha, AT = torch.empty_like(kh), torch.empty_like(A0)
-        store = any(ctx.needs_input_grad)
+        store, rinv_needed = any(ctx.needs_input_grad), ctx.needs_input_grad[2]
         f = dict(dtype=kh.dtype, device=kh.device)
         if store:
-            asv, rinv = torch.empty(B * H * nseg, K, K, **f), torch.empty(B, T, H, C_SUB, **f)
-            w, nrm = torch.empty_like(kh), torch.empty(B, T, H, **f)
+            asv, w, nrm = torch.empty(B * H * nseg, K, K, **f), torch.empty_like(kh), torch.empty(B, T, H, **f)
         else:
-            asv = rinv = nrm = alpha        # not written
+            asv = nrm = alpha        # not written
             w = torch.empty(B * H * C_SUB, K, **f)
-        _apath_fwd_kernel[(B * H,)](kh, uh, A0, alpha, AT, asv, rinv, w, nrm, T, H, K, nseg, STORE=store, SAVE=SAVE,
-                                    BR=min(ROW_BLOCK, kw["BK"]), num_warps=WARPS["fwd"], num_stages=1, **kw)
+        rinv = torch.empty(B, T, H, C_SUB, **f) if rinv_needed else alpha
+        _apath_fwd_kernel[(B * H,)](kh, uh, A0, alpha, AT, asv, rinv, w, nrm, T, H, K, nseg, STORE=store,
+                                    RINV=rinv_needed, SAVE=SAVE, BR=min(ROW_BLOCK, kw["BK"]), num_warps=WARPS["fwd"],
+                                    num_stages=1, **kw)
         if store:
-            ctx.save_for_backward(kh, uh, alpha, asv, rinv, w, nrm)
+            ctx.save_for_backward(kh, uh, alpha, AT, asv, rinv, w, nrm)
         ctx.set_materialize_grads(False)
         return alpha, AT
 
     @staticmethod
     def backward(ctx, dalpha, dAT):
-        kh, uh, alpha, asv, rinv, w, nrm = ctx.saved_tensors
+        kh, uh, alpha, AT, asv, rinv, w, nrm = ctx.saved_tensors
         B, T, H, K = kh.shape
         kw = _config(kh)
         nseg = asv.shape[0] // (B * H)
         dalpha = torch.zeros_like(kh) if dalpha is None else dalpha.contiguous()
         if dAT is not None:
             dAT = (0.5 * (dAT + dAT.transpose(-1, -2))).contiguous()
-        scratch = torch.empty(B * H * SAVE, K, K, dtype=kh.dtype, device=kh.device)
         dk, du = torch.empty_like(kh), torch.empty_like(uh)
-        dA0 = torch.empty(B, H, K, K, dtype=kh.dtype, device=kh.device)
-        _apath_bwd_kernel[(B * H,)](kh, uh, alpha, asv, rinv, w, nrm, dalpha, dalpha if dAT is None else dAT, scratch,
-                                    dk, du, dA0, T, H, K, nseg, HAS_DAT=dAT is not None, SAVE=SAVE,
-                                    num_warps=WARPS["bwd"], num_stages=1, **kw)
+        delta = torch.empty_like(asv)
+        kw_blk = dict(kw, C=SAVE * C_SUB)
+        _apath_bwd_blocks_kernel[(nseg, B * H)](uh, alpha, asv, w, nrm, dalpha, dk, du, delta, T, H, K, nseg,
+                                                num_warps=WARPS["blocks"], num_stages=1, **kw_blk)
+        BC = min(CARRY_COLS, kw["BK"])
+        bT = AT @ dAT @ AT if dAT is not None else None          # the end state's gradient with respect to A⁻¹
+        _apath_carry_kernel[(triton.cdiv(K, BC), B * H)](uh, delta, du if bT is None else bT.contiguous(), du, T, H, K,
+                                                         nseg, HAS_DAT=bT is not None, BC=BC,
+                                                         num_warps=WARPS["carry"], num_stages=1, **kw_blk)
+        dA0 = None
+        if ctx.needs_input_grad[2]:
+            dA0 = torch.empty(B, H, K, K, dtype=kh.dtype, device=kh.device)
+            _apath_da0_kernel[(B * H,)](kh, uh, alpha, rinv, w, nrm, dalpha, dalpha if dAT is None else dAT, dA0,
+                                        T, H, K, HAS_DAT=dAT is not None, num_warps=WARPS["da0"], num_stages=1, **kw)
         return dk, du, dA0
 
 
