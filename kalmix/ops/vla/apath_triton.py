@@ -14,9 +14,9 @@ B̃_t = A_T Ā_T A_T + sym Σ_{t'≥t} b_t' a_t'ᵀ with b_t = A_t ∂a_t (∂a_
     ∂û_s = −2 B̃_s û_s = −Σ_{t≥s in the block} [(a_t·û_s) b_t + (b_t·û_s) a_t] − 2 B̃_(after the block) û_s
 
 so no step of the backward depends on another except through B̃'s sums. ``_apath_bwd_blocks_kernel`` runs one
-program per block of SAVE sub-chunks (from the A the forward saved at its start) for b_t, the block's own terms of
-∂û and its share Δ = sym Σ b_t a_tᵀ; ``_apath_carry_kernel`` walks the blocks backwards adding −2 B̃ û_s, B̃ the
-sum of the later Δ. The initial A's gradient Ā_0 = A_0⁻¹ B̃_0 A_0⁻¹ would lose its accuracy where A_0 is
+program per block of SAVE sub-chunks (from the A the forward saved at its start) for b_t and the block's own terms
+of ∂û; ``_apath_carry_kernel`` walks the blocks backwards, per column block of B̃, adding −2 B̃ û_s and then the
+block's sym Σ b_t a_tᵀ to B̃. The initial A's gradient Ā_0 = A_0⁻¹ B̃_0 A_0⁻¹ would lose its accuracy where A_0 is
 ill-conditioned (a state carried over a long sequence), so ``_apath_da0_kernel`` carries Ā itself when it is
 asked for, by sub-chunks: with P_t = A_t A_0⁻¹ = I − Σ_{s≤t} w_s y_sᵀ, Y = R⁻¹ U,
 
@@ -140,17 +140,15 @@ def _unit_grad(al, dal, nrm):
 
 
 @triton.jit
-def _apath_bwd_blocks_kernel(u_ptr, al_ptr, asv_ptr, w_ptr, nrm_ptr, dal_ptr, dk_ptr, du_ptr, dlt_ptr, T, H, K,
-                             NSEG, C: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
+def _apath_bwd_blocks_kernel(u_ptr, al_ptr, asv_ptr, w_ptr, nrm_ptr, dal_ptr, dk_ptr, du_ptr, T, H, K, NSEG,
+                             C: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
     """One (block of C = SAVE·C_SUB tokens, batch, head) per program, from the A saved at the block's start: the
-    rows b_t = A_t ∂a_t (= ∂k̂_t), ∂û_s's terms from the block's own tokens, and the block's share
-    Δ = sym Σ_t b_t a_tᵀ of the gradient with respect to A⁻¹ (module docstring)."""
+    rows b_t = A_t ∂a_t (= ∂k̂_t) and ∂û_s's terms from the block's own tokens (module docstring)."""
     i_s, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     t0, L = _sub_chunk(i_b, T, i_s, C)
     rows, cols = tl.arange(0, C)[:, None], tl.arange(0, C)[None, :]
-    blk = (i_bh * NSEG + i_s).to(tl.int64) * K * K
-    A = _load_state(asv_ptr, blk, K, K, 0, BK, BK)
+    A = _load_state(asv_ptr, (i_bh * NSEG + i_s).to(tl.int64) * K * K, K, K, 0, BK, BK)
     W = _load_rows(w_ptr, t0, L, i_h, H, K, 0, BK, C)
     U = _load_rows(u_ptr, t0, L, i_h, H, K, 0, BK, C)
     al = _load_rows(al_ptr, t0, L, i_h, H, K, 0, BK, C)
@@ -164,15 +162,14 @@ def _apath_bwd_blocks_kernel(u_ptr, al_ptr, asv_ptr, w_ptr, nrm_ptr, dal_ptr, dk
     dU = -_dot(tl.where(up, _dot(U, tl.trans(a), DT), 0.), Bm, DT) \
         - _dot(tl.where(up, _dot(U, tl.trans(Bm), DT), 0.), a, DT)
     _store_rows(du_ptr, dU, t0, L, i_h, H, K, 0, BK, C)
-    dlt = _dot_acc(tl.trans(a), Bm, _dot(tl.trans(Bm), a, DT), DT)
-    _store_state(dlt_ptr, blk, 0.5 * dlt, K, K, 0, BK, BK)
 
 
 @triton.jit
-def _apath_carry_kernel(u_ptr, dlt_ptr, bT_ptr, du_ptr, T, H, K, NSEG, HAS_DAT: tl.constexpr, C: tl.constexpr,
-                        BK: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr):
+def _apath_carry_kernel(u_ptr, al_ptr, nrm_ptr, dk_ptr, bT_ptr, du_ptr, T, H, K, NSEG, HAS_DAT: tl.constexpr,
+                        C: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr):
     """One (column block, batch, head) per program, backwards over the blocks: ∂û_s −= 2 B̃ û_s with B̃ the
-    gradient with respect to A⁻¹ from every later token (B̃_T = A_T Ā_T A_T, plus each later block's Δ)."""
+    gradient with respect to A⁻¹ from every later token: B̃_T = A_T Ā_T A_T plus each later block's
+    sym Σ_t b_t a_tᵀ (b_t: the ∂k̂ rows the blocks kernel stored)."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     c0 = i_c * BC
@@ -181,12 +178,16 @@ def _apath_carry_kernel(u_ptr, dlt_ptr, bT_ptr, du_ptr, T, H, K, NSEG, HAS_DAT: 
     else:
         Bt = tl.zeros([BK, BC], dtype=DT)
     for i in range(0, NSEG):
-        s = NSEG - 1 - i
-        t0, L = _sub_chunk(i_b, T, s, C)
+        t0, L = _sub_chunk(i_b, T, NSEG - 1 - i, C)
+        nrm = tl.load(nrm_ptr + (t0 + tl.arange(0, C)) * H + i_h, mask=tl.arange(0, C) < L, other=1.)[:, None]
         dU = _load_rows(du_ptr, t0, L, i_h, H, K, c0, BC, C)
         dU = _dot_acc(_load_rows(u_ptr, t0, L, i_h, H, K, 0, BK, C), -2. * Bt, dU, DT)
         _store_rows(du_ptr, dU, t0, L, i_h, H, K, c0, BC, C)
-        Bt += _load_state(dlt_ptr, (i_bh * NSEG + s).to(tl.int64) * K * K, K, K, c0, BK, BC)
+        a = _load_rows(al_ptr, t0, L, i_h, H, K, 0, BK, C) * nrm
+        Bm = _load_rows(dk_ptr, t0, L, i_h, H, K, 0, BK, C)
+        sym = _dot_acc(tl.trans(a), _load_rows(dk_ptr, t0, L, i_h, H, K, c0, BC, C),
+                       _dot(tl.trans(Bm), _load_rows(al_ptr, t0, L, i_h, H, K, c0, BC, C) * nrm, DT), DT)
+        Bt += 0.5 * sym
 
 
 @triton.jit
@@ -262,14 +263,13 @@ class APathFunction(torch.autograd.Function):
         if dAT is not None:
             dAT = (0.5 * (dAT + dAT.transpose(-1, -2))).contiguous()
         dk, du = torch.empty_like(kh), torch.empty_like(uh)
-        delta = torch.empty_like(asv)
         kw_blk = dict(kw, C=SAVE * C_SUB)
-        _apath_bwd_blocks_kernel[(nseg, B * H)](uh, alpha, asv, w, nrm, dalpha, dk, du, delta, T, H, K, nseg,
+        _apath_bwd_blocks_kernel[(nseg, B * H)](uh, alpha, asv, w, nrm, dalpha, dk, du, T, H, K, nseg,
                                                 num_warps=WARPS["blocks"], num_stages=1, **kw_blk)
         BC = min(CARRY_COLS, kw["BK"])
         bT = AT @ dAT @ AT if dAT is not None else None          # the end state's gradient with respect to A⁻¹
-        _apath_carry_kernel[(triton.cdiv(K, BC), B * H)](uh, delta, du if bT is None else bT.contiguous(), du, T, H, K,
-                                                         nseg, HAS_DAT=bT is not None, BC=BC,
+        _apath_carry_kernel[(triton.cdiv(K, BC), B * H)](uh, alpha, nrm, dk, du if bT is None else bT.contiguous(), du,
+                                                         T, H, K, nseg, HAS_DAT=bT is not None, BC=BC,
                                                          num_warps=WARPS["carry"], num_stages=1, **kw_blk)
         dA0 = None
         if ctx.needs_input_grad[2]:
