@@ -1,5 +1,6 @@
 """VLA's triton pieces in the interpreter: the A-path kernels against the chunked torch A path (values and every
-gradient, partial sub-chunks and segments, padded K), the chunked normaliser against a running sum."""
+gradient, partial sub-chunks and segments, padded K), the prologue and readout kernels against torch, the chunked
+normaliser against a running sum."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,6 +9,8 @@ from kalmix.ops.common.testing import assert_close, random_functional_grads
 from kalmix.ops.vla import apath_triton
 from kalmix.ops.vla.apath_triton import write_directions_triton
 from kalmix.ops.vla.chunk import normaliser, write_directions
+from kalmix.ops.vla.io_triton import prologue, readout
+from kalmix.ops.vla.naive import feature_map
 
 
 def _inputs(B, T, H, K, seed, dtype=torch.float64):
@@ -97,3 +100,49 @@ def test_normaliser_matches_running_sum(T):
     den, n = normaliser(fq, fk, n0, chunk_size=16)
     assert_close("den", den, (fq * ncum).sum(-1), 1e-13)
     assert_close("n", n, ncum[:, -1], 1e-13)
+
+
+def test_prologue_matches_torch():
+    """K = 20 (padded to 32), 50 rows (not a multiple of the program's rows), a zero k row and a zero u row (the
+    1e-12 floor of the normalisation)."""
+    gen = torch.Generator().manual_seed(21)
+    q, k, u = (torch.randn(2, 5, 5, 20, generator=gen, dtype=torch.float64) for _ in range(3))
+    k[0, 1, 2] = 0.
+    u[1, 4, 0] = 0.
+
+    def torch_prologue(q, k, u):
+        kh = F.normalize(k, dim=-1)
+        return kh, F.normalize(u, dim=-1), feature_map(q), kh
+
+    res = []
+    for fn in (prologue, torch_prologue):
+        xs = [x.detach().requires_grad_() for x in (q, k, u)]
+        outs = fn(*xs)
+        res.append([o.detach() for o in outs] + random_functional_grads(outs, xs))
+    for name, x, r in zip("kh32 uh32 fq kh dq dk du".split(), *res):
+        assert_close(name, x, r, 1e-13)
+
+
+@pytest.mark.parametrize("T,V,eps", [(150, 80, 1e-4), (40, 16, 2.0)])
+def test_readout_matches_torch(T, V, eps):
+    """Three chunks with a partial one, two V blocks; with eps = 2 (and small features) the normaliser of the
+    first tokens is clamped."""
+    gen = torch.Generator().manual_seed(T)
+    o_s = torch.randn(2, T, 3, V, generator=gen, dtype=torch.float64)
+    q, k = (torch.randn(2, T, 3, 20, generator=gen, dtype=torch.float64) - 2 * (eps > 1) for _ in range(2))
+    n0 = torch.rand(2, 3, 20, generator=gen, dtype=torch.float64) * (eps < 1)
+
+    def torch_readout(o_s, q, k, n0):
+        den, n = normaliser(feature_map(q), feature_map(k), n0)
+        return o_s / den.clamp_min(eps)[..., None], n
+
+    res = []
+    for fn in (lambda *x: readout(*x, eps), torch_readout):
+        xs = [x.detach().requires_grad_() for x in (o_s, q, k, n0)]
+        outs = fn(*xs)
+        res.append([o.detach() for o in outs] + random_functional_grads(outs, xs))
+    if eps > 1:
+        den, _ = normaliser(feature_map(q), feature_map(k), n0)
+        assert (den < eps).any() and (den > eps).any()
+    for name, x, r in zip("o n dos dq dk dn0".split(), *res):
+        assert_close(name, x, r, 1e-12)

@@ -60,17 +60,14 @@ def normaliser(fq: torch.Tensor, fk: torch.Tensor, n: torch.Tensor, chunk_size: 
     return den.transpose(2, 3).reshape(B, NC * chunk_size, H)[:, :T], start[:, -1] + sums[:, -1]
 
 
-def vla_chunk(q, k, v, u, *, state, eps, a_path=write_directions, s_path=chunk_delta_rule):
-    """The op on one sequence or a batch; ``a_path`` computes α̂ (write_directions' signature), ``s_path`` runs S's
-    delta rule (chunk_delta_rule's signature) on operands in the activations' dtype, everything else runs in the
-    state's dtype."""
+def vla_chunk(q, k, v, u, *, state, eps):
+    """The op on one sequence or a batch, in the state's dtype."""
     S, A, n = state
-    act = v.dtype
     q, k, u = (x.to(S.dtype) for x in (q, k, u))
     kh = F.normalize(k, dim=-1)
-    alpha, A = a_path(kh, F.normalize(u, dim=-1), A)
+    alpha, A = write_directions(kh, F.normalize(u, dim=-1), A)
     fq = feature_map(q)
     # S_t = (I − α̂_t k̂_tᵀ) S_{t-1} + α̂_t v_tᵀ: the delta rule with write key α̂ and erase key k̂
-    o, S = s_path(fq.to(act), alpha.to(act), kh.to(act), v, scale=1.0, state=S)
+    o, S = chunk_delta_rule(fq, alpha, kh, v, scale=1.0, state=S)
     den, n = normaliser(fq, feature_map(k), n)
-    return (o.to(S.dtype) / den.clamp_min(eps)[..., None],), (S, A, n)
+    return (o / den.clamp_min(eps)[..., None],), (S, A, n)
