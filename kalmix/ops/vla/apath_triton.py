@@ -41,7 +41,7 @@ SAVE = 4        # the forward keeps A every SAVE sub-chunks for the backward
 MAX_K = 128     # the backward holds A [K, K] (and its gradient) in registers
 ROW_BLOCK = 32  # rows of A per streamed block
 CARRY_COLS = 32  # columns of B̃ per program of the backward's carry
-WARPS = dict(fwd=8, blocks=8, carry=4, da0=8)   # (no software pipelining: every sub-chunk depends on the last)
+WARPS = dict(fwd=8, blocks=8, carry=8, da0=8)   # (no software pipelining: every sub-chunk depends on the last)
 
 
 @triton.jit

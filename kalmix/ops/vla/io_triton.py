@@ -17,6 +17,7 @@ from kalmix.ops.common.delta_triton import _DT, _dot, _load_rows, _store_rows
 
 ROWS = 16       # token rows (of one head) per program of the prologue kernels
 C = 64          # tokens per chunk of the readout kernels
+BV_FWD = 32     # columns of S's output per program of the readout's forward (more programs: it is sequential)
 
 
 @triton.jit
@@ -208,12 +209,12 @@ class ReadoutFunction(torch.autograd.Function):
         o_s, q, k, n0 = (x.contiguous() for x in (o_s, q, k, n0))
         B, T, H, K = q.shape
         V = o_s.shape[-1]
-        BV = min(64, triton.next_power_of_2(V))
+        BV = min(BV_FWD, triton.next_power_of_2(V))
         o = torch.empty_like(o_s)
         den = torch.empty(B, T, H, dtype=n0.dtype, device=q.device)
         nT = torch.empty_like(n0)
         _readout_fwd_kernel[(triton.cdiv(V, BV), B * H)](o_s, q, k, n0, o, den, nT, T, H, K, V, eps, C=C,
-                                                         BK=_bk(K), BV=BV, DT=_DT[n0.dtype])
+                                                         BK=_bk(K), BV=BV, DT=_DT[n0.dtype], num_stages=_stages(q))
         ctx.save_for_backward(o_s, q, k, n0, den)
         ctx.eps = eps
         ctx.set_materialize_grads(False)
@@ -229,12 +230,17 @@ class ReadoutFunction(torch.autograd.Function):
         dden = torch.empty_like(den)
         _readout_bwd_kernel[(B * H,)](do, o_s, q, k, n0, den, n0 if dnT is None else dnT.contiguous(), dos, dq, dk, dn0,
                                       dden, T, H, K, V, ctx.eps, HAS_DNT=dnT is not None, C=C, BK=_bk(K),
-                                      BV=min(64, triton.next_power_of_2(V)), DT=_DT[n0.dtype])
+                                      BV=min(64, triton.next_power_of_2(V)), DT=_DT[n0.dtype], num_stages=_stages(q))
         return dos, dq, dk, dn0, None
 
 
 def _bk(K: int) -> int:
     return max(16, triton.next_power_of_2(K))
+
+
+def _stages(x: torch.Tensor) -> int:
+    """Pipeline stages of the readout's chunk loops: 32-bit tiles at 3 stages exceed an H100's shared memory."""
+    return 3 if x.element_size() == 2 else 1
 
 
 def prologue(q: torch.Tensor, k: torch.Tensor, u: torch.Tensor):
