@@ -219,6 +219,12 @@ def _apath_da0_kernel(k_ptr, u_ptr, al_ptr, rinv_ptr, w_ptr, nrm_ptr, dal_ptr, d
     _store_state(da0_ptr, i_bh.to(tl.int64) * K * K, Ab, K, K, 0, BK, BK)
 
 
+def _warps(name: str, width: int) -> int:
+    """A kernel's warps; tiles 16 wide run at most 4 (at 8, 16-wide tiles made illegal memory accesses on an H100
+    with triton 3.6, as in kalmix/ops/common/delta_triton.py)."""
+    return min(WARPS[name], 4 if width <= 16 else 8)
+
+
 def _config(kh: torch.Tensor):
     B, T, H, K = kh.shape
     if K > MAX_K:
@@ -246,8 +252,8 @@ class APathFunction(torch.autograd.Function):
             w = torch.empty(B * H * C_SUB, K, **f)
         rinv = torch.empty(B, T, H, C_SUB, **f) if rinv_needed else alpha
         _apath_fwd_kernel[(B * H,)](kh, uh, A0, alpha, AT, asv, rinv, w, nrm, T, H, K, nseg, STORE=store,
-                                    RINV=rinv_needed, SAVE=SAVE, BR=min(ROW_BLOCK, kw["BK"]), num_warps=WARPS["fwd"],
-                                    num_stages=1, **kw)
+                                    RINV=rinv_needed, SAVE=SAVE, BR=min(ROW_BLOCK, kw["BK"]),
+                                    num_warps=_warps("fwd", kw["BK"]), num_stages=1, **kw)
         if store:
             ctx.save_for_backward(kh, uh, alpha, AT, asv, rinv, w, nrm)
         ctx.set_materialize_grads(False)
@@ -265,17 +271,18 @@ class APathFunction(torch.autograd.Function):
         dk, du = torch.empty_like(kh), torch.empty_like(uh)
         kw_blk = dict(kw, C=SAVE * C_SUB)
         _apath_bwd_blocks_kernel[(nseg, B * H)](uh, alpha, asv, w, nrm, dalpha, dk, du, T, H, K, nseg,
-                                                num_warps=WARPS["blocks"], num_stages=1, **kw_blk)
+                                                num_warps=_warps("blocks", kw["BK"]), num_stages=1, **kw_blk)
         BC = min(CARRY_COLS, kw["BK"])
         bT = AT @ dAT @ AT if dAT is not None else None          # the end state's gradient with respect to A⁻¹
         _apath_carry_kernel[(triton.cdiv(K, BC), B * H)](uh, alpha, nrm, dk, du if bT is None else bT.contiguous(), du,
                                                          T, H, K, nseg, HAS_DAT=bT is not None, BC=BC,
-                                                         num_warps=WARPS["carry"], num_stages=1, **kw_blk)
+                                                         num_warps=_warps("carry", BC), num_stages=1, **kw_blk)
         dA0 = None
         if ctx.needs_input_grad[2]:
             dA0 = torch.empty(B, H, K, K, dtype=kh.dtype, device=kh.device)
             _apath_da0_kernel[(B * H,)](kh, uh, alpha, rinv, w, nrm, dalpha, dalpha if dAT is None else dAT, dA0,
-                                        T, H, K, HAS_DAT=dAT is not None, num_warps=WARPS["da0"], num_stages=1, **kw)
+                                        T, H, K, HAS_DAT=dAT is not None, num_warps=_warps("da0", kw["BK"]),
+                                        num_stages=1, **kw)
         return dk, du, dA0
 
 
