@@ -109,6 +109,17 @@ def _rows(ptr, bos, L, i_h, H, D, d0, BD: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
+def _load_tokens(ptr, bos, L, i_h, H, other, C: tl.constexpr):
+    """Rows bos..bos+C of head i_h of a [tokens, H] tensor as [C], ``other`` past row L."""
+    return tl.load(ptr + (bos + tl.arange(0, C)) * H + i_h, mask=tl.arange(0, C) < L, other=other)
+
+
+@triton.jit
+def _store_tokens(ptr, x, bos, L, i_h, H, C: tl.constexpr):
+    tl.store(ptr + (bos + tl.arange(0, C)) * H + i_h, x, mask=tl.arange(0, C) < L)
+
+
+@triton.jit
 def _load_rows(ptr, bos, L, i_h, H, D, d0, BD: tl.constexpr, C: tl.constexpr):
     """That block as fp32 [C, BD], 0 outside the rows and columns."""
     return _acc(_raw_rows(ptr, bos, L, i_h, H, D, d0, BD, C))

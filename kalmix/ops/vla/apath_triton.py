@@ -34,7 +34,8 @@ import triton
 import triton.language as tl
 
 from kalmix.ops.common.checks import fail
-from kalmix.ops.common.delta_triton import _DT, _dot, _dot_acc, _load_rows, _load_state, _store_rows, _store_state
+from kalmix.ops.common.delta_triton import (_DT, _dot, _dot_acc, _load_rows, _load_state, _load_tokens, _store_rows,
+                                            _store_state, _store_tokens)
 
 C_SUB = 16      # tokens per sub-chunk (one unblocked 16×16 Cholesky each)
 SAVE = 4        # the forward keeps A every SAVE sub-chunks for the backward
@@ -120,7 +121,7 @@ def _apath_fwd_kernel(k_ptr, u_ptr, a0_ptr, al_ptr, aT_ptr, asv_ptr, rinv_ptr, w
         if RINV:
             _store_rows(rinv_ptr, Rinv, t0, L, i_h, H, C, 0, C, C)
         if STORE:
-            tl.store(nrm_ptr + (t0 + tl.arange(0, C)) * H + i_h, nrm, mask=tl.arange(0, C) < L)
+            _store_tokens(nrm_ptr, nrm, t0, L, i_h, H, C)
             w0, w_h, w_H = t0, i_h, H                          # W's rows in the backward's [B, T, H, K] buffer
         else:
             w0, w_h, w_H = i_bh * C, 0, 1                      # the program's [C, K] scratch
@@ -152,7 +153,7 @@ def _apath_bwd_blocks_kernel(u_ptr, al_ptr, asv_ptr, w_ptr, nrm_ptr, dal_ptr, dk
     W = _load_rows(w_ptr, t0, L, i_h, H, K, 0, BK, C)
     U = _load_rows(u_ptr, t0, L, i_h, H, K, 0, BK, C)
     al = _load_rows(al_ptr, t0, L, i_h, H, K, 0, BK, C)
-    nrm = tl.load(nrm_ptr + (t0 + tl.arange(0, C)) * H + i_h, mask=tl.arange(0, C) < L, other=1.)
+    nrm = _load_tokens(nrm_ptr, t0, L, i_h, H, 1., C)
     a = al * nrm[:, None]
     da = _unit_grad(al, _load_rows(dal_ptr, t0, L, i_h, H, K, 0, BK, C), nrm)
     # A_t = A_0 − Σ_{s≤t} w_s w_sᵀ inside the block
@@ -179,7 +180,7 @@ def _apath_carry_kernel(u_ptr, al_ptr, nrm_ptr, dk_ptr, bT_ptr, du_ptr, T, H, K,
         Bt = tl.zeros([BK, BC], dtype=DT)
     for i in range(0, NSEG):
         t0, L = _sub_chunk(i_b, T, NSEG - 1 - i, C)
-        nrm = tl.load(nrm_ptr + (t0 + tl.arange(0, C)) * H + i_h, mask=tl.arange(0, C) < L, other=1.)[:, None]
+        nrm = _load_tokens(nrm_ptr, t0, L, i_h, H, 1., C)[:, None]
         dU = _load_rows(du_ptr, t0, L, i_h, H, K, c0, BC, C)
         dU = _dot_acc(_load_rows(u_ptr, t0, L, i_h, H, K, 0, BK, C), -2. * Bt, dU, DT)
         _store_rows(du_ptr, dU, t0, L, i_h, H, K, c0, BC, C)
@@ -203,13 +204,14 @@ def _apath_da0_kernel(k_ptr, u_ptr, al_ptr, rinv_ptr, w_ptr, nrm_ptr, dal_ptr, d
         Ab = _load_state(daT_ptr, i_bh.to(tl.int64) * K * K, K, K, 0, BK, BK)
     else:
         Ab = tl.zeros([BK, BK], dtype=DT)
-    for i in range(0, tl.cdiv(T, C)):
-        t0, L = _sub_chunk(i_b, T, tl.cdiv(T, C) - 1 - i, C)
+    NS = tl.cdiv(T, C)
+    for i in range(0, NS):
+        t0, L = _sub_chunk(i_b, T, NS - 1 - i, C)
         Kh = _load_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C)
         W = _load_rows(w_ptr, t0, L, i_h, H, K, 0, BK, C)
         Y = _dot(_load_rows(rinv_ptr, t0, L, i_h, H, C, 0, C, C), _load_rows(u_ptr, t0, L, i_h, H, K, 0, BK, C), DT)
         al = _load_rows(al_ptr, t0, L, i_h, H, K, 0, BK, C)
-        nrm = tl.load(nrm_ptr + (t0 + tl.arange(0, C)) * H + i_h, mask=tl.arange(0, C) < L, other=1.)
+        nrm = _load_tokens(nrm_ptr, t0, L, i_h, H, 1., C)
         da = _unit_grad(al, _load_rows(dal_ptr, t0, L, i_h, H, K, 0, BK, C), nrm)
         Pd = da - _dot(tl.where(cols <= rows, _dot(da, tl.trans(W), DT), 0.), Y, DT)
         Pk = Kh - _dot(tl.where(cols <= rows, _dot(Kh, tl.trans(W), DT), 0.), Y, DT)

@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kalmix.ops.common.delta_triton import _DT, _dot, _load_rows, _store_rows
+from kalmix.ops.common.checks import compute_dtype
+from kalmix.ops.common.delta_triton import _DT, _dot, _load_rows, _load_tokens, _store_rows, _store_tokens
 
 ROWS = 16       # token rows (of one head) per program of the prologue kernels
 C = 64          # tokens per chunk of the readout kernels
@@ -46,55 +47,40 @@ def _unit_back(x, g):
 
 
 @triton.jit
-def _tile(ptr, n_rows, K, ROWS: tl.constexpr, BK: tl.constexpr):
-    """The program's [ROWS, BK] block of a [rows, K] tensor: pointers and mask."""
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
-    c = tl.arange(0, BK)[None, :]
-    return ptr + (r.to(tl.int64) * K + c), (r < n_rows) & (c < K)
-
-
-@triton.jit
-def _load_tile(ptr, n_rows, K, ROWS: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr):
-    p, m = _tile(ptr, n_rows, K, ROWS, BK)
-    return tl.load(p, mask=m, other=0.).to(ACC)
-
-
-@triton.jit
-def _store_tile(ptr, x, n_rows, K, ROWS: tl.constexpr, BK: tl.constexpr):
-    p, m = _tile(ptr, n_rows, K, ROWS, BK)
-    tl.store(p, x.to(ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
 def _prologue_fwd_kernel(q_ptr, k_ptr, u_ptr, kh32_ptr, uh32_ptr, fq_ptr, kh_ptr, n_rows, K, ROWS: tl.constexpr,
-                         BK: tl.constexpr, ACC: tl.constexpr):
-    k, _ = _unit(_load_tile(k_ptr, n_rows, K, ROWS, BK, ACC))
-    u, _ = _unit(_load_tile(u_ptr, n_rows, K, ROWS, BK, ACC))
-    _store_tile(kh32_ptr, k, n_rows, K, ROWS, BK)
-    _store_tile(kh_ptr, k, n_rows, K, ROWS, BK)
-    _store_tile(uh32_ptr, u, n_rows, K, ROWS, BK)
-    _store_tile(fq_ptr, _phi(_load_tile(q_ptr, n_rows, K, ROWS, BK, ACC)), n_rows, K, ROWS, BK)
+                         BK: tl.constexpr):
+    """ROWS rows of the [rows, K] views of the tensors per program (rows as tokens of one head: H = 1)."""
+    r0 = tl.program_id(0) * ROWS
+    L = n_rows - r0
+    k, _ = _unit(_load_rows(k_ptr, r0, L, 0, 1, K, 0, BK, ROWS))
+    u, _ = _unit(_load_rows(u_ptr, r0, L, 0, 1, K, 0, BK, ROWS))
+    _store_rows(kh32_ptr, k, r0, L, 0, 1, K, 0, BK, ROWS)
+    _store_rows(kh_ptr, k, r0, L, 0, 1, K, 0, BK, ROWS)
+    _store_rows(uh32_ptr, u, r0, L, 0, 1, K, 0, BK, ROWS)
+    _store_rows(fq_ptr, _phi(_load_rows(q_ptr, r0, L, 0, 1, K, 0, BK, ROWS)), r0, L, 0, 1, K, 0, BK, ROWS)
 
 
 @triton.jit
 def _prologue_bwd_kernel(q_ptr, k_ptr, u_ptr, dkh32_ptr, duh32_ptr, dfq_ptr, dkh_ptr, dq_ptr, dk_ptr, du_ptr, n_rows,
                          K, HAS_DKH32: tl.constexpr, HAS_DUH32: tl.constexpr, HAS_DFQ: tl.constexpr,
-                         HAS_DKH: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr):
-    zero = tl.zeros([ROWS, BK], ACC)
-    dq = zero
+                         HAS_DKH: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr):
+    r0 = tl.program_id(0) * ROWS
+    L = n_rows - r0
+    q = _load_rows(q_ptr, r0, L, 0, 1, K, 0, BK, ROWS)
+    dq = tl.zeros_like(q)
     if HAS_DFQ:
-        dq = _load_tile(dfq_ptr, n_rows, K, ROWS, BK, ACC) * _dphi(_load_tile(q_ptr, n_rows, K, ROWS, BK, ACC))
-    _store_tile(dq_ptr, dq, n_rows, K, ROWS, BK)
-    g = zero
+        dq = _load_rows(dfq_ptr, r0, L, 0, 1, K, 0, BK, ROWS) * _dphi(q)
+    _store_rows(dq_ptr, dq, r0, L, 0, 1, K, 0, BK, ROWS)
+    g = tl.zeros_like(q)
     if HAS_DKH32:
-        g += _load_tile(dkh32_ptr, n_rows, K, ROWS, BK, ACC)
+        g += _load_rows(dkh32_ptr, r0, L, 0, 1, K, 0, BK, ROWS)
     if HAS_DKH:
-        g += _load_tile(dkh_ptr, n_rows, K, ROWS, BK, ACC)
-    _store_tile(dk_ptr, _unit_back(_load_tile(k_ptr, n_rows, K, ROWS, BK, ACC), g), n_rows, K, ROWS, BK)
-    g = zero
+        g += _load_rows(dkh_ptr, r0, L, 0, 1, K, 0, BK, ROWS)
+    _store_rows(dk_ptr, _unit_back(_load_rows(k_ptr, r0, L, 0, 1, K, 0, BK, ROWS), g), r0, L, 0, 1, K, 0, BK, ROWS)
+    g = tl.zeros_like(q)
     if HAS_DUH32:
-        g = _load_tile(duh32_ptr, n_rows, K, ROWS, BK, ACC)
-    _store_tile(du_ptr, _unit_back(_load_tile(u_ptr, n_rows, K, ROWS, BK, ACC), g), n_rows, K, ROWS, BK)
+        g = _load_rows(duh32_ptr, r0, L, 0, 1, K, 0, BK, ROWS)
+    _store_rows(du_ptr, _unit_back(_load_rows(u_ptr, r0, L, 0, 1, K, 0, BK, ROWS), g), r0, L, 0, 1, K, 0, BK, ROWS)
 
 
 @triton.jit
@@ -123,7 +109,7 @@ def _readout_fwd_kernel(os_ptr, q_ptr, k_ptr, n0_ptr, o_ptr, den_ptr, nT_ptr, T,
         o = _load_rows(os_ptr, t0, L, i_h, H, V, i_v * BV, BV, C) / tl.maximum(den, eps)[:, None]
         _store_rows(o_ptr, o, t0, L, i_h, H, V, i_v * BV, BV, C)
         if i_v == 0:
-            tl.store(den_ptr + (t0 + tl.arange(0, C)) * H + i_h, den, mask=tl.arange(0, C) < L)
+            _store_tokens(den_ptr, den, t0, L, i_h, H, C)
         n += tl.sum(fk, axis=0)
     if i_v == 0:
         tl.store(nT_ptr + i_bh * K + o_k, n, mask=o_k < K)
@@ -143,7 +129,7 @@ def _readout_bwd_kernel(do_ptr, os_ptr, q_ptr, k_ptr, n0_ptr, den_ptr, dnT_ptr, 
     NC = tl.cdiv(T, C)
     for j in range(0, NC):
         t0, L = i_b * T + j * C, tl.minimum(C, T - j * C)
-        den = tl.load(den_ptr + (t0 + tl.arange(0, C)) * H + i_h, mask=tl.arange(0, C) < L, other=1.)
+        den = _load_tokens(den_ptr, t0, L, i_h, H, 1., C)
         inv = 1. / tl.maximum(den, eps)
         dd = tl.zeros([C], DT)
         for v0 in range(0, V, BV):
@@ -151,7 +137,7 @@ def _readout_bwd_kernel(do_ptr, os_ptr, q_ptr, k_ptr, n0_ptr, den_ptr, dnT_ptr, 
             dd += tl.sum(do * _load_rows(os_ptr, t0, L, i_h, H, V, v0, BV, C), axis=1)
             _store_rows(dos_ptr, do * inv[:, None], t0, L, i_h, H, V, v0, BV, C)
         dd = tl.where(den > eps, -dd * inv * inv, 0.)
-        tl.store(dden_ptr + (t0 + tl.arange(0, C)) * H + i_h, dd, mask=tl.arange(0, C) < L)
+        _store_tokens(dden_ptr, dd, t0, L, i_h, H, C)
         q, fq = _phi_rows(q_ptr, t0, L, i_h, H, K, BK, C)
         _, fk = _phi_rows(k_ptr, t0, L, i_h, H, K, BK, C)
         n_t = n[None, :] + _dot(tl.where(cols <= rows, 1., 0.).to(DT), fk, DT)          # n after each token
@@ -164,17 +150,13 @@ def _readout_bwd_kernel(do_ptr, os_ptr, q_ptr, k_ptr, n0_ptr, den_ptr, dnT_ptr, 
     for jj in range(0, NC):
         j = NC - 1 - jj
         t0, L = i_b * T + j * C, tl.minimum(C, T - j * C)
-        dd = tl.load(dden_ptr + (t0 + tl.arange(0, C)) * H + i_h, mask=tl.arange(0, C) < L, other=0.)
+        dd = _load_tokens(dden_ptr, t0, L, i_h, H, 0., C)
         _, fq = _phi_rows(q_ptr, t0, L, i_h, H, K, BK, C)
-        k, _ = _phi_rows(k_ptr, t0, L, i_h, H, K, BK, C)
+        k = _load_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C)
         dfk = G[None, :] + _dot(tl.where(cols >= rows, dd[None, :], 0.), fq, DT)  # Σ_{t≥s} ∂den_t φ(q_t)
         _store_rows(dk_ptr, dfk * _dphi(k), t0, L, i_h, H, K, 0, BK, C)
         G += tl.sum(dd[:, None] * fq, axis=0)
     tl.store(dn0_ptr + i_bh * K + o_k, G, mask=o_k < K)
-
-
-def _acc(x: torch.Tensor):
-    return tl.float64 if x.dtype == torch.float64 else tl.float32
 
 
 class PrologueFunction(torch.autograd.Function):
@@ -182,11 +164,10 @@ class PrologueFunction(torch.autograd.Function):
     def forward(ctx, q, k, u):
         q, k, u = (x.contiguous() for x in (q, k, u))
         K, n_rows = q.shape[-1], q.numel() // q.shape[-1]
-        state = torch.float64 if q.dtype == torch.float64 else torch.float32
-        kh32, uh32 = (torch.empty(q.shape, dtype=state, device=q.device) for _ in range(2))
+        kh32, uh32 = (torch.empty(q.shape, dtype=compute_dtype(q), device=q.device) for _ in range(2))
         fq, kh = torch.empty_like(q), torch.empty_like(k)
         _prologue_fwd_kernel[(triton.cdiv(n_rows, ROWS),)](q, k, u, kh32, uh32, fq, kh, n_rows, K, ROWS=ROWS,
-                                                            BK=triton.next_power_of_2(K), ACC=_acc(q))
+                                                            BK=triton.next_power_of_2(K))
         ctx.save_for_backward(q, k, u)
         ctx.set_materialize_grads(False)
         return kh32, uh32, fq, kh
@@ -199,7 +180,7 @@ class PrologueFunction(torch.autograd.Function):
         grads = [None if g is None else g.contiguous() for g in (dkh32, duh32, dfq, dkh)]
         _prologue_bwd_kernel[(triton.cdiv(n_rows, ROWS),)](
             q, k, u, *[q if g is None else g for g in grads], dq, dk, du, n_rows, K,
-            *[g is not None for g in grads], ROWS=ROWS, BK=triton.next_power_of_2(K), ACC=_acc(q))
+            *[g is not None for g in grads], ROWS=ROWS, BK=triton.next_power_of_2(K))
         return dq, dk, du
 
 
