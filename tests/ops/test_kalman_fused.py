@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kalmix import ops
-from kalmix.ops.common.testing import CASES, assert_close, kalman_realistic_inputs, outputs_and_grads
+from kalmix.ops.common.testing import CASES, assert_close, kalman_realistic_inputs, launch_args, outputs_and_grads
 
 
 def test_several_channel_blocks_and_odd_sizes():
@@ -67,3 +67,18 @@ def test_realistic_regime_fp32_and_gradients():
     assert res["naive"][2].max() > 1e5, "the regime should reach large precisions"
     for i, (x, r) in enumerate(zip(res["triton"], res["naive"])):
         assert_close(f"output/grad {i}", x, r, 3e-5)
+
+
+def test_no_checkpoints_without_grad_mode(monkeypatch):
+    """Under no_grad the forward writes no checkpoints even when its inputs require gradients (autograd's
+    needs_input_grad ignores grad mode); with grad mode on it does, and the outputs are the same."""
+    from kalmix.ops.kalman import fused
+    saves = launch_args(monkeypatch, fused._kalman_fwd_kernel, "SAVE")
+    gen = torch.Generator().manual_seed(4)
+    args = [a.requires_grad_() for a in CASES["kalman"].inputs(1, 9, 1, 4, 8, torch.float64, gen)]
+    with torch.no_grad():
+        o_eval = ops.kalman_attention(*args, impl="triton")[0]
+    o_train = ops.kalman_attention(*args, impl="triton")[0]
+    assert saves == [False, True]
+    assert o_train.grad_fn is not None
+    assert_close("o", o_eval, o_train, 0)

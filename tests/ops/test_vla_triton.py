@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kalmix.ops.common.testing import assert_close, random_functional_grads
+from kalmix.ops.common.testing import assert_close, launch_args, random_functional_grads
 from kalmix.ops.vla import apath_triton
 from kalmix.ops.vla.apath_triton import write_directions_triton
 from kalmix.ops.vla.chunk import normaliser, write_directions
@@ -45,6 +45,19 @@ def test_inference_call_matches_and_keys_shape():
     ref_alpha, ref_A = write_directions(*xs)
     assert_close("alpha", alpha, ref_alpha, 1e-11)
     assert_close("A", A, ref_A, 1e-11)
+
+
+def test_nothing_stored_for_the_backward_without_grad_mode(monkeypatch):
+    """Under no_grad the forward stores neither A checkpoints nor R⁻¹ rows, even for inputs that require
+    gradients (autograd's needs_input_grad ignores grad mode); with grad mode on it stores both."""
+    stores = launch_args(monkeypatch, apath_triton._apath_fwd_kernel, "STORE")
+    rinvs = launch_args(monkeypatch, apath_triton._apath_fwd_kernel, "RINV")
+    xs = [x.requires_grad_() for x in _inputs(1, 20, 1, 8, seed=5)]
+    with torch.no_grad():
+        alpha_eval = write_directions_triton(*xs)[0]
+    alpha_train = write_directions_triton(*xs)[0]
+    assert stores == [False, True] and rinvs == [False, True]
+    assert_close("alpha", alpha_eval, alpha_train, 0)
 
 
 def test_fp32_against_fp64_with_strong_evidence():

@@ -160,3 +160,17 @@ def poison_empty(monkeypatch) -> None:
     monkeypatch.setattr(torch, "empty", poisoned(torch.empty))
     monkeypatch.setattr(torch, "empty_like", poisoned(torch.empty_like))
     monkeypatch.setattr(torch.Tensor, "new_empty", poisoned(torch.Tensor.new_empty))
+
+
+def launch_args(monkeypatch, kernel, name: str) -> list:
+    """The value of keyword argument ``name`` (a constexpr) at each launch of the Triton ``kernel`` from here on,
+    in order (``kernel[grid](...)`` goes through ``kernel.run``, here and in the interpreter)."""
+    seen = []
+    run = kernel.run
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs[name])
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(kernel, "run", spy)
+    return seen

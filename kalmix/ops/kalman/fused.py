@@ -344,13 +344,13 @@ def _offsets(cu_seqlens: torch.Tensor | None, B: int, T: int, device: torch.devi
 
 class KalmanFusedFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, w, a, p, lam0, mu0, cu_seqlens, output_variance: bool):
+    def forward(ctx, q, k, v, w, a, p, lam0, mu0, cu_seqlens, output_variance: bool, grad_enabled: bool):
         B, T, H, N = q.shape
         D = v.shape[-1]
         q, k, v, w, a, p, lam0, mu0 = (x.contiguous() for x in (q, k, v, w, a, p, lam0, mu0))
         cu, chunk_off, n_ck = _offsets(cu_seqlens, B, T, q.device)
         n_seq = cu.numel() - 1
-        save = any(ctx.needs_input_grad[:8])
+        save = grad_enabled and any(ctx.needs_input_grad[:8])     # (needs_input_grad ignores no_grad)
         o = torch.empty_like(v)
         var = torch.empty_like(v) if output_variance else None
         lamT, muT = torch.empty_like(lam0), torch.empty_like(mu0)
@@ -391,7 +391,7 @@ class KalmanFusedFunction(torch.autograd.Function):
             HAS_DVAR=dvar is not None, HAS_DFINAL=has_final, EVEN=_even(N, D, BD1 * BD2), ACC=_acc(q), num_warps=warps)
         dq, dk = part.sum(1).view(2, B, T, H, N).to(q.dtype)
         da, dp = dadp.sum(1)
-        return dq, dk, dv, dw, da.to(a.dtype), dp.to(p.dtype), dlam0, dmu0, None, None
+        return dq, dk, dv, dw, da.to(a.dtype), dp.to(p.dtype), dlam0, dmu0, None, None, None
 
 
 def _even(N: int, D: int, block: int) -> bool:
@@ -408,5 +408,5 @@ def kalman_fused(q, k, v, w, decay, process_noise, *, state, output_variance, cu
     """Fused Triton filter (packed sequences handled in the kernels); ``state`` = (precision, mean) [S, H, N, D]
     in the state dtype (fp32, fp64 for fp64 inputs). Activations keep their dtype; the math is in fp32/fp64."""
     o, var, lam, mu = KalmanFusedFunction.apply(q, k, v, w, decay, process_noise, state[0], state[1], cu_seqlens,
-                                                output_variance)
+                                                output_variance, torch.is_grad_enabled())
     return (o, var), (lam, mu)

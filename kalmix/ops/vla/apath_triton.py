@@ -239,13 +239,14 @@ def _config(kh: torch.Tensor):
 
 class APathFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, kh, uh, A0):
+    def forward(ctx, kh, uh, A0, grad_enabled: bool):
         B, T, H, K = kh.shape
         kw = _config(kh)
         kh, uh, A0 = kh.contiguous(), uh.contiguous(), A0.contiguous()
         nseg = triton.cdiv(triton.cdiv(T, C_SUB), SAVE)
         alpha, AT = torch.empty_like(kh), torch.empty_like(A0)
-        store, rinv_needed = any(ctx.needs_input_grad), ctx.needs_input_grad[2]
+        # (needs_input_grad ignores no_grad)
+        store, rinv_needed = grad_enabled and any(ctx.needs_input_grad), grad_enabled and ctx.needs_input_grad[2]
         f = dict(dtype=kh.dtype, device=kh.device)
         if store:
             asv, w, nrm = torch.empty(B * H * nseg, K, K, **f), torch.empty_like(kh), torch.empty(B, T, H, **f)
@@ -285,7 +286,7 @@ class APathFunction(torch.autograd.Function):
             _apath_da0_kernel[(B * H,)](kh, uh, alpha, rinv, w, nrm, dalpha, dalpha if dAT is None else dAT, dA0,
                                         T, H, K, HAS_DAT=dAT is not None, num_warps=_warps("da0", kw["BK"]),
                                         num_stages=1, **kw)
-        return dk, du, dA0
+        return dk, du, dA0, None
 
 
 def write_directions_triton(kh: torch.Tensor, uh: torch.Tensor, A: torch.Tensor):
@@ -297,4 +298,4 @@ def write_directions_triton(kh: torch.Tensor, uh: torch.Tensor, A: torch.Tensor)
     Returns:
         alpha [B, T, H, K], A [B, H, K, K].
     """
-    return APathFunction.apply(kh, uh, A)
+    return APathFunction.apply(kh, uh, A, torch.is_grad_enabled())
