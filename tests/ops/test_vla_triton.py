@@ -138,8 +138,8 @@ def test_prologue_matches_torch():
 
 @pytest.mark.parametrize("T,V,eps", [(150, 80, 1e-4), (40, 16, 2.0)])
 def test_readout_matches_torch(T, V, eps):
-    """Three chunks with a partial one, two V blocks; with eps = 2 (and small features) the normaliser of the
-    first tokens is clamped."""
+    """Several chunks, the last one partial, and two V blocks; with eps = 2 (and small features) the normaliser of
+    the first tokens is clamped."""
     gen = torch.Generator().manual_seed(T)
     o_s = torch.randn(2, T, 3, V, generator=gen, dtype=torch.float64)
     q, k = (torch.randn(2, T, 3, 20, generator=gen, dtype=torch.float64) - 2 * (eps > 1) for _ in range(2))

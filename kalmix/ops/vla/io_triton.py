@@ -4,8 +4,10 @@ per direction each:
 - ``prologue``: q, k, u → the A path's unit rows k̂, û in fp32 and the S path's φ(q), k̂ in the activations'
   dtype (φ = elu + 1, k̂ = k / max(‖k‖, 1e-12) as ``F.normalize``); its backward sums the two paths' gradients
   of k̂ and takes all three through the normalisation and φ.
-- ``readout``: o_t = (S's output)_t / max(φ(q_t)·n_t, eps) with n_t = n_0 + Σ_{s≤t} φ(k_s), by chunks of C
-  tokens (n carried across chunks, Σ inside a chunk as a masked product), and the final n.
+- ``readout``: o_t = (S's output)_t / max(φ(q_t)·n_t, eps) with n_t = n_0 + Σ_{s≤t} φ(k_s), and the final n, by
+  chunks of C tokens in parallel: each chunk's Σ φ(k), a walk over those [K] sums for n before every chunk, then
+  each chunk from there (Σ inside a chunk as a masked product); the backward the same way round, its walk going
+  backwards over the chunks' Σ ∂den_t φ(q_t) for ∂k.
 """
 from __future__ import annotations
 
@@ -17,8 +19,14 @@ from kalmix.ops.common.checks import compute_dtype
 from kalmix.ops.common.delta_triton import _DT, _dot, _load_rows, _load_tokens, _store_rows, _store_tokens
 
 ROWS = 16       # token rows (of one head) per program of the prologue kernels
-C = 64          # tokens per chunk of the readout kernels
-BV_FWD = 32     # columns of S's output per program of the readout's forward (more programs: it is sequential)
+# The readout's chunks, and the warps of its per-chunk kernels. H100, bf16, H = 8, K = V = 128, 32K tokens
+# (scratch sweep, readout alone, fwd+bwd): C 16 / 32 / 64 at 2 warps 0.61 / 0.78 / 7.9 ms at T = 2048 and 0.96 /
+# 0.84 / 8.0 at T = 16384 (the walk over the chunk sums grows with T / C); at 4 warps 0.90 / 0.85 / 1.05 and
+# 1.14 / 0.94 / 1.14; 8 warps slower still.
+C = 32
+WARPS = 2
+BV = 64         # columns of S's output per step of the readout kernels
+CARRY_STAGES = 3  # loads in flight in the walk over the chunk sums
 
 
 @triton.jit
@@ -92,71 +100,103 @@ def _phi_rows(ptr, t0, L, i_h, H, K, BK: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _readout_fwd_kernel(os_ptr, q_ptr, k_ptr, n0_ptr, o_ptr, den_ptr, nT_ptr, T, H, K, V, eps, C: tl.constexpr,
-                        BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr):
-    """One (V block, sequence, head) per program, over the chunks in order; V block 0 also writes the
-    normaliser per token (for the backward) and the final n."""
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    rows, cols = tl.arange(0, C)[:, None], tl.arange(0, C)[None, :]
-    o_k = tl.arange(0, BK)
-    n = tl.load(n0_ptr + i_bh * K + o_k, mask=o_k < K, other=0.).to(DT)
-    for j in range(0, tl.cdiv(T, C)):
-        t0, L = i_b * T + j * C, tl.minimum(C, T - j * C)
-        _, fq = _phi_rows(q_ptr, t0, L, i_h, H, K, BK, C)
-        _, fk = _phi_rows(k_ptr, t0, L, i_h, H, K, BK, C)
-        den = tl.sum(fq * n[None, :], axis=1) + tl.sum(tl.where(cols <= rows, _dot(fq, tl.trans(fk), DT), 0.), axis=1)
-        o = _load_rows(os_ptr, t0, L, i_h, H, V, i_v * BV, BV, C) / tl.maximum(den, eps)[:, None]
-        _store_rows(o_ptr, o, t0, L, i_h, H, V, i_v * BV, BV, C)
-        if i_v == 0:
-            _store_tokens(den_ptr, den, t0, L, i_h, H, C)
-        n += tl.sum(fk, axis=0)
-    if i_v == 0:
-        tl.store(nT_ptr + i_bh * K + o_k, n, mask=o_k < K)
+def _chunk(j, i_bh, T, H, C: tl.constexpr):
+    """First token row, length and head of chunk j of (sequence, head) i_bh."""
+    return (i_bh // H) * T + j * C, tl.minimum(C, T - j * C), i_bh % H
 
 
 @triton.jit
-def _readout_bwd_kernel(do_ptr, os_ptr, q_ptr, k_ptr, n0_ptr, den_ptr, dnT_ptr, dos_ptr, dq_ptr, dk_ptr, dn0_ptr,
-                        dden_ptr, T, H, K, V, eps, HAS_DNT: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                        BV: tl.constexpr, DT: tl.constexpr):
-    """One (sequence, head) per program: forwards over the chunks for ∂den, ∂(S's output) and ∂q (which needs n_t),
-    then backwards for ∂k (which needs Σ_{t≥s} ∂den_t φ(q_t)) and ∂n_0."""
-    i_bh = tl.program_id(0)
-    i_b, i_h = i_bh // H, i_bh % H
-    rows, cols = tl.arange(0, C)[:, None], tl.arange(0, C)[None, :]
+def _chunk_vec(ptr, j, i_bh, NC, K, BK: tl.constexpr):
+    """Pointers and mask of the [K] vector of chunk j of (sequence, head) i_bh in a [B·H, NC, K] tensor."""
     o_k = tl.arange(0, BK)
-    n = tl.load(n0_ptr + i_bh * K + o_k, mask=o_k < K, other=0.).to(DT)
-    NC = tl.cdiv(T, C)
-    for j in range(0, NC):
-        t0, L = i_b * T + j * C, tl.minimum(C, T - j * C)
-        den = _load_tokens(den_ptr, t0, L, i_h, H, 1., C)
-        inv = 1. / tl.maximum(den, eps)
-        dd = tl.zeros([C], DT)
-        for v0 in range(0, V, BV):
-            do = _load_rows(do_ptr, t0, L, i_h, H, V, v0, BV, C)
-            dd += tl.sum(do * _load_rows(os_ptr, t0, L, i_h, H, V, v0, BV, C), axis=1)
-            _store_rows(dos_ptr, do * inv[:, None], t0, L, i_h, H, V, v0, BV, C)
-        dd = tl.where(den > eps, -dd * inv * inv, 0.)
-        _store_tokens(dden_ptr, dd, t0, L, i_h, H, C)
-        q, fq = _phi_rows(q_ptr, t0, L, i_h, H, K, BK, C)
-        _, fk = _phi_rows(k_ptr, t0, L, i_h, H, K, BK, C)
-        n_t = n[None, :] + _dot(tl.where(cols <= rows, 1., 0.).to(DT), fk, DT)          # n after each token
-        _store_rows(dq_ptr, dd[:, None] * n_t * _dphi(q), t0, L, i_h, H, K, 0, BK, C)
-        n += tl.sum(fk, axis=0)
-    if HAS_DNT:
-        G = tl.load(dnT_ptr + i_bh * K + o_k, mask=o_k < K, other=0.).to(DT)
-    else:
-        G = tl.zeros([BK], DT)
-    for jj in range(0, NC):
-        j = NC - 1 - jj
-        t0, L = i_b * T + j * C, tl.minimum(C, T - j * C)
-        dd = _load_tokens(dden_ptr, t0, L, i_h, H, 0., C)
-        _, fq = _phi_rows(q_ptr, t0, L, i_h, H, K, BK, C)
-        k = _load_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C)
-        dfk = G[None, :] + _dot(tl.where(cols >= rows, dd[None, :], 0.), fq, DT)  # Σ_{t≥s} ∂den_t φ(q_t)
-        _store_rows(dk_ptr, dfk * _dphi(k), t0, L, i_h, H, K, 0, BK, C)
-        G += tl.sum(dd[:, None] * fq, axis=0)
-    tl.store(dn0_ptr + i_bh * K + o_k, G, mask=o_k < K)
+    return ptr + (i_bh * NC + j).to(tl.int64) * K + o_k, o_k < K
+
+
+@triton.jit
+def _phi_sums_kernel(k_ptr, s_ptr, T, H, K, NC, C: tl.constexpr, BK: tl.constexpr):
+    """One (chunk, sequence, head) per program: the chunk's Σ_t φ(k_t)."""
+    j, i_bh = tl.program_id(0), tl.program_id(1)
+    t0, L, i_h = _chunk(j, i_bh, T, H, C)
+    _, fk = _phi_rows(k_ptr, t0, L, i_h, H, K, BK, C)
+    p, m = _chunk_vec(s_ptr, j, i_bh, NC, K, BK)
+    tl.store(p, tl.sum(fk, axis=0), mask=m)
+
+
+@triton.jit
+def _carry_kernel(s_ptr, init_ptr, start_ptr, final_ptr, NC, K, REVERSE: tl.constexpr, BK: tl.constexpr,
+                  STAGES: tl.constexpr):
+    """One (sequence, head) per program: start[j] = init + Σ of the chunk sums s before chunk j (after it when
+    REVERSE), and final = init + Σ_j s[j]."""
+    i_bh = tl.program_id(0)
+    o_k = tl.arange(0, BK)
+    acc = tl.load(init_ptr + i_bh * K + o_k, mask=o_k < K, other=0.)
+    for jj in tl.range(0, NC, num_stages=STAGES):
+        j = NC - 1 - jj if REVERSE else jj
+        p, m = _chunk_vec(s_ptr, j, i_bh, NC, K, BK)
+        x = tl.load(p, mask=m, other=0.)
+        p, m = _chunk_vec(start_ptr, j, i_bh, NC, K, BK)
+        tl.store(p, acc, mask=m)
+        acc += x
+    tl.store(final_ptr + i_bh * K + o_k, acc, mask=o_k < K)
+
+
+@triton.jit
+def _readout_fwd_kernel(os_ptr, q_ptr, k_ptr, nst_ptr, o_ptr, den_ptr, T, H, K, V, NC, eps, C: tl.constexpr,
+                        BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr):
+    """One (chunk, sequence, head) per program, from n before the chunk: the normaliser of each token (kept for
+    the backward) and o."""
+    j, i_bh = tl.program_id(0), tl.program_id(1)
+    t0, L, i_h = _chunk(j, i_bh, T, H, C)
+    rows, cols = tl.arange(0, C)[:, None], tl.arange(0, C)[None, :]
+    p, m = _chunk_vec(nst_ptr, j, i_bh, NC, K, BK)
+    n = tl.load(p, mask=m, other=0.)
+    _, fq = _phi_rows(q_ptr, t0, L, i_h, H, K, BK, C)
+    _, fk = _phi_rows(k_ptr, t0, L, i_h, H, K, BK, C)
+    den = tl.sum(fq * n[None, :], axis=1) + tl.sum(tl.where(cols <= rows, _dot(fq, tl.trans(fk), DT), 0.), axis=1)
+    _store_tokens(den_ptr, den, t0, L, i_h, H, C)
+    inv = 1. / tl.maximum(den, eps)[:, None]
+    for v0 in range(0, V, BV):
+        _store_rows(o_ptr, _load_rows(os_ptr, t0, L, i_h, H, V, v0, BV, C) * inv, t0, L, i_h, H, V, v0, BV, C)
+
+
+@triton.jit
+def _readout_bwd_kernel(do_ptr, os_ptr, q_ptr, k_ptr, nst_ptr, den_ptr, dos_ptr, dq_ptr, dden_ptr, p_ptr, T, H, K,
+                        V, NC, eps, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr):
+    """One (chunk, sequence, head) per program: ∂(S's output), ∂den, ∂q (from n after each token) and the chunk's
+    Σ_t ∂den_t φ(q_t), which ``_carry_kernel`` sums backwards for ∂k."""
+    j, i_bh = tl.program_id(0), tl.program_id(1)
+    t0, L, i_h = _chunk(j, i_bh, T, H, C)
+    rows, cols = tl.arange(0, C)[:, None], tl.arange(0, C)[None, :]
+    den = _load_tokens(den_ptr, t0, L, i_h, H, 1., C)
+    inv = 1. / tl.maximum(den, eps)
+    dd = tl.zeros([C], DT)
+    for v0 in range(0, V, BV):
+        do = _load_rows(do_ptr, t0, L, i_h, H, V, v0, BV, C)
+        dd += tl.sum(do * _load_rows(os_ptr, t0, L, i_h, H, V, v0, BV, C), axis=1)
+        _store_rows(dos_ptr, do * inv[:, None], t0, L, i_h, H, V, v0, BV, C)
+    dd = tl.where(den > eps, -dd * inv * inv, 0.)
+    _store_tokens(dden_ptr, dd, t0, L, i_h, H, C)
+    q, fq = _phi_rows(q_ptr, t0, L, i_h, H, K, BK, C)
+    _, fk = _phi_rows(k_ptr, t0, L, i_h, H, K, BK, C)
+    p, m = _chunk_vec(nst_ptr, j, i_bh, NC, K, BK)
+    n_t = tl.load(p, mask=m, other=0.)[None, :] + _dot(tl.where(cols <= rows, 1., 0.).to(DT), fk, DT)
+    _store_rows(dq_ptr, dd[:, None] * n_t * _dphi(q), t0, L, i_h, H, K, 0, BK, C)
+    p, m = _chunk_vec(p_ptr, j, i_bh, NC, K, BK)
+    tl.store(p, tl.sum(dd[:, None] * fq, axis=0), mask=m)
+
+
+@triton.jit
+def _readout_dk_kernel(q_ptr, k_ptr, dden_ptr, gst_ptr, dk_ptr, T, H, K, NC, C: tl.constexpr, BK: tl.constexpr,
+                       DT: tl.constexpr):
+    """One (chunk, sequence, head) per program: ∂k_s = φ'(k_s) (∂n after the chunk + Σ_{t≥s in it} ∂den_t φ(q_t))."""
+    j, i_bh = tl.program_id(0), tl.program_id(1)
+    t0, L, i_h = _chunk(j, i_bh, T, H, C)
+    rows, cols = tl.arange(0, C)[:, None], tl.arange(0, C)[None, :]
+    dd = _load_tokens(dden_ptr, t0, L, i_h, H, 0., C)
+    _, fq = _phi_rows(q_ptr, t0, L, i_h, H, K, BK, C)
+    p, m = _chunk_vec(gst_ptr, j, i_bh, NC, K, BK)
+    dfk = tl.load(p, mask=m, other=0.)[None, :] + _dot(tl.where(cols >= rows, dd[None, :], 0.), fq, DT)
+    _store_rows(dk_ptr, dfk * _dphi(_load_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C)), t0, L, i_h, H, K, 0, BK, C)
 
 
 class PrologueFunction(torch.autograd.Function):
@@ -190,33 +230,44 @@ class ReadoutFunction(torch.autograd.Function):
         o_s, q, k, n0 = (x.contiguous() for x in (o_s, q, k, n0))
         B, T, H, K = q.shape
         V = o_s.shape[-1]
-        BV = min(BV_FWD, triton.next_power_of_2(V))
+        NC, kw = triton.cdiv(T, C), dict(C=C, BK=_bk(K))
+        sums = torch.empty(B * H, NC, K, dtype=n0.dtype, device=q.device)
+        n_start, nT = torch.empty_like(sums), torch.empty_like(n0)
+        _phi_sums_kernel[(NC, B * H)](k, sums, T, H, K, NC, num_warps=WARPS, **kw)
+        _carry_kernel[(B * H,)](sums, n0, n_start, nT, NC, K, REVERSE=False, BK=kw["BK"], STAGES=CARRY_STAGES)
         o = torch.empty_like(o_s)
         den = torch.empty(B, T, H, dtype=n0.dtype, device=q.device)
-        nT = torch.empty_like(n0)
-        _readout_fwd_kernel[(triton.cdiv(V, BV), B * H)](o_s, q, k, n0, o, den, nT, T, H, K, V, eps, C=C,
-                                                         BK=_bk(K), BV=BV, DT=_DT[n0.dtype], num_stages=_stages(q))
-        ctx.save_for_backward(o_s, q, k, n0, den)
+        _readout_fwd_kernel[(NC, B * H)](o_s, q, k, n_start, o, den, T, H, K, V, NC, eps, BV=_bv(V),
+                                         DT=_DT[n0.dtype], num_warps=WARPS, num_stages=_stages(q), **kw)
+        ctx.save_for_backward(o_s, q, k, n_start, den)
         ctx.eps = eps
         ctx.set_materialize_grads(False)
         return o, nT
 
     @staticmethod
     def backward(ctx, do, dnT):
-        o_s, q, k, n0, den = ctx.saved_tensors
+        o_s, q, k, n_start, den = ctx.saved_tensors
         B, T, H, K = q.shape
         V = o_s.shape[-1]
+        NC, kw = n_start.shape[1], dict(C=C, BK=_bk(K), DT=_DT[n_start.dtype])
         do = torch.zeros_like(o_s) if do is None else do.contiguous()
-        dos, dq, dk, dn0 = torch.empty_like(o_s), torch.empty_like(q), torch.empty_like(k), torch.empty_like(n0)
+        dnT = torch.zeros(B, H, K, dtype=n_start.dtype, device=q.device) if dnT is None else dnT.contiguous()
+        dos, dq, dk, dn0 = torch.empty_like(o_s), torch.empty_like(q), torch.empty_like(k), torch.empty_like(dnT)
         dden = torch.empty_like(den)
-        _readout_bwd_kernel[(B * H,)](do, o_s, q, k, n0, den, n0 if dnT is None else dnT.contiguous(), dos, dq, dk, dn0,
-                                      dden, T, H, K, V, ctx.eps, HAS_DNT=dnT is not None, C=C, BK=_bk(K),
-                                      BV=min(64, triton.next_power_of_2(V)), DT=_DT[n0.dtype], num_stages=_stages(q))
+        sums, g_start = torch.empty_like(n_start), torch.empty_like(n_start)
+        _readout_bwd_kernel[(NC, B * H)](do, o_s, q, k, n_start, den, dos, dq, dden, sums, T, H, K, V, NC, ctx.eps,
+                                         BV=_bv(V), num_warps=WARPS, num_stages=_stages(q), **kw)
+        _carry_kernel[(B * H,)](sums, dnT, g_start, dn0, NC, K, REVERSE=True, BK=kw["BK"], STAGES=CARRY_STAGES)
+        _readout_dk_kernel[(NC, B * H)](q, k, dden, g_start, dk, T, H, K, NC, num_warps=WARPS, **kw)
         return dos, dq, dk, dn0, None
 
 
 def _bk(K: int) -> int:
     return max(16, triton.next_power_of_2(K))
+
+
+def _bv(V: int) -> int:
+    return min(BV, triton.next_power_of_2(V))
 
 
 def _stages(x: torch.Tensor) -> int:
