@@ -7,9 +7,13 @@ from kalmix import ops
 from kalmix.ops.common.testing import CASES, assert_close, kalman_realistic_inputs, launch_args, outputs_and_grads
 
 
-def test_several_channel_blocks_and_odd_sizes():
-    """D = 37 spans three channel blocks (the last one partial), N = 3 pads the slot axis, T = 23 is not a
-    multiple of the chunk."""
+@pytest.mark.parametrize("min_programs", [None, 1])
+def test_several_channel_blocks_and_odd_sizes(min_programs, monkeypatch):
+    """D = 37 spans several channel blocks (the last one partial), N = 3 pads the slot axis, T = 23 is not a
+    multiple of the chunk; the forward's blocks are its narrowest here, and its widest with min_programs = 1."""
+    from kalmix.ops.kalman import fused
+    if min_programs is not None:
+        monkeypatch.setattr(fused, "FWD_MIN_PROGRAMS", min_programs)
     case = CASES["kalman"]
     gen = torch.Generator().manual_seed(0)
     args = case.inputs(2, 23, 1, 3, 37, torch.float64, gen)

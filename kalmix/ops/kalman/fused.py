@@ -27,6 +27,11 @@ from kalmix.ops.common.varlen import batch_offsets
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 CHUNK = 4                               # tokens between checkpoints (unrolled; the backward holds their states)
 FWD_CONFIG = (16, 1)                                        # (channels per program, warps)
+# the forward halves its channel blocks (down to 2 channels, one lane per thread) until it launches this many
+# programs: at B = 2, T = 16384 (H = 1, N = 16, D = 2048) blocks of 16 make only 256 one-warp programs. H100, bf16
+# (no-grad forward / fwd+bwd, ms): there 4.09 / 11.25 at blocks of 16, 2.78 / 10.85 at 4 (1024 programs), 3.42 /
+# 18.9 at 2; at B = 4, T = 8192 2.23 / 7.16 at 16, 2.11 / 7.15 at 8, 3.03 / 11.0 at 4; B = 16, T = 2048 keeps 16
+FWD_MIN_PROGRAMS = 1024
 BWD_CONFIG = (2, 4, 1)                                      # (BD1, BD2, warps): [BD1, BN, BD2] lanes per program
 # the GPU takes 1/x in fp32 as one approximate reciprocal (rel. error ~1 ulp) instead of a full-range division
 FAST_RCP = tl.constexpr(not INTERPRET)
@@ -357,6 +362,8 @@ class KalmanFusedFunction(torch.autograd.Function):
         cky = torch.empty((n_ck, H, N, D), dtype=lam0.dtype, device=q.device) if save else None
         ckmu = torch.empty_like(cky) if save else None
         BD, warps = FWD_CONFIG
+        while BD > 2 and triton.cdiv(D, BD) * n_seq * H < FWD_MIN_PROGRAMS:
+            BD //= 2
         _kalman_fwd_kernel[(triton.cdiv(D, BD), n_seq * H)](
             q, k, v, w, a, p, lam0, mu0, o, o if var is None else var, lamT, muT,
             lamT if cky is None else cky, muT if ckmu is None else ckmu, cu, chunk_off, H, N, D,
