@@ -17,6 +17,7 @@ import triton.language as tl
 
 from kalmix.ops.common.checks import compute_dtype
 from kalmix.ops.common.delta_triton import _DT, _dot, _load_rows, _load_tokens, _store_rows, _store_tokens
+from kalmix.ops.vla.apath_triton import _sub_chunk
 
 ROWS = 16       # token rows (of one head) per program of the prologue kernels
 # The readout's chunks, and the warps of its per-chunk kernels. H100, bf16, H = 8, K = V = 128, 32K tokens
@@ -102,7 +103,8 @@ def _phi_rows(ptr, t0, L, i_h, H, K, BK: tl.constexpr, C: tl.constexpr):
 @triton.jit
 def _chunk(j, i_bh, T, H, C: tl.constexpr):
     """First token row, length and head of chunk j of (sequence, head) i_bh."""
-    return (i_bh // H) * T + j * C, tl.minimum(C, T - j * C), i_bh % H
+    t0, L = _sub_chunk(i_bh // H, T, j, C)
+    return t0, L, i_bh % H
 
 
 @triton.jit
