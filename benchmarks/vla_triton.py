@@ -2,7 +2,8 @@
 the whole op against the fp64 torch impl, then timings of the A path alone and of the op next to fla's
 chunk_delta_rule and SDPA on the same tokens. From the repository root:
 
-    python benchmarks/vla_triton.py [--configs KEY=VALUE,... ...]   (keys: fwd, blocks, carry, da0 (warps), save, rows)
+    python benchmarks/vla_triton.py [--configs KEY=VALUE,... ...]   (keys: fwd, blocks, carry, da0 (warps), save, rows,
+        programs, carry_programs (the forward's MIN_PROGRAMS and the carry's CARRY_MIN_PROGRAMS; 1: no parts))
 """
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,11 @@ from kalmix import ops
 from kalmix.ops.common.testing import random_functional_grads, rel_err
 from kalmix.ops.vla import apath_triton as ap
 from kalmix.ops.vla.chunk import write_directions
+
+
+# every config starts from these
+DEFAULTS = dict(warps=dict(ap.WARPS), save=ap.SAVE, rows=ap.ROW_BLOCK, programs=ap.MIN_PROGRAMS,
+                carry_programs=ap.CARRY_MIN_PROGRAMS)
 
 
 def apath_inputs(B, T, H, K, dev, lambda0=0.1, seed=0):
@@ -56,7 +62,7 @@ def checks(dev):
 def timings(dev, configs):
     H, K = 8, 128
     print(f"== timings, ms (do_bench median), H={H} K=V={K}, 32K tokens per call")
-    for T in (2048, 4096):
+    for T in (2048, 8192, 16384):
         B = 32768 // T
         gen = torch.Generator().manual_seed(0)
         q, k, v, u = (torch.randn(B, T, H, K, generator=gen).to(dev, torch.bfloat16).requires_grad_()
@@ -68,9 +74,11 @@ def timings(dev, configs):
         xs = [x.requires_grad_() for x in (kh, uh)]
         dal = torch.randn_like(kh)
         for cfg in configs:
-            ap.WARPS.update({k: v for k, v in cfg.items() if k in ap.WARPS})
-            ap.SAVE = cfg.get("save", ap.SAVE)
-            ap.ROW_BLOCK = cfg.get("rows", ap.ROW_BLOCK)
+            ap.WARPS.update({k: cfg.get(k, v) for k, v in DEFAULTS["warps"].items()})
+            ap.SAVE = cfg.get("save", DEFAULTS["save"])
+            ap.ROW_BLOCK = cfg.get("rows", DEFAULTS["rows"])
+            ap.MIN_PROGRAMS = cfg.get("programs", DEFAULTS["programs"])
+            ap.CARRY_MIN_PROGRAMS = cfg.get("carry_programs", DEFAULTS["carry_programs"])
             apath = lambda: ap.write_directions_triton(*xs, A0)[0]  # noqa: E731
             f = lambda: ops.variational_linear_attention(q, k, v, u, impl="triton")[0]  # noqa: E731
             with torch.no_grad():

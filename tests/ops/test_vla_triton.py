@@ -21,6 +21,14 @@ def _inputs(B, T, H, K, seed, dtype=torch.float64):
     return [x.to(dtype) for x in (kh, uh, A0)]
 
 
+def _cut_into_parts(monkeypatch, n: int):
+    """Let the A path's forward and the backward's carry cut each sequence into up to n parts, however short
+    (B·H = 4 and K <= 32, one column block, in these tests)."""
+    monkeypatch.setattr(apath_triton, "MIN_PART_BLOCKS", 1)
+    monkeypatch.setattr(apath_triton, "MIN_PROGRAMS", 4 * n)
+    monkeypatch.setattr(apath_triton, "CARRY_MIN_PROGRAMS", 4 * n)
+
+
 def _run(fn, xs, final_grad=True):
     xs = [x.detach().requires_grad_() for x in xs]
     alpha, A = fn(*xs)
@@ -29,14 +37,35 @@ def _run(fn, xs, final_grad=True):
     return [alpha.detach(), A.detach(), *grads]
 
 
-@pytest.mark.parametrize("T,K,final_grad", [(150, 20, True), (16, 8, False), (5, 16, True)])
-def test_kernels_match_torch_a_path_fp64(T, K, final_grad):
-    """T = 150: ten sub-chunks in three segments, the last ones partial; K = 20 pads to 32."""
+@pytest.mark.parametrize("T,K,final_grad", [(150, 20, True), (100, 8, False), (5, 16, True), (300, 8, True)])
+@pytest.mark.parametrize("parts", [False, True])
+def test_kernels_match_torch_a_path_fp64(T, K, final_grad, parts, monkeypatch):
+    """T = 150: ten sub-chunks in three blocks, the last ones partial; K = 20 pads to 32. With parts the forward
+    walks each part from A at its start computed directly, and the backward's carry each part from the later
+    parts' sums (T = 150: three parts, the last one shorter; T = 300: three parts of two, two and one blocks)."""
+    if parts:
+        _cut_into_parts(monkeypatch, 3)
+        grids = launch_args(monkeypatch, apath_triton._apath_fwd_kernel, "grid")
+        carries = launch_args(monkeypatch, apath_triton._apath_carry_kernel, "grid")
     xs = _inputs(2, T, 2, K, seed=T)
     ref = _run(write_directions, xs, final_grad)
     got = _run(write_directions_triton, xs, final_grad)
+    if parts:
+        assert [g[0] for g in grids] == [{150: 3, 100: 2, 5: 1, 300: 3}[T]]
+        assert [g[1] for g in carries] == [{150: 3, 100: 2, 5: 1, 300: 3}[T]] * (2 if T > 5 else 1)
     for name, x, r in zip("alpha A dk du dA0".split(), got, ref):
         assert_close(name, x, r, 1e-11)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in sqrt")  # the interpreter runs numpy
+def test_parts_after_an_indefinite_initial_state_are_nan(monkeypatch):
+    """A part's start is A_0's inverse plus Gram sums: where A_0 has no Cholesky factor it is NaN, not a guess."""
+    _cut_into_parts(monkeypatch, 2)
+    kh, uh, A0 = _inputs(2, 128, 2, 8, seed=7)
+    A0[0, 1] = -A0[0, 1]
+    alpha, _ = write_directions_triton(kh, uh, A0)
+    assert alpha[0, 64:, 1].isnan().all()
+    assert alpha[0, :, 0].isfinite().all() and alpha[1].isfinite().all()
 
 
 def test_inference_call_matches_and_keys_shape():
@@ -60,9 +89,12 @@ def test_nothing_stored_for_the_backward_without_grad_mode(monkeypatch):
     assert_close("alpha", alpha_eval, alpha_train, 0)
 
 
-def test_fp32_against_fp64_with_strong_evidence():
-    """Repeated penalty directions shrink A along them by orders of magnitude (the regime where fp32 drifts)."""
-    kh, uh, A0 = _inputs(1, 200, 2, 16, seed=5)
+@pytest.mark.parametrize("parts", [1, 3])
+def test_fp32_against_fp64_with_strong_evidence(parts, monkeypatch):
+    """Repeated penalty directions shrink A along them by orders of magnitude (the regime where fp32 drifts); with
+    parts, A at their starts comes from fp64 sums of û ûᵀ."""
+    _cut_into_parts(monkeypatch, parts)
+    kh, uh, A0 = _inputs(2, 200, 2, 16, seed=5)
     uh = F.normalize(uh[:, :4].repeat(1, 50, 1, 1) + 0.05 * uh, dim=-1)
     ref = _run(write_directions, [kh, uh, A0])
     got = _run(write_directions_triton, [x.float() for x in (kh, uh, A0)])
@@ -70,16 +102,18 @@ def test_fp32_against_fp64_with_strong_evidence():
         assert_close(name, x, r, 2e-4)
 
 
-def test_fp32_initial_state_gradient_of_a_carried_ill_conditioned_state():
+@pytest.mark.parametrize("parts", [1, 2])
+def test_fp32_initial_state_gradient_of_a_carried_ill_conditioned_state(parts, monkeypatch):
     """A_0 from 600 earlier tokens on 4 directions (condition number ~1e3): Ā_0 = A_0⁻¹ B̃ A_0⁻¹ would lose
-    ~cond² of fp32's precision, the carried Ā keeps it."""
-    kh, uh, _ = _inputs(1, 600, 2, 16, seed=11)
+    ~cond² of fp32's precision, the carried Ā keeps it; with parts, the second starts from A_0's fp64 inverse."""
+    _cut_into_parts(monkeypatch, parts)
+    kh, uh, _ = _inputs(2, 600, 2, 16, seed=11)
     uh = F.normalize(uh[:, :4].repeat(1, 150, 1, 1) + 0.05 * uh, dim=-1)
-    _, A0 = write_directions(kh, uh, torch.eye(16, dtype=torch.float64).expand(1, 2, 16, 16) / 0.1)
+    _, A0 = write_directions(kh, uh, torch.eye(16, dtype=torch.float64).expand(2, 2, 16, 16) / 0.1)
     A0 = 0.5 * (A0 + A0.mT)
     ev = torch.linalg.eigvalsh(A0)
     assert ev.max() / ev.min() > 500
-    xs = _inputs(1, 90, 2, 16, seed=12)[:2] + [A0]
+    xs = _inputs(2, 130, 2, 16, seed=12)[:2] + [A0]
     ref = _run(write_directions, xs)
     got = _run(write_directions_triton, [x.float() for x in xs])
     for name, x, r in zip("alpha A dk du dA0".split(), got, ref):

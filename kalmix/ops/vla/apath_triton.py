@@ -1,10 +1,13 @@
 """VLA's A path (the write directions α̂) as sequential Triton kernels, forward and backward.
 
-Per head, A_t = (A_0⁻¹ + Σ_{s≤t} û_s û_sᵀ)⁻¹ and α̂_t = a_t/‖a_t‖ with a_t = A_t k̂_t. One program per (batch,
-head) walks sub-chunks of C = 16 tokens with A [K, K] in fp32; for a sub-chunk with rows û, k̂:
+Per head, A_t = (A_0⁻¹ + Σ_{s≤t} û_s û_sᵀ)⁻¹ and α̂_t = a_t/‖a_t‖ with a_t = A_t k̂_t. One program per (part,
+batch, head) walks sub-chunks of C = 16 tokens with A [K, K] in fp32; for a sub-chunk with rows û, k̂:
 
     G = I + U A Uᵀ = R Rᵀ (Cholesky),  Y = R⁻¹ U,  W = Y A (rows w_t = z_t/√δ_t)
     a = K A − tril(K Wᵀ) W,            A ← A − Wᵀ W
+
+Parts: with few (batch, head) pairs the sequence is cut into parts walked in parallel, each from its start
+A_p = (A_0⁻¹ + Σ_{t before the part} û_t û_tᵀ)⁻¹, formed directly from fp64 Gram sums and Cholesky factors.
 
 Backward (README.md, `impl="triton"`). With M_t = A_t⁻¹ = A_0⁻¹ + Σ_{s≤t} û_s û_sᵀ, the gradient with respect to
 M_t is the same for every M_t upstream of a token, so −∂L/∂M before token t is the additive
@@ -16,13 +19,14 @@ B̃_t = A_T Ā_T A_T + sym Σ_{t'≥t} b_t' a_t'ᵀ with b_t = A_t ∂a_t (∂a_
 so no step of the backward depends on another except through B̃'s sums. ``_apath_bwd_blocks_kernel`` runs one
 program per block of SAVE sub-chunks (from the A the forward saved at its start) for b_t and the block's own terms
 of ∂û; ``_apath_carry_kernel`` walks the blocks backwards, per column block of B̃, adding −2 B̃ û_s and then the
-block's sym Σ b_t a_tᵀ to B̃. The initial A's gradient Ā_0 = A_0⁻¹ B̃_0 A_0⁻¹ would lose its accuracy where A_0 is
+block's sym Σ b_t a_tᵀ to B̃ (in parts too: each part's own sum first, then every part from the later parts'
+sums). The initial A's gradient Ā_0 = A_0⁻¹ B̃_0 A_0⁻¹ would lose its accuracy where A_0 is
 ill-conditioned (a state carried over a long sequence), so ``_apath_da0_kernel`` carries Ā itself when it is
 asked for, by sub-chunks: with P_t = A_t A_0⁻¹ = I − Σ_{s≤t} w_s y_sᵀ, Y = R⁻¹ U,
 
     Ā ← P_Cᵀ Ā P_C + sym Σ_t (P_tᵀ ∂a_t)(P_tᵀ k̂_t)ᵀ
 
-The forward keeps A in its A_T output (L2-resident) and streams it through registers ROW_BLOCK rows at a time
+The forward keeps A in a per-program [K, K] buffer (L2-resident) and streams it through registers ROW_BLOCK rows at a time
 (README.md says why and what it measured). For the backward it saves A every SAVE sub-chunks and, per token, w_t
 and ‖a_t‖ (and its row of R⁻¹ when Ā_0 is asked for). Only the symmetric part of dA_0 is meaningful (A is
 symmetric; the op differentiates through (A + Aᵀ)/2).
@@ -42,6 +46,9 @@ SAVE = 4        # the forward keeps A every SAVE sub-chunks for the backward
 MAX_K = 128     # the backward holds A [K, K] (and its gradient) in registers
 ROW_BLOCK = 32  # rows of A per streamed block
 CARRY_COLS = 32  # columns of B̃ per program of the backward's carry
+MIN_PROGRAMS = 128   # the forward cuts sequences into parts until B·H·parts reaches this (one program per SM)
+MIN_PART_BLOCKS = 8  # ... with parts of at least this many blocks of SAVE sub-chunks (512 tokens)
+CARRY_MIN_PROGRAMS = 512  # the backward's carry cuts the blocks into parts until it has this many programs
 WARPS = dict(fwd=8, blocks=8, carry=8, da0=8)   # (no software pipelining: every sub-chunk depends on the last)
 
 
@@ -80,24 +87,20 @@ def _a_rows(K, r0, BR: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _apath_fwd_kernel(k_ptr, u_ptr, a0_ptr, al_ptr, aT_ptr, asv_ptr, rinv_ptr, w_ptr, nrm_ptr, T, H, K, NSEG,
+def _apath_fwd_kernel(k_ptr, u_ptr, a_ptr, al_ptr, asv_ptr, rinv_ptr, w_ptr, nrm_ptr, T, H, K, NSEG, NPART, SPP,
                       STORE: tl.constexpr, RINV: tl.constexpr, SAVE: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
                       BR: tl.constexpr, DT: tl.constexpr):
-    """One (batch, head) per program: α̂ and the final A; with STORE, A every SAVE sub-chunks and per token w_t and
-    ‖a_t‖ for the backward (with RINV also the token's row of its sub-chunk's R⁻¹, for the initial A's gradient).
-    A lives in the output A_T (L2-resident) and is streamed through registers BR rows at a time, twice per
+    """One (part, batch, head) per program, over the part's SPP sub-chunks: α̂ and A at the part's end, from A at
+    its start in ``a_ptr`` [B·H·NPART, K, K] (overwritten); with STORE, A every SAVE sub-chunks and per token w_t
+    and ‖a_t‖ for the backward (with RINV also the token's row of its sub-chunk's R⁻¹, for the initial A's
+    gradient). A stays in ``a_ptr`` (L2-resident) and is streamed through registers BR rows at a time, twice per
     sub-chunk: once for U A and K̂ A, once for A ← A − WᵀW (W read back from where it was stored: the backward's
     buffer, or a per-program [C, K] scratch in ``w_ptr``)."""
-    i_bh = tl.program_id(0)
+    i_p, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     rows, cols = tl.arange(0, C)[:, None], tl.arange(0, C)[None, :]
-    base = i_bh.to(tl.int64) * K * K
-    a_work = aT_ptr + base
-    for r0 in tl.static_range(0, BK, BR):
-        o, m = _a_rows(K, r0, BR, BK)
-        tl.store(a_work + o, tl.load(a0_ptr + base + o, mask=m), mask=m)
-    tl.debug_barrier()
-    for j in range(0, tl.cdiv(T, C)):
+    a_work = a_ptr + (i_bh * NPART + i_p).to(tl.int64) * K * K
+    for j in range(i_p * SPP, tl.minimum(tl.cdiv(T, C), (i_p + 1) * SPP)):
         t0, L = _sub_chunk(i_b, T, j, C)
         Kh = _load_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C)
         U = _load_rows(u_ptr, t0, L, i_h, H, K, 0, BK, C)
@@ -124,7 +127,7 @@ def _apath_fwd_kernel(k_ptr, u_ptr, a0_ptr, al_ptr, aT_ptr, asv_ptr, rinv_ptr, w
             _store_tokens(nrm_ptr, nrm, t0, L, i_h, H, C)
             w0, w_h, w_H = t0, i_h, H                          # W's rows in the backward's [B, T, H, K] buffer
         else:
-            w0, w_h, w_H = i_bh * C, 0, 1                      # the program's [C, K] scratch
+            w0, w_h, w_H = (i_bh * NPART + i_p) * C, 0, 1      # the program's [C, K] scratch
         _store_rows(w_ptr, W, w0, L, w_h, w_H, K, 0, BK, C)
         tl.debug_barrier()
         for r0 in tl.static_range(0, BK, BR):
@@ -166,29 +169,37 @@ def _apath_bwd_blocks_kernel(u_ptr, al_ptr, asv_ptr, w_ptr, nrm_ptr, dal_ptr, dk
 
 
 @triton.jit
-def _apath_carry_kernel(u_ptr, al_ptr, nrm_ptr, dk_ptr, bT_ptr, du_ptr, T, H, K, NSEG, HAS_DAT: tl.constexpr,
-                        C: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr):
-    """One (column block, batch, head) per program, backwards over the blocks: ∂û_s −= 2 B̃ û_s with B̃ the
-    gradient with respect to A⁻¹ from every later token: B̃_T = A_T Ā_T A_T plus each later block's
-    sym Σ_t b_t a_tᵀ (b_t: the ∂k̂ rows the blocks kernel stored)."""
-    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+def _apath_carry_kernel(u_ptr, al_ptr, nrm_ptr, dk_ptr, b0_ptr, du_ptr, tot_ptr, T, H, K, NSEG, NPART, BPP,
+                        HAS_B0: tl.constexpr, TOTAL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                        BC: tl.constexpr, DT: tl.constexpr):
+    """One (column block, part, batch, head) per program, backwards over the part's BPP blocks: ∂û_s −= 2 B̃ û_s
+    with B̃ the gradient with respect to A⁻¹ from every later token, which is the sum of B̃ after the part (in
+    ``b0_ptr`` [B·H·NPART, K, K]: A_T Ā_T A_T plus the later parts' totals) and each later block's
+    sym Σ_t b_t a_tᵀ (b_t: the ∂k̂ rows the blocks kernel stored). With TOTAL only the part's own sum, from zero,
+    into ``tot_ptr`` [B·H·NPART, K, K]."""
+    i_c, i_p, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     c0 = i_c * BC
-    if HAS_DAT:
-        Bt = _load_state(bT_ptr, i_bh.to(tl.int64) * K * K, K, K, c0, BK, BC)
+    base = (i_bh * NPART + i_p).to(tl.int64) * K * K
+    if HAS_B0:
+        Bt = _load_state(b0_ptr, base, K, K, c0, BK, BC)
     else:
         Bt = tl.zeros([BK, BC], dtype=DT)
-    for i in range(0, NSEG):
-        t0, L = _sub_chunk(i_b, T, NSEG - 1 - i, C)
+    first, end = i_p * BPP, tl.minimum(NSEG, (i_p + 1) * BPP)
+    for i in range(first, end):
+        t0, L = _sub_chunk(i_b, T, first + end - 1 - i, C)             # the part's blocks, last first
+        if not TOTAL:
+            dU = _load_rows(du_ptr, t0, L, i_h, H, K, c0, BC, C)
+            dU = _dot_acc(_load_rows(u_ptr, t0, L, i_h, H, K, 0, BK, C), -2. * Bt, dU, DT)
+            _store_rows(du_ptr, dU, t0, L, i_h, H, K, c0, BC, C)
         nrm = _load_tokens(nrm_ptr, t0, L, i_h, H, 1., C)[:, None]
-        dU = _load_rows(du_ptr, t0, L, i_h, H, K, c0, BC, C)
-        dU = _dot_acc(_load_rows(u_ptr, t0, L, i_h, H, K, 0, BK, C), -2. * Bt, dU, DT)
-        _store_rows(du_ptr, dU, t0, L, i_h, H, K, c0, BC, C)
         a = _load_rows(al_ptr, t0, L, i_h, H, K, 0, BK, C) * nrm
         Bm = _load_rows(dk_ptr, t0, L, i_h, H, K, 0, BK, C)
         sym = _dot_acc(tl.trans(a), _load_rows(dk_ptr, t0, L, i_h, H, K, c0, BC, C),
                        _dot(tl.trans(Bm), _load_rows(al_ptr, t0, L, i_h, H, K, c0, BC, C) * nrm, DT), DT)
         Bt += 0.5 * sym
+    if TOTAL:
+        _store_state(tot_ptr, base, Bt, K, K, c0, BK, BC)
 
 
 @triton.jit
@@ -237,6 +248,55 @@ def _config(kh: torch.Tensor):
     return dict(C=C_SUB, BK=max(16, triton.next_power_of_2(K)), DT=_DT[kh.dtype])
 
 
+def _parts(n_blocks: int, bh: int) -> int:
+    """How many parts the forward cuts each sequence into: enough for MIN_PROGRAMS programs, each at least
+    MIN_PART_BLOCKS blocks of SAVE sub-chunks long (README.md, "parts")."""
+    return max(1, min(MIN_PROGRAMS // bh, n_blocks // MIN_PART_BLOCKS))
+
+
+def _part_starts(uh: torch.Tensor, A0: torch.Tensor, npart: int, part_len: int) -> torch.Tensor:
+    """A at the start of every part, [B·H, npart, K, K] in A0's dtype: A0, then (A0⁻¹ + Σ_{t < p·part_len} û_t û_tᵀ)⁻¹
+    from fp64 Gram sums and Cholesky factors. An A0 that is not positive definite gives NaN starts."""
+    B, T, H, K = uh.shape
+    starts = A0.new_empty(B * H, npart, K, K)
+    starts[:, 0] = A0.reshape(B * H, K, K)
+    if npart > 1:
+        u = uh.new_empty(B, H, npart - 1, part_len, K, dtype=torch.float64)
+        u.copy_(uh[:, :(npart - 1) * part_len].unflatten(1, (npart - 1, part_len)).permute(0, 3, 1, 2, 4))
+        gram = (u.mT @ u).cumsum(2)
+        L0, info0 = torch.linalg.cholesky_ex(A0.to(torch.float64))
+        M = torch.cholesky_inverse(L0)[:, :, None] + gram
+        L, info = torch.linalg.cholesky_ex(M)
+        bad = (info0[:, :, None] != 0) | (info != 0)
+        starts[:, 1:] = torch.cholesky_inverse(L).masked_fill(bad[..., None, None], float("nan")) \
+            .flatten(0, 1).to(A0.dtype)
+    return starts
+
+
+def _carry(uh, alpha, nrm, dk, du, bT, nseg: int, kw: dict):
+    """∂û −= 2 B̃ û (``_apath_carry_kernel``), with the blocks cut into parts walked in parallel when B·H leaves
+    the GPU idle: first each part's own sum of sym b aᵀ, then every part from B̃ after it."""
+    B, T, H, K = uh.shape
+    BC = min(CARRY_COLS, kw["BK"])
+    grid_c = triton.cdiv(K, BC)
+    npart = max(1, min(CARRY_MIN_PROGRAMS // (grid_c * B * H), nseg // MIN_PART_BLOCKS))
+    bpp = triton.cdiv(nseg, npart)
+    npart = triton.cdiv(nseg, bpp)
+    args = dict(HAS_B0=True, BC=BC, num_warps=_warps("carry", BC), num_stages=1, **kw)
+    if npart == 1:
+        b0 = bT
+        args["HAS_B0"] = bT is not None
+    else:
+        tot = uh.new_empty(B * H, npart, K, K)
+        _apath_carry_kernel[(grid_c, npart, B * H)](uh, alpha, nrm, dk, tot, du, tot, T, H, K, nseg, npart, bpp,
+                                                    TOTAL=True, **dict(args, HAS_B0=False))
+        b0 = tot.flip(1).cumsum(1).flip(1) - tot                   # the later parts' sums
+        if bT is not None:
+            b0 += bT.reshape(B * H, 1, K, K)
+    _apath_carry_kernel[(grid_c, npart, B * H)](uh, alpha, nrm, dk, du if b0 is None else b0.contiguous(), du, du,
+                                                T, H, K, nseg, npart, bpp, TOTAL=False, **args)
+
+
 class APathFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kh, uh, A0, grad_enabled: bool):
@@ -244,7 +304,11 @@ class APathFunction(torch.autograd.Function):
         kw = _config(kh)
         kh, uh, A0 = kh.contiguous(), uh.contiguous(), A0.contiguous()
         nseg = triton.cdiv(triton.cdiv(T, C_SUB), SAVE)
-        alpha, AT = torch.empty_like(kh), torch.empty_like(A0)
+        npart = _parts(nseg, B * H)
+        spp = triton.cdiv(nseg, npart) * SAVE                     # sub-chunks per part
+        npart = triton.cdiv(nseg * SAVE, spp)
+        A = _part_starts(uh, A0, npart, spp * C_SUB)
+        alpha = torch.empty_like(kh)
         # (needs_input_grad ignores no_grad)
         store, rinv_needed = grad_enabled and any(ctx.needs_input_grad), grad_enabled and ctx.needs_input_grad[2]
         f = dict(dtype=kh.dtype, device=kh.device)
@@ -252,11 +316,12 @@ class APathFunction(torch.autograd.Function):
             asv, w, nrm = torch.empty(B * H * nseg, K, K, **f), torch.empty_like(kh), torch.empty(B, T, H, **f)
         else:
             asv = nrm = alpha        # not written
-            w = torch.empty(B * H * C_SUB, K, **f)
+            w = torch.empty(B * H * npart * C_SUB, K, **f)
         rinv = torch.empty(B, T, H, C_SUB, **f) if rinv_needed else alpha
-        _apath_fwd_kernel[(B * H,)](kh, uh, A0, alpha, AT, asv, rinv, w, nrm, T, H, K, nseg, STORE=store,
-                                    RINV=rinv_needed, SAVE=SAVE, BR=min(ROW_BLOCK, kw["BK"]),
-                                    num_warps=_warps("fwd", kw["BK"]), num_stages=1, **kw)
+        _apath_fwd_kernel[(npart, B * H)](kh, uh, A, alpha, asv, rinv, w, nrm, T, H, K, nseg, npart, spp,
+                                          STORE=store, RINV=rinv_needed, SAVE=SAVE, BR=min(ROW_BLOCK, kw["BK"]),
+                                          num_warps=_warps("fwd", kw["BK"]), num_stages=1, **kw)
+        AT = A[:, -1].reshape(B, H, K, K).contiguous()
         if store:
             ctx.save_for_backward(kh, uh, alpha, AT, asv, rinv, w, nrm)
         ctx.set_materialize_grads(False)
@@ -275,11 +340,8 @@ class APathFunction(torch.autograd.Function):
         kw_blk = dict(kw, C=SAVE * C_SUB)
         _apath_bwd_blocks_kernel[(nseg, B * H)](uh, alpha, asv, w, nrm, dalpha, dk, du, T, H, K, nseg,
                                                 num_warps=_warps("blocks", kw["BK"]), num_stages=1, **kw_blk)
-        BC = min(CARRY_COLS, kw["BK"])
         bT = AT @ dAT @ AT if dAT is not None else None          # the end state's gradient with respect to A⁻¹
-        _apath_carry_kernel[(triton.cdiv(K, BC), B * H)](uh, alpha, nrm, dk, du if bT is None else bT.contiguous(), du,
-                                                         T, H, K, nseg, HAS_DAT=bT is not None, BC=BC,
-                                                         num_warps=_warps("carry", BC), num_stages=1, **kw_blk)
+        _carry(uh, alpha, nrm, dk, du, bT, nseg, kw_blk)
         dA0 = None
         if ctx.needs_input_grad[2]:
             dA0 = torch.empty(B, H, K, K, dtype=kh.dtype, device=kh.device)
