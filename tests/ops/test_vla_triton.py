@@ -27,6 +27,7 @@ def _cut_into_parts(monkeypatch, n: int):
     monkeypatch.setattr(apath_triton, "MIN_PART_BLOCKS", 1)
     monkeypatch.setattr(apath_triton, "MIN_PROGRAMS", 4 * n)
     monkeypatch.setattr(apath_triton, "CARRY_MIN_PROGRAMS", 4 * n)
+    monkeypatch.setattr(apath_triton, "GRAM_BYTES", 1)              # the parts' Gram sums one part at a time
 
 
 def _run(fn, xs, final_grad=True):

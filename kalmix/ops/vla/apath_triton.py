@@ -26,10 +26,10 @@ asked for, by sub-chunks: with P_t = A_t A_0⁻¹ = I − Σ_{s≤t} w_s y_sᵀ,
 
     Ā ← P_Cᵀ Ā P_C + sym Σ_t (P_tᵀ ∂a_t)(P_tᵀ k̂_t)ᵀ
 
-The forward keeps A in a per-program [K, K] buffer (L2-resident) and streams it through registers ROW_BLOCK rows at a time
-(README.md says why and what it measured). For the backward it saves A every SAVE sub-chunks and, per token, w_t
-and ‖a_t‖ (and its row of R⁻¹ when Ā_0 is asked for). Only the symmetric part of dA_0 is meaningful (A is
-symmetric; the op differentiates through (A + Aᵀ)/2).
+The forward keeps A in a per-program [K, K] buffer (L2-resident) and streams it through registers ROW_BLOCK rows
+at a time (README.md says why and what it measured). For the backward it saves A every SAVE sub-chunks and, per
+token, w_t and ‖a_t‖ (and its row of R⁻¹ when Ā_0 is asked for). Only the symmetric part of dA_0 is meaningful
+(A is symmetric; the op differentiates through (A + Aᵀ)/2).
 """
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ CARRY_COLS = 32  # columns of B̃ per program of the backward's carry
 MIN_PROGRAMS = 128   # the forward cuts sequences into parts until B·H·parts reaches this (one program per SM)
 MIN_PART_BLOCKS = 8  # ... with parts of at least this many blocks of SAVE sub-chunks (512 tokens)
 CARRY_MIN_PROGRAMS = 512  # the backward's carry cuts the blocks into parts until it has this many programs
+GRAM_BYTES = 256 << 20    # the parts' starts copy û to fp64 at most this much at a time
 WARPS = dict(fwd=8, blocks=8, carry=8, da0=8)   # (no software pipelining: every sub-chunk depends on the last)
 
 
@@ -261,9 +262,14 @@ def _part_starts(uh: torch.Tensor, A0: torch.Tensor, npart: int, part_len: int) 
     starts = A0.new_empty(B * H, npart, K, K)
     starts[:, 0] = A0.reshape(B * H, K, K)
     if npart > 1:
-        u = uh.new_empty(B, H, npart - 1, part_len, K, dtype=torch.float64)
-        u.copy_(uh[:, :(npart - 1) * part_len].unflatten(1, (npart - 1, part_len)).permute(0, 3, 1, 2, 4))
-        gram = (u.mT @ u).cumsum(2)
+        gram = uh.new_empty(B, H, npart - 1, K, K, dtype=torch.float64)
+        step = max(1, GRAM_BYTES // (B * H * part_len * K * 8))          # parts per fp64 copy of û
+        for p0 in range(0, npart - 1, step):
+            p1 = min(npart - 1, p0 + step)
+            u = uh.new_empty(B, H, p1 - p0, part_len, K, dtype=torch.float64)
+            u.copy_(uh[:, p0 * part_len:p1 * part_len].unflatten(1, (p1 - p0, part_len)).permute(0, 3, 1, 2, 4))
+            gram[:, :, p0:p1] = u.mT @ u
+        gram = gram.cumsum(2)
         L0, info0 = torch.linalg.cholesky_ex(A0.to(torch.float64))
         M = torch.cholesky_inverse(L0)[:, :, None] + gram
         L, info = torch.linalg.cholesky_ex(M)
