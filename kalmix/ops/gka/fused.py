@@ -32,8 +32,8 @@ import triton.language as tl
 from kalmix.ops.common.checks import compute_dtype, fail
 from kalmix.ops.common.varlen import batch_offsets
 from kalmix.ops.common.delta_triton import (_DT, DOT_FP32, INTERPRET, _chunk_at, _chunk_rows, _chunk_table, _decay,
-                                            _dot, _dot32, _dot_acc, _gates, _load_rows, _load_state, _raw_rows,
-                                            _raw_state, _seq_range, _store_rows, _store_state)
+                                            _dot, _dot32, _dot_acc, _gates, _load_rows, _load_state, _load_tokens,
+                                            _raw_rows, _raw_state, _seq_range, _store_rows, _store_state)
 
 _OP = "gated_kalmanet"
 MAX_K = 128         # H_c [K, K] is one tile
@@ -125,12 +125,6 @@ def _chunk(g_ptr, beta_ptr, chunks_ptr, i_c, i_h, H, C: tl.constexpr):
 
 
 @triton.jit
-def _per_token(ptr, bos, i_h, H, valid, C: tl.constexpr):
-    """A [tokens, H] per-token scalar of the chunk as [C] (0 past its end)."""
-    return tl.load(ptr + (bos + tl.arange(0, C)) * H + i_h, mask=valid, other=0.)
-
-
-@triton.jit
 def _fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_ptr, h_ptr, u_ptr, coef_ptr, o_ptr, x_ptr,
                 hn_ptr, scale, n_iters, H, K, V, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                 DT: tl.constexpr, SOLVE: tl.constexpr, STORE: tl.constexpr):
@@ -144,7 +138,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_ptr, h_p
         Hc = _load_state(h_ptr, base * K * K, K, K, 0, BK, BK).to(DT)
         hnorm = _hnorm(Kc, Hc, M, Gam, DT)
         X = _chebyshev(Q, Hc, Kc, M, Gam, hnorm, coef_ptr, n_iters, DT)
-        alpha = _per_token(alpha_ptr, bos, i_h, H, valid, C)
+        alpha = _load_tokens(alpha_ptr, bos, L, i_h, H, 0., C)
         Qt = Q + alpha[:, None] * (X - Q)
         if STORE:
             _store_rows(x_ptr, X, bos, L, i_h, H, K, 0, BK, C)
@@ -180,7 +174,7 @@ def _solve_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_pt
     if SOLVE:
         Hc = _load_state(h_ptr, base * K * K, K, K, 0, BK, BK).to(DT)
         hnorm = tl.load(hn_ptr + tok, mask=valid, other=1.)
-        alpha = _per_token(alpha_ptr, bos, i_h, H, valid, C)
+        alpha = _load_tokens(alpha_ptr, bos, L, i_h, H, 0., C)
         # dq̃ waits in dkp's rows (overwritten below) while the solve runs on its right-hand side in the
         # operand dtype (like the forward's q); then each [C, K] tile dies early
         _store_rows(dkp_ptr, dQt, bos, L, i_h, H, K, 0, BK, C)
@@ -234,8 +228,8 @@ def _dscan(D, d0, dsT_ptr, ds0_ptr, dst_ptr, s_ptr, dge_ptr, q_ptr, k_ptr, x_ptr
         if IS_H:
             if SOLVE:
                 # Σ_t Γ_t dH_t = −(ΓY)ᵀX + (Σ_t Γ_t² c_t) H_c + Kᵀ diag(m) K
-                cvec = _per_token(c_ptr, t0, i_h, H, valid, C)
-                mvec = _per_token(m_ptr, t0, i_h, H, valid, C)
+                cvec = _load_tokens(c_ptr, t0, L, i_h, H, 0., C)
+                mvec = _load_tokens(m_ptr, t0, L, i_h, H, 0., C)
                 Y = _load_rows(y_ptr, t0, L, i_h, H, K, 0, BK, C)
                 Xd = _load_rows(x_ptr, t0, L, i_h, H, K, d0, BD, C)
                 Kc = _raw_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C)
@@ -245,7 +239,7 @@ def _dscan(D, d0, dsT_ptr, ds0_ptr, dst_ptr, s_ptr, dge_ptr, q_ptr, k_ptr, x_ptr
         else:
             Q = _load_rows(q_ptr, t0, L, i_h, H, K, 0, BK, C)
             if SOLVE:
-                alpha = _per_token(alpha_ptr, t0, i_h, H, valid, C)
+                alpha = _load_tokens(alpha_ptr, t0, L, i_h, H, 0., C)
                 Q += alpha[:, None] * (_load_rows(x_ptr, t0, L, i_h, H, K, 0, BK, C) - Q)
             S += scale * _dot(tl.trans(Gam[:, None] * Q), _raw_rows(do_ptr, t0, L, i_h, H, D, d0, BD, C), DT)
     _store_state(ds0_ptr, i_nh.to(tl.int64) * K * D, S, K, D, d0, BK, BD)
@@ -279,7 +273,7 @@ def _grads_u_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_ptr,
     Kc = _load_rows(k_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)
     Qt = _load_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C)
     if SOLVE:
-        alpha = _per_token(alpha_ptr, bos, i_h, H, valid, C)
+        alpha = _load_tokens(alpha_ptr, bos, L, i_h, H, 0., C)
         Qt += alpha[:, None] * (_load_rows(x_ptr, bos, L, i_h, H, K, 0, BK, C) - Qt)
     Qt = Qt.to(DT)                                  # only multiplied in DT
     base = i_c.to(tl.int64) * H + i_h
@@ -327,15 +321,15 @@ def _grads_h_kernel(k_ptr, g_ptr, beta_ptr, chunks_ptr, dh_ptr, x_ptr, y_ptr, c_
     bend = beta * tl.exp(G_end - G)
     Dm = _raw_state(dh_ptr, base * K * K, K, K, 0, BK, BK).to(DT)
     KD = _dot(Kc, Dm, DT)
-    e = _per_token(e_ptr, bos, i_h, H, valid, C) + tl.sum(KD * Kc, axis=1)
+    e = _load_tokens(e_ptr, bos, L, i_h, H, 0., C) + tl.sum(KD * Kc, axis=1)
     dK = _load_rows(dkp_ptr, bos, L, i_h, H, K, 0, BK, C) + bend[:, None] * (KD + _dot(Kc, tl.trans(Dm), DT))
-    dG = _per_token(dGp_ptr, bos, i_h, H, valid, C)
-    dbeta = _per_token(dbp_ptr, bos, i_h, H, valid, C)
+    dG = _load_tokens(dGp_ptr, bos, L, i_h, H, 0., C)
+    dbeta = _load_tokens(dbp_ptr, bos, L, i_h, H, 0., C)
     if SOLVE:
         X = _load_rows(x_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)         # only multiplied in DT
         Y = _load_rows(y_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)
-        cvec = _per_token(c_ptr, bos, i_h, H, valid, C)
-        kHk = _per_token(khk_ptr, bos, i_h, H, valid, C)
+        cvec = _load_tokens(c_ptr, bos, L, i_h, H, 0., C)
+        kHk = _load_tokens(khk_ptr, bos, L, i_h, H, 0., C)
         # each [C, C] term is reduced as soon as it is formed (fewer live tiles)
         XK = _dot(X, tl.trans(Kc), DT)
         YK = _dot(Y, tl.trans(Kc), DT)
@@ -345,7 +339,7 @@ def _grads_h_kernel(k_ptr, g_ptr, beta_ptr, chunks_ptr, dh_ptr, x_ptr, y_ptr, c_
         dK += 2. * _dot(_dot32(tl.trans(M * cvec[:, None]), M, DT) * Kg, Kc, DT)      # Mᵀ diag(c) M
         dM += cvec[:, None] * (Gam[:, None] * kHk[None, :] + _dot32(M, Kg * Kg, DT))
         P = dM * M
-        dG += tl.sum(P, axis=1) - tl.sum(P, axis=0) + Gam * _per_token(dgam_ptr, bos, i_h, H, valid, C)
+        dG += tl.sum(P, axis=1) - tl.sum(P, axis=0) + Gam * _load_tokens(dgam_ptr, bos, L, i_h, H, 0., C)
         dbeta += tl.sum(dM * Md, axis=0)
     _store_rows(dk_ptr, dK, bos, L, i_h, H, K, 0, BK, C)
     eb = e * bend
