@@ -17,7 +17,7 @@ import triton.language as tl
 
 from kalmix.ops.common.checks import compute_dtype
 from kalmix.ops.common.delta_triton import _DT, _dot, _load_rows, _load_tokens, _store_rows, _store_tokens
-from kalmix.ops.vla.apath_triton import _sub_chunk
+from kalmix.ops.vla.apath_triton import _sub_chunk, _unit_grad
 
 ROWS = 16       # token rows (of one head) per program of the prologue kernels
 # The readout's chunks, and the warps of its per-chunk kernels. H100, bf16, H = 8, K = V = 128, 32K tokens
@@ -43,16 +43,16 @@ def _dphi(x):
 
 @triton.jit
 def _unit(x):
-    """x / max(‖x‖, 1e-12) per row, and the divisor."""
-    nrm = tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), 1e-12)[:, None]
-    return x / nrm, nrm
+    """x / max(‖x‖, 1e-12) per row, and the divisor [rows]."""
+    nrm = tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), 1e-12)
+    return x / nrm[:, None], nrm
 
 
 @triton.jit
 def _unit_back(x, g):
-    """The gradient of x from that of x / max(‖x‖, 1e-12) (the divisor is a constant below 1e-12)."""
+    """The gradient of x from that of x / max(‖x‖, 1e-12)."""
     xh, nrm = _unit(x)
-    return tl.where(nrm > 1e-12, g - xh * tl.sum(xh * g, axis=1)[:, None], g) / nrm
+    return _unit_grad(xh, g, nrm)
 
 
 @triton.jit
