@@ -4,8 +4,9 @@ with the compiler's registers and spills. From the repository root:
 
     python benchmarks/vla_apath_variants.py
 
-Variants: "nochol" replaces R⁻¹ (the two 16-step loops) by a scaled G; "tf32" multiplies with one TF32 pass
-instead of 3×TF32; "nochol+tf32" both. The last column is α̂'s distance from the unedited kernel's.
+Variants: "nochol" replaces R⁻¹ (the 16-step factorisation loop) by a scaled G; "tf32" multiplies with one TF32
+pass instead of 3×TF32; "nochol+tf32" both. The last column is α̂'s distance from the unedited kernel's. One
+program per (batch, head): no parts.
 """
 import importlib.util
 import pathlib
@@ -57,15 +58,17 @@ def main(B=16, T=2048, H=8, K=128):
     for name, edits in VARIANTS.items():
         m = variant_module(name, edits, tmp)
         for warps in (4, 8):
-            alpha, AT = torch.full_like(kh, float("nan")), torch.empty_like(A0)
+            alpha = torch.full_like(kh, float("nan"))
             w = torch.empty(B * H * m.C_SUB, K, device=dev)                  # the forward's W scratch
             nseg = triton.cdiv(triton.cdiv(T, m.C_SUB), m.SAVE)
             kw = m._config(kh)
 
             def f():
-                return m._apath_fwd_kernel[(B * H,)](kh, uh, A0, alpha, AT, alpha, alpha, w, alpha, T, H, K, nseg,
-                                                     STORE=False, SAVE=m.SAVE, BR=min(m.ROW_BLOCK, kw["BK"]),
-                                                     num_warps=warps, num_stages=1, **kw)
+                A = A0.clone()                                                 # A's buffer, overwritten
+                return m._apath_fwd_kernel[(1, B * H)](kh, uh, A, alpha, alpha, alpha, w, alpha, T, H, K, nseg, 1,
+                                                       nseg * m.SAVE, STORE=False, RINV=False, SAVE=m.SAVE,
+                                                       BR=min(m.ROW_BLOCK, kw["BK"]), num_warps=warps, num_stages=1,
+                                                       **kw)
             compiled = f()
             t = do_bench(f, warmup=5, rep=20)
             ref = alpha.clone() if ref is None else ref

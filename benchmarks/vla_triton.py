@@ -2,8 +2,9 @@
 the whole op against the fp64 torch impl, then timings of the A path alone and of the op next to fla's
 chunk_delta_rule and SDPA on the same tokens. From the repository root:
 
-    python benchmarks/vla_triton.py [--configs KEY=VALUE,... ...]   (keys: fwd, blocks, carry, da0 (warps), save, rows,
-        programs, carry_programs (the forward's MIN_PROGRAMS and the carry's CARRY_MIN_PROGRAMS; 1: no parts))
+    python benchmarks/vla_triton.py [--configs KEY=VALUE,... ...]   (keys: fwd, b, du, carry, da0 (warps), save, rows,
+        cols (the per-block kernels' BLOCK_COLS), programs, carry_programs (the forward's MIN_PROGRAMS and the
+        carry's CARRY_MIN_PROGRAMS; 1: no parts))
 """
 import torch
 import torch.nn.functional as F
@@ -17,8 +18,8 @@ from kalmix.ops.vla.chunk import write_directions
 
 
 # every config starts from these
-DEFAULTS = dict(warps=dict(ap.WARPS), save=ap.SAVE, rows=ap.ROW_BLOCK, programs=ap.MIN_PROGRAMS,
-                carry_programs=ap.CARRY_MIN_PROGRAMS)
+DEFAULTS = dict(warps=dict(ap.WARPS), save=ap.SAVE, rows=ap.ROW_BLOCK, cols=ap.BLOCK_COLS,
+                programs=ap.MIN_PROGRAMS, carry_programs=ap.CARRY_MIN_PROGRAMS)
 
 
 def apath_inputs(B, T, H, K, dev, lambda0=0.1, seed=0):
@@ -77,6 +78,7 @@ def timings(dev, configs):
             ap.WARPS.update({k: cfg.get(k, v) for k, v in DEFAULTS["warps"].items()})
             ap.SAVE = cfg.get("save", DEFAULTS["save"])
             ap.ROW_BLOCK = cfg.get("rows", DEFAULTS["rows"])
+            ap.BLOCK_COLS = cfg.get("cols", DEFAULTS["cols"])
             ap.MIN_PROGRAMS = cfg.get("programs", DEFAULTS["programs"])
             ap.CARRY_MIN_PROGRAMS = cfg.get("carry_programs", DEFAULTS["carry_programs"])
             apath = lambda: ap.write_directions_triton(*xs, A0)[0]  # noqa: E731

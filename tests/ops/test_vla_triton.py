@@ -38,12 +38,17 @@ def _run(fn, xs, final_grad=True):
     return [alpha.detach(), A.detach(), *grads]
 
 
-@pytest.mark.parametrize("T,K,final_grad", [(150, 20, True), (100, 8, False), (5, 16, True), (300, 8, True)])
+@pytest.mark.parametrize("T,K,final_grad,cols", [(150, 20, True, 64), (150, 20, True, 16), (100, 8, False, 64),
+                                                  (5, 16, True, 64), (300, 8, True, 64)])
 @pytest.mark.parametrize("parts", [False, True])
-def test_kernels_match_torch_a_path_fp64(T, K, final_grad, parts, monkeypatch):
-    """T = 150: ten sub-chunks in three blocks, the last ones partial; K = 20 pads to 32. With parts the forward
-    walks each part from A at its start computed directly, and the backward's carry each part from the later
-    parts' sums (T = 150: three parts, the last one shorter; T = 300: three parts of two, two and one blocks)."""
+def test_kernels_match_torch_a_path_fp64(T, K, final_grad, cols, parts, monkeypatch):
+    """T = 150: ten sub-chunks in three blocks, the last ones partial; K = 20 pads to 32 (with cols = 16 the
+    backward's per-block kernels split it over two column blocks, the second one partly masked). With parts the
+    forward walks each part from A at its start computed directly, and the backward's carry each part from the
+    later parts' sums (T = 150: three parts, the last one shorter; T = 300: three parts of two, two and one
+    blocks)."""
+    monkeypatch.setattr(apath_triton, "BLOCK_COLS", cols)
+    col_grids = launch_args(monkeypatch, apath_triton._apath_bwd_du_kernel, "grid")
     if parts:
         _cut_into_parts(monkeypatch, 3)
         grids = launch_args(monkeypatch, apath_triton._apath_fwd_kernel, "grid")
@@ -54,6 +59,7 @@ def test_kernels_match_torch_a_path_fp64(T, K, final_grad, parts, monkeypatch):
     if parts:
         assert [g[0] for g in grids] == [{150: 3, 100: 2, 5: 1, 300: 3}[T]]
         assert [g[1] for g in carries] == [{150: 3, 100: 2, 5: 1, 300: 3}[T]] * (2 if T > 5 else 1)
+    assert [g[0] for g in col_grids] == [2 if cols == 16 else 1]
     for name, x, r in zip("alpha A dk du dA0".split(), got, ref):
         assert_close(name, x, r, 1e-11)
 

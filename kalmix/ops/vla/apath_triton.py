@@ -16,13 +16,13 @@ B̃_t = A_T Ā_T A_T + sym Σ_{t'≥t} b_t' a_t'ᵀ with b_t = A_t ∂a_t (∂a_
     ∂k̂_t = b_t = A_0 ∂a_t − Σ_{s≤t} (w_s·∂a_t) w_s                (A_0: the block's start)
     ∂û_s = −2 B̃_s û_s = −Σ_{t≥s in the block} [(a_t·û_s) b_t + (b_t·û_s) a_t] − 2 B̃_(after the block) û_s
 
-so no step of the backward depends on another except through B̃'s sums. ``_apath_bwd_blocks_kernel`` runs one
-program per block of SAVE sub-chunks (from the A the forward saved at its start) for b_t and the block's own terms
-of ∂û; ``_apath_carry_kernel`` walks the blocks backwards, per column block of B̃, adding −2 B̃ û_s and then the
-block's sym Σ b_t a_tᵀ to B̃ (in parts too: each part's own sum first, then every part from the later parts'
-sums). The initial A's gradient Ā_0 = A_0⁻¹ B̃_0 A_0⁻¹ would lose its accuracy where A_0 is
-ill-conditioned (a state carried over a long sequence), so ``_apath_da0_kernel`` carries Ā itself when it is
-asked for, by sub-chunks: with P_t = A_t A_0⁻¹ = I − Σ_{s≤t} w_s y_sᵀ, Y = R⁻¹ U,
+so no step of the backward depends on another except through B̃'s sums. ``_apath_bwd_b_kernel`` runs one
+program per (column block, block of SAVE sub-chunks) for b_t (from the A the forward saved at the block's start),
+``_apath_bwd_du_kernel`` the same grid for the block's own terms of ∂û; ``_apath_carry_kernel`` walks the
+blocks backwards, per column block of B̃, adding −2 B̃ û_s and then the block's sym Σ b_t a_tᵀ to B̃ (in parts
+too: each part's own sum first, then every part from the later parts' sums). The initial A's gradient
+Ā_0 = A_0⁻¹ B̃_0 A_0⁻¹ would lose its accuracy where A_0 is ill-conditioned (a state carried over a long
+sequence), so ``_apath_da0_kernel`` carries Ā itself when it is asked for, by sub-chunks: with P_t = A_t A_0⁻¹ = I − Σ_{s≤t} w_s y_sᵀ, Y = R⁻¹ U,
 
     Ā ← P_Cᵀ Ā P_C + sym Σ_t (P_tᵀ ∂a_t)(P_tᵀ k̂_t)ᵀ
 
@@ -50,26 +50,27 @@ MIN_PROGRAMS = 128   # the forward cuts sequences into parts until B·H·parts r
 MIN_PART_BLOCKS = 8  # ... with parts of at least this many blocks of SAVE sub-chunks (512 tokens)
 CARRY_MIN_PROGRAMS = 512  # the backward's carry cuts the blocks into parts until it has this many programs
 GRAM_BYTES = 256 << 20    # the parts' starts copy û to fp64 at most this much at a time
-WARPS = dict(fwd=8, blocks=8, carry=8, da0=8)   # (no software pipelining: every sub-chunk depends on the last)
+BLOCK_COLS = 64  # columns of b and ∂û per program of the backward's per-block kernels
+WARPS = dict(fwd=8, b=4, du=4, carry=8, da0=8)   # (no software pipelining: every sub-chunk depends on the last)
 
 
 @triton.jit
 def _chol_inv(G, rows, cols, C: tl.constexpr):
-    """R⁻¹ for the Cholesky factor R (lower) of the SPD [C, C] matrix G, of which only the lower triangle is read."""
-    r = tl.arange(0, C)
-    R = tl.zeros_like(G)
+    """R⁻¹ for the Cholesky factor R (lower) of the SPD [C, C] matrix G, of which only the lower triangle is read.
+
+    Right-looking on G made symmetric from its lower triangle: step j reads row j of the trailing matrix, which
+    is also its column j (the downdates are symmetric to the bit), so a step moves one [C] vector across the
+    threads instead of extracting a column and a pivot; R⁻¹ is solved by forward substitution in the same steps."""
+    G = tl.where(cols <= rows, G, tl.trans(G))
+    X = tl.where(rows == cols, 1., G * 0.)
     for j in tl.static_range(C):
-        col = tl.sum(tl.where(cols == j, G, 0.), axis=1)                     # G[:, j] (rows >= j are current)
-        l_col = tl.where(r >= j, col, 0.) / tl.sqrt(tl.sum(tl.where(r == j, col, 0.), axis=0))
-        R += tl.where(cols == j, l_col[:, None], 0.)
-        G -= l_col[:, None] * l_col[None, :]                                   # downdate the trailing block
-    X = tl.zeros_like(G)
-    eye = (rows == cols).to(G.dtype)
-    for i in tl.static_range(C):
-        r_i = tl.sum(tl.where(rows == i, R, 0.), axis=0)                      # row i of R
-        x_i = (tl.sum(tl.where(rows == i, eye, 0.), axis=0) - tl.sum(r_i[:, None] * X, axis=0)) \
-            / tl.sum(tl.where(r == i, r_i, 0.), axis=0)
-        X = tl.where(rows == i, x_i[None, :], X)
+        g = tl.sum(tl.where(rows == j, G, 0.), axis=0)                       # row j of the trailing matrix
+        lc = tl.broadcast_to(tl.where(rows >= j, g[:, None], 0.), (C, C))    # ... as its column j, in every column
+        r_jj = tl.sqrt(tl.sum(tl.where(rows == j, lc, 0.), axis=0))[None, :]  # R[j, j] in every column
+        lc = lc / r_jj                                                        # column j of R
+        G -= lc * (tl.where(cols >= j, g[None, :], 0.) / r_jj)
+        x = tl.sum(tl.where(rows == j, X, 0.), axis=0)[None, :] / r_jj       # row j of R⁻¹
+        X = tl.where(rows == j, x, X - lc * x)
     return X
 
 
@@ -145,28 +146,47 @@ def _unit_grad(al, dal, nrm):
 
 
 @triton.jit
-def _apath_bwd_blocks_kernel(u_ptr, al_ptr, asv_ptr, w_ptr, nrm_ptr, dal_ptr, dk_ptr, du_ptr, T, H, K, NSEG,
-                             C: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
-    """One (block of C = SAVE·C_SUB tokens, batch, head) per program, from the A saved at the block's start: the
-    rows b_t = A_t ∂a_t (= ∂k̂_t) and ∂û_s's terms from the block's own tokens (module docstring)."""
-    i_s, i_bh = tl.program_id(0), tl.program_id(1)
+def _block_da(al_ptr, nrm_ptr, dal_ptr, t0, L, i_h, H, K, BK: tl.constexpr, C: tl.constexpr):
+    """The ∂a rows [C, BK] of C tokens from t0 (L of them real), through α̂ = a/‖a‖."""
+    return _unit_grad(_load_rows(al_ptr, t0, L, i_h, H, K, 0, BK, C), _load_rows(dal_ptr, t0, L, i_h, H, K, 0, BK, C),
+                      _load_tokens(nrm_ptr, t0, L, i_h, H, 1., C))
+
+
+@triton.jit
+def _apath_bwd_b_kernel(al_ptr, asv_ptr, w_ptr, nrm_ptr, dal_ptr, dk_ptr, T, H, K, NSEG, C: tl.constexpr,
+                        BK: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr):
+    """One (column block, block of C = SAVE·C_SUB tokens, batch, head) per program, from the A saved at the
+    block's start: columns c0.. of the rows b_t = A_t ∂a_t = A_0 ∂a_t − Σ_{s≤t} (w_s·∂a_t) w_s (= ∂k̂_t)."""
+    i_c, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
+    c0 = i_c * BC
     t0, L = _sub_chunk(i_b, T, i_s, C)
     rows, cols = tl.arange(0, C)[:, None], tl.arange(0, C)[None, :]
-    A = _load_state(asv_ptr, (i_bh * NSEG + i_s).to(tl.int64) * K * K, K, K, 0, BK, BK)
-    W = _load_rows(w_ptr, t0, L, i_h, H, K, 0, BK, C)
+    da = _block_da(al_ptr, nrm_ptr, dal_ptr, t0, L, i_h, H, K, BK, C)
+    P = tl.where(cols <= rows, _dot(da, tl.trans(_load_rows(w_ptr, t0, L, i_h, H, K, 0, BK, C)), DT), 0.)
+    A = _load_state(asv_ptr, (i_bh * NSEG + i_s).to(tl.int64) * K * K, K, K, c0, BK, BC)
+    Bm = _dot(da, A, DT) - _dot(P, _load_rows(w_ptr, t0, L, i_h, H, K, c0, BC, C), DT)
+    _store_rows(dk_ptr, Bm, t0, L, i_h, H, K, c0, BC, C)
+
+
+@triton.jit
+def _apath_bwd_du_kernel(u_ptr, al_ptr, nrm_ptr, dk_ptr, du_ptr, T, H, K, C: tl.constexpr, BK: tl.constexpr,
+                         BC: tl.constexpr, DT: tl.constexpr):
+    """One (column block, block of C tokens, batch, head) per program: columns c0.. of ∂û_s's terms from the
+    block's own tokens, −Σ_{t≥s in the block} [(a_t·û_s) b_t + (b_t·û_s) a_t]."""
+    i_c, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    c0 = i_c * BC
+    t0, L = _sub_chunk(i_b, T, i_s, C)
+    rows, cols = tl.arange(0, C)[:, None], tl.arange(0, C)[None, :]
     U = _load_rows(u_ptr, t0, L, i_h, H, K, 0, BK, C)
-    al = _load_rows(al_ptr, t0, L, i_h, H, K, 0, BK, C)
-    nrm = _load_tokens(nrm_ptr, t0, L, i_h, H, 1., C)
-    a = al * nrm[:, None]
-    da = _unit_grad(al, _load_rows(dal_ptr, t0, L, i_h, H, K, 0, BK, C), nrm)
-    # A_t = A_0 − Σ_{s≤t} w_s w_sᵀ inside the block
-    Bm = _dot(da, A, DT) - _dot(tl.where(cols <= rows, _dot(da, tl.trans(W), DT), 0.), W, DT)
-    _store_rows(dk_ptr, Bm, t0, L, i_h, H, K, 0, BK, C)
+    nrm = _load_tokens(nrm_ptr, t0, L, i_h, H, 1., C)[:, None]
     up = cols >= rows
-    dU = -_dot(tl.where(up, _dot(U, tl.trans(a), DT), 0.), Bm, DT) \
-        - _dot(tl.where(up, _dot(U, tl.trans(Bm), DT), 0.), a, DT)
-    _store_rows(du_ptr, dU, t0, L, i_h, H, K, 0, BK, C)
+    Ua = tl.where(up, _dot(U, tl.trans(_load_rows(al_ptr, t0, L, i_h, H, K, 0, BK, C) * nrm), DT), 0.)
+    Ub = tl.where(up, _dot(U, tl.trans(_load_rows(dk_ptr, t0, L, i_h, H, K, 0, BK, C)), DT), 0.)
+    dU = _dot(Ua, _load_rows(dk_ptr, t0, L, i_h, H, K, c0, BC, C), DT) \
+        + _dot(Ub, _load_rows(al_ptr, t0, L, i_h, H, K, c0, BC, C) * nrm, DT)
+    _store_rows(du_ptr, -dU, t0, L, i_h, H, K, c0, BC, C)
 
 
 @triton.jit
@@ -222,9 +242,7 @@ def _apath_da0_kernel(k_ptr, u_ptr, al_ptr, rinv_ptr, w_ptr, nrm_ptr, dal_ptr, d
         Kh = _load_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C)
         W = _load_rows(w_ptr, t0, L, i_h, H, K, 0, BK, C)
         Y = _dot(_load_rows(rinv_ptr, t0, L, i_h, H, C, 0, C, C), _load_rows(u_ptr, t0, L, i_h, H, K, 0, BK, C), DT)
-        al = _load_rows(al_ptr, t0, L, i_h, H, K, 0, BK, C)
-        nrm = _load_tokens(nrm_ptr, t0, L, i_h, H, 1., C)
-        da = _unit_grad(al, _load_rows(dal_ptr, t0, L, i_h, H, K, 0, BK, C), nrm)
+        da = _block_da(al_ptr, nrm_ptr, dal_ptr, t0, L, i_h, H, K, BK, C)
         Pd = da - _dot(tl.where(cols <= rows, _dot(da, tl.trans(W), DT), 0.), Y, DT)
         Pk = Kh - _dot(tl.where(cols <= rows, _dot(Kh, tl.trans(W), DT), 0.), Y, DT)
         Z = _dot(W, Ab, DT)
@@ -344,8 +362,12 @@ class APathFunction(torch.autograd.Function):
             dAT = (0.5 * (dAT + dAT.transpose(-1, -2))).contiguous()
         dk, du = torch.empty_like(kh), torch.empty_like(uh)
         kw_blk = dict(kw, C=SAVE * C_SUB)
-        _apath_bwd_blocks_kernel[(nseg, B * H)](uh, alpha, asv, w, nrm, dalpha, dk, du, T, H, K, nseg,
-                                                num_warps=_warps("blocks", kw["BK"]), num_stages=1, **kw_blk)
+        bc = min(BLOCK_COLS, kw["BK"])
+        grid = (triton.cdiv(K, bc), nseg, B * H)
+        _apath_bwd_b_kernel[grid](alpha, asv, w, nrm, dalpha, dk, T, H, K, nseg, BC=bc,
+                                  num_warps=_warps("b", kw["BK"]), num_stages=1, **kw_blk)
+        _apath_bwd_du_kernel[grid](uh, alpha, nrm, dk, du, T, H, K, BC=bc, num_warps=_warps("du", kw["BK"]),
+                                   num_stages=1, **kw_blk)
         bT = AT @ dAT @ AT if dAT is not None else None          # the end state's gradient with respect to A⁻¹
         _carry(uh, alpha, nrm, dk, du, bT, nseg, kw_blk)
         dA0 = None
