@@ -22,7 +22,8 @@ program per (column block, block of SAVE sub-chunks) for b_t (from the A the for
 blocks backwards, per column block of B̃, adding −2 B̃ û_s and then the block's sym Σ b_t a_tᵀ to B̃ (in parts
 too: each part's own sum first, then every part from the later parts' sums). The initial A's gradient
 Ā_0 = A_0⁻¹ B̃_0 A_0⁻¹ would lose its accuracy where A_0 is ill-conditioned (a state carried over a long
-sequence), so ``_apath_da0_kernel`` carries Ā itself when it is asked for, by sub-chunks: with P_t = A_t A_0⁻¹ = I − Σ_{s≤t} w_s y_sᵀ, Y = R⁻¹ U,
+sequence), so ``_apath_da0_kernel`` carries Ā itself when it is asked for, by sub-chunks: with
+P_t = A_t A_0⁻¹ = I − Σ_{s≤t} w_s y_sᵀ, Y = R⁻¹ U,
 
     Ā ← P_Cᵀ Ā P_C + sym Σ_t (P_tᵀ ∂a_t)(P_tᵀ k̂_t)ᵀ
 
@@ -108,7 +109,9 @@ def _apath_fwd_kernel(k_ptr, u_ptr, a_ptr, al_ptr, asv_ptr, rinv_ptr, w_ptr, nrm
         U = _load_rows(u_ptr, t0, L, i_h, H, K, 0, BK, C)
         UA = tl.zeros([C, BK], DT)
         KA = tl.zeros([C, BK], DT)
-        for r0 in tl.static_range(0, BK, BR):
+        # runtime loops over A's row blocks: unrolled, they let the compiler hoist every block's loads and spill
+        # (H100, B = 16, T = 2048: this kernel 2.81 -> 2.35 ms with the backward's stores, 3.57 -> 2.26 without)
+        for r0 in range(0, BK, BR):
             o, m = _a_rows(K, r0, BR, BK)
             Ar = tl.load(a_work + o, mask=m, other=0.)
             if STORE:
@@ -132,7 +135,7 @@ def _apath_fwd_kernel(k_ptr, u_ptr, a_ptr, al_ptr, asv_ptr, rinv_ptr, w_ptr, nrm
             w0, w_h, w_H = (i_bh * NPART + i_p) * C, 0, 1      # the program's [C, K] scratch
         _store_rows(w_ptr, W, w0, L, w_h, w_H, K, 0, BK, C)
         tl.debug_barrier()
-        for r0 in tl.static_range(0, BK, BR):
+        for r0 in range(0, BK, BR):
             o, m = _a_rows(K, r0, BR, BK)
             Wr = _load_rows(w_ptr, w0, L, w_h, w_H, K, r0, BR, C)           # columns r0.. of W
             tl.store(a_work + o, _dot_acc(-tl.trans(Wr), W, tl.load(a_work + o, mask=m, other=0.), DT), mask=m)
