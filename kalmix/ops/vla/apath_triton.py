@@ -291,12 +291,16 @@ def _part_starts(uh: torch.Tensor, A0: torch.Tensor, npart: int, part_len: int) 
             u.copy_(uh[:, p0 * part_len:p1 * part_len].unflatten(1, (p1 - p0, part_len)).permute(0, 3, 1, 2, 4))
             gram[:, :, p0:p1] = u.mT @ u
         gram = gram.cumsum(2)
+        # with A0 = L0 L0ᵀ: (A0⁻¹ + G)⁻¹ = L0 N⁻¹ L0ᵀ, N = I + L0ᵀ G L0 = R Rᵀ (eigenvalues >= 1), so A = Zᵀ Z with
+        # Z = R⁻¹ L0ᵀ: two factorisations and one triangular solve, no explicit inverse
         L0, info0 = torch.linalg.cholesky_ex(A0.to(torch.float64))
-        M = torch.cholesky_inverse(L0)[:, :, None] + gram
-        L, info = torch.linalg.cholesky_ex(M)
+        L0 = L0[:, :, None]
+        N = L0.mT @ gram @ L0
+        N.diagonal(dim1=-2, dim2=-1).add_(1.)
+        R, info = torch.linalg.cholesky_ex(N)
+        Z = torch.linalg.solve_triangular(R, L0.mT.expand_as(R), upper=False)
         bad = (info0[:, :, None] != 0) | (info != 0)
-        starts[:, 1:] = torch.cholesky_inverse(L).masked_fill(bad[..., None, None], float("nan")) \
-            .flatten(0, 1).to(A0.dtype)
+        starts[:, 1:] = (Z.mT @ Z).masked_fill(bad[..., None, None], float("nan")).flatten(0, 1).to(A0.dtype)
     return starts
 
 
