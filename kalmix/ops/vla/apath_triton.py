@@ -63,7 +63,7 @@ def _chol_inv(G, rows, cols, C: tl.constexpr):
     is also its column j (the downdates are symmetric to the bit), so a step moves one [C] vector across the
     threads instead of extracting a column and a pivot; R⁻¹ is solved by forward substitution in the same steps."""
     G = tl.where(cols <= rows, G, tl.trans(G))
-    X = tl.where(rows == cols, 1., G * 0.)
+    X = tl.where(rows == cols, 1., G * 0.)                                   # (in G's register layout)
     for j in tl.static_range(C):
         g = tl.sum(tl.where(rows == j, G, 0.), axis=0)                       # row j of the trailing matrix
         lc = tl.broadcast_to(tl.where(rows >= j, g[:, None], 0.), (C, C))    # ... as its column j, in every column
