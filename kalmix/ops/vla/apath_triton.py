@@ -270,10 +270,13 @@ def _config(kh: torch.Tensor):
     return dict(C=C_SUB, BK=max(16, triton.next_power_of_2(K)), DT=_DT[kh.dtype])
 
 
-def _parts(n_blocks: int, bh: int) -> int:
-    """How many parts the forward cuts each sequence into: enough for MIN_PROGRAMS programs, each at least
-    MIN_PART_BLOCKS blocks of SAVE sub-chunks long (README.md, "parts")."""
-    return max(1, min(MIN_PROGRAMS // bh, n_blocks // MIN_PART_BLOCKS))
+def _parts(n_blocks: int, programs: int, min_programs: int) -> tuple[int, int]:
+    """(parts, blocks per part) for cutting each sequence's n_blocks blocks of SAVE sub-chunks into parts walked
+    in parallel (README.md, "parts"): enough parts that ``programs`` programs per part reach ``min_programs``, each
+    at least MIN_PART_BLOCKS blocks long, then as few parts as that many blocks per part needs."""
+    n = max(1, min(min_programs // programs, n_blocks // MIN_PART_BLOCKS))
+    per = triton.cdiv(n_blocks, n)
+    return triton.cdiv(n_blocks, per), per
 
 
 def _part_starts(uh: torch.Tensor, A0: torch.Tensor, npart: int, part_len: int) -> torch.Tensor:
@@ -310,9 +313,7 @@ def _carry(uh, alpha, nrm, dk, du, bT, nseg: int, kw: dict):
     B, T, H, K = uh.shape
     BC = min(CARRY_COLS, kw["BK"])
     grid_c = triton.cdiv(K, BC)
-    npart = max(1, min(CARRY_MIN_PROGRAMS // (grid_c * B * H), nseg // MIN_PART_BLOCKS))
-    bpp = triton.cdiv(nseg, npart)
-    npart = triton.cdiv(nseg, bpp)
+    npart, bpp = _parts(nseg, grid_c * B * H, CARRY_MIN_PROGRAMS)
     args = dict(HAS_B0=True, BC=BC, num_warps=_warps("carry", BC), num_stages=1, **kw)
     if npart == 1:
         b0 = bT
@@ -335,9 +336,8 @@ class APathFunction(torch.autograd.Function):
         kw = _config(kh)
         kh, uh, A0 = kh.contiguous(), uh.contiguous(), A0.contiguous()
         nseg = triton.cdiv(triton.cdiv(T, C_SUB), SAVE)
-        npart = _parts(nseg, B * H)
-        spp = triton.cdiv(nseg, npart) * SAVE                     # sub-chunks per part
-        npart = triton.cdiv(nseg * SAVE, spp)
+        npart, bpp = _parts(nseg, B * H, MIN_PROGRAMS)
+        spp = bpp * SAVE                                          # sub-chunks per part
         A = _part_starts(uh, A0, npart, spp * C_SUB)
         alpha = torch.empty_like(kh)
         # (needs_input_grad ignores no_grad)
