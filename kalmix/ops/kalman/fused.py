@@ -32,7 +32,9 @@ FWD_CONFIG = (16, 1)                                        # (channels per prog
 # (no-grad forward / fwd+bwd, ms): there 4.09 / 11.25 at blocks of 16, 2.78 / 10.85 at 4 (1024 programs), 3.42 /
 # 18.9 at 2; at B = 4, T = 8192 2.23 / 7.16 at 16, 2.11 / 7.15 at 8, 3.03 / 11.0 at 4; B = 16, T = 2048 keeps 16
 FWD_MIN_PROGRAMS = 1024
-BWD_CONFIG = (2, 4, 1)                                      # (BD1, BD2, warps): [BD1, BN, BD2] lanes per program
+BWD_CONFIG = (4, 2, 1)                                      # (BD1, BD2, warps): [BD1, BN, BD2] lanes per program
+# (4, 2) makes Triton lay each thread's 4 lanes along N with no spills; (2, 4) spilled. H100, B = 16, T = 2048,
+# H = 1, N = 16, D = 2048, fwd+bwd ms: bf16 5.54 against 6.20, fp32 5.89 against 9.38 (session 20, one call)
 # the GPU takes 1/x in fp32 as one approximate reciprocal (rel. error ~1 ulp) instead of a full-range division
 FAST_RCP = tl.constexpr(not INTERPRET)
 
@@ -41,8 +43,8 @@ FAST_RCP = tl.constexpr(not INTERPRET)
 def _lanes(i_d, i_h, N, D, BN: tl.constexpr, BD1: tl.constexpr, BD2: tl.constexpr, EVEN: tl.constexpr):
     """A program's lanes as a [BD1, BN, BD2] grid: slot offsets o_n [1, BN, 1], channels o_d [BD1, 1, BD2]
     (channel = block start + d1·BD2 + d2), their masks (constant true when EVEN: N = BN and the blocks tile D),
-    and the offsets in an [H, N, D] tensor. Threads spread over BD2 first, then BN, so the shape picks which
-    sums stay inside a thread."""
+    and the offsets in an [H, N, D] tensor. Triton spreads the threads over BD2 first, then BD1, then BN (what
+    is left of BN stays inside a thread), so the shape picks which sums stay inside a thread."""
     o_n = tl.arange(0, BN)[None, :, None]
     o_d = i_d * BD1 * BD2 + tl.arange(0, BD1)[:, None, None] * BD2 + tl.arange(0, BD2)[None, None, :]
     if EVEN:
@@ -72,35 +74,47 @@ def _sum_d(x):
 
 
 @triton.jit
-def _load_token(io, geo, lanes, t, ACC: tl.constexpr):
-    """q, k [1, BN, 1] and v, w [BD1, 1, BD2] of token t of the sequence, and the token's row offset in v
-    (a scalar: rows are addressed from scalar pointers, the lanes by 32-bit offsets)."""
+def _rows(geo, t):
+    """Token t's row offsets (int64 scalars) in the [B·T, H, N] tensors and in the [B·T, H, D] ones: rows are
+    addressed from scalar pointers, the lanes by 32-bit offsets."""
     bos, i_h, H, N, D = geo[0], geo[1], geo[3], geo[4], geo[5]
-    o_n, o_d, m_n, m_d = lanes
     tok = bos + t
-    qk = tok * H * N + i_h * N
-    out = tok * H * D + i_h * D
-    q = tl.load(io[0] + qk + o_n, mask=m_n, other=0.).to(ACC)
-    k = tl.load(io[1] + qk + o_n, mask=m_n, other=0.).to(ACC)
-    v = tl.load(io[2] + out + o_d, mask=m_d, other=0.).to(ACC)
-    w = tl.load(io[3] + out + o_d, mask=m_d, other=0.).to(ACC)
-    return q, k, v, w, out
+    return tok * H * N + i_h * N, tok * H * D + i_h * D
 
 
 @triton.jit
-def _load_run(io, geo, lanes, t0, t_max, LEN: tl.constexpr, ADJOINT: tl.constexpr, HAS_DVAR: tl.constexpr,
+def _load_token(io, lanes, rows, ACC: tl.constexpr):
+    """q, k [1, BN, 1] and v, w [BD1, 1, BD2] of the token at ``rows`` (``_rows``)."""
+    o_n, o_d, m_n, m_d = lanes
+    q = tl.load(io[0] + rows[0] + o_n, mask=m_n, other=0.).to(ACC)
+    k = tl.load(io[1] + rows[0] + o_n, mask=m_n, other=0.).to(ACC)
+    v = tl.load(io[2] + rows[1] + o_d, mask=m_d, other=0.).to(ACC)
+    w = tl.load(io[3] + rows[1] + o_d, mask=m_d, other=0.).to(ACC)
+    return q, k, v, w
+
+
+@triton.jit
+def _load_run(io, geo, lanes, t0, L0, L, LEN: tl.constexpr, ADJOINT: tl.constexpr, HAS_DVAR: tl.constexpr,
               ACC: tl.constexpr):
-    """The inputs of tokens t0 .. t0+LEN-1 as a nested tuple (inputs, rest), all loads issued together:
-    (q, k, v, w) for the forward, ``_load_adjoint_inputs`` for the backward. Each index is clamped into
-    [0, t_max], so loads one chunk ahead past either end of the sequence reread a real token."""
-    t = tl.minimum(tl.maximum(t0, 0), t_max)
+    """The inputs of the full chunk of LEN tokens from t0 as a nested tuple (inputs, rest), all loads issued
+    together: (q, k, v, w) for the forward, ``_load_adjoint_inputs`` for the backward. The start is clamped
+    into [L0, L − LEN], so a load one chunk ahead past either end of the full chunks rereads a real one; the
+    rows' offsets are computed once per chunk."""
+    rows = _rows(geo, tl.minimum(tl.maximum(t0, L0), L - LEN))
+    H, N, D = geo[3], geo[4], geo[5]
+    return _load_rows(io, lanes, rows, H * N, H * D, LEN, ADJOINT, HAS_DVAR, ACC)
+
+
+@triton.jit
+def _load_rows(io, lanes, rows, s_qk, s_vd, LEN: tl.constexpr, ADJOINT: tl.constexpr, HAS_DVAR: tl.constexpr,
+               ACC: tl.constexpr):
     if ADJOINT:
-        inputs = _load_adjoint_inputs(io, geo, lanes, t, HAS_DVAR, ACC)
+        inputs = _load_adjoint_inputs(io, lanes, rows, HAS_DVAR, ACC)
     else:
-        q, k, v, w, _ = _load_token(io, geo, lanes, t, ACC)
-        inputs = (q, k, v, w)
+        inputs = _load_token(io, lanes, rows, ACC)
     if LEN > 1:
-        return inputs, _load_run(io, geo, lanes, t0 + 1, t_max, LEN - 1, ADJOINT, HAS_DVAR, ACC)
+        nxt = (rows[0] + s_qk, rows[1] + s_vd)
+        return inputs, _load_rows(io, lanes, nxt, s_qk, s_vd, LEN - 1, ADJOINT, HAS_DVAR, ACC)
     else:
         return inputs, ()
 
@@ -120,22 +134,23 @@ def _load_checkpoint(cky_ptr, ckmu_ptr, offset, mask):
 
 @triton.jit
 def _filter_step(k, v, w, par, y, mu):
-    """One predict + update of every lane: the new (y, μ)."""
+    """One predict + update of every lane: the new (y, μ) and the step's gain g = 1 / (1 + φ u)."""
     a, a2, p = par
     u = a2 * y + p
     wu = w * u
     g = _rcp(1.0 + (k * k) * wu)
-    return u * g, (a * mu + (k * v) * wu) * g
+    return u * g, (a * mu + (k * v) * wu) * g, g
 
 
 @triton.jit
 def _fwd_token(io, geo, lanes, par, t, y, mu, HAS_VAR: tl.constexpr, ACC: tl.constexpr):
-    q, k, v, w, out = _load_token(io, geo, lanes, t, ACC)
-    y, mu = _filter_step(k, v, w, par, y, mu)
+    rows = _rows(geo, t)
+    q, k, v, w = _load_token(io, lanes, rows, ACC)
+    y, mu, _ = _filter_step(k, v, w, par, y, mu)
     o_d, m_d = lanes[1], lanes[3]
-    tl.store(io[4] + out + o_d, _sum_n(q * mu), mask=m_d)
+    tl.store(io[4] + rows[1] + o_d, _sum_n(q * mu), mask=m_d)
     if HAS_VAR:
-        tl.store(io[5] + out + o_d, _sum_n(q * q * y), mask=m_d)
+        tl.store(io[5] + rows[1] + o_d, _sum_n(q * q * y), mask=m_d)
     return y, mu
 
 
@@ -144,7 +159,7 @@ def _fwd_run(run, par, y, mu, o_c, var_c, ci, i: tl.constexpr, HAS_VAR: tl.const
     """Steps through the loaded tokens of ``run`` (``_load_run``), writing token i's outputs into row i of the
     chunk's [C, 1, BD] output tiles."""
     q, k, v, w = run[0]
-    y, mu = _filter_step(k, v, w, par, y, mu)
+    y, mu, _ = _filter_step(k, v, w, par, y, mu)
     o_c = tl.where(ci == i, _sum_n(q * mu), o_c)
     if HAS_VAR:
         var_c = tl.where(ci == i, _sum_n(q * q * y), var_c)
@@ -194,9 +209,9 @@ def _program(a_ptr, p_ptr, cu_ptr, chunk_ptr, H, N, D, BN: tl.constexpr, BD1: tl
 
 @triton.jit
 def _kalman_fwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, a_ptr, p_ptr, lam0_ptr, mu0_ptr, o_ptr, var_ptr,
-                       lamT_ptr, muT_ptr, cky_ptr, ckmu_ptr, cu_ptr, chunk_ptr, H, N, D,
-                       BN: tl.constexpr, BD: tl.constexpr, C: tl.constexpr, HAS_VAR: tl.constexpr,
-                       SAVE: tl.constexpr, EVEN: tl.constexpr, ACC: tl.constexpr):
+                       lamT_ptr, muT_ptr, cky_ptr, ckmu_ptr, cu_ptr, chunk_ptr, H: tl.constexpr,
+                       N: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, C: tl.constexpr,
+                       HAS_VAR: tl.constexpr, SAVE: tl.constexpr, EVEN: tl.constexpr, ACC: tl.constexpr):
     i_d, i_h, bos, lanes, m_nd, lane, st, par, L, n_chunks, L0, c_base = _program(
         a_ptr, p_ptr, cu_ptr, chunk_ptr, H, N, D, BN, 1, BD, C, EVEN, ACC)
     y = 1.0 / tl.load(lam0_ptr + st, mask=m_nd, other=1.).to(ACC)
@@ -209,9 +224,9 @@ def _kalman_fwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, a_ptr, p_ptr, lam0_ptr, mu0_p
     for t in range(0, L0):
         y, mu = _fwd_token(io, geo, lanes, par, t, y, mu, HAS_VAR, ACC)
     # software pipelining: chunk c's inputs are loaded while chunk c - 1 runs
-    run = _load_run(io, geo, _unless(n_chunks > 1, lanes), L0, L - 1, C, False, False, ACC)
+    run = _load_run(io, geo, _unless(n_chunks > 1, lanes), L0, L0, L, C, False, False, ACC)
     for c in range(1, n_chunks):
-        ahead = _load_run(io, geo, lanes, L0 + c * C, L - 1, C, False, False, ACC)
+        ahead = _load_run(io, geo, lanes, L0 + c * C, L0, L, C, False, False, ACC)
         if SAVE:
             tl.store(cky_ptr + (c_base + c) * H * N * D + lane, y, mask=m_nd)
             tl.store(ckmu_ptr + (c_base + c) * H * N * D + lane, mu, mask=m_nd)
@@ -224,33 +239,32 @@ def _kalman_fwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, a_ptr, p_ptr, lam0_ptr, mu0_p
 @triton.jit
 def _recompute(io, geo, lanes, par, t, y, mu, ACC: tl.constexpr):
     """The state after token t from the state before it (no outputs)."""
-    _, k, v, w, _ = _load_token(io, geo, lanes, t, ACC)
-    return _filter_step(k, v, w, par, y, mu)
+    _, k, v, w = _load_token(io, lanes, _rows(geo, t), ACC)
+    y, mu, _ = _filter_step(k, v, w, par, y, mu)
+    return y, mu
 
 
 @triton.jit
-def _load_adjoint_inputs(io, geo, lanes, t, HAS_DVAR: tl.constexpr, ACC: tl.constexpr):
-    """Token t's q, k, v, w, row offset, do and dvar (do again when there is no variance gradient)."""
-    q, k, v, w, out = _load_token(io, geo, lanes, t, ACC)
+def _load_adjoint_inputs(io, lanes, rows, HAS_DVAR: tl.constexpr, ACC: tl.constexpr):
+    """The token's q, k, v, w, rows, do and dvar (do again when there is no variance gradient)."""
+    q, k, v, w = _load_token(io, lanes, rows, ACC)
     o_d, m_d = lanes[1], lanes[3]
-    do = tl.load(io[4] + out + o_d, mask=m_d, other=0.).to(ACC)
-    dvar = tl.load(io[5] + out + o_d, mask=m_d, other=0.).to(ACC) if HAS_DVAR else do
-    return q, k, v, w, out, do, dvar
+    do = tl.load(io[4] + rows[1] + o_d, mask=m_d, other=0.).to(ACC)
+    dvar = tl.load(io[5] + rows[1] + o_d, mask=m_d, other=0.).to(ACC) if HAS_DVAR else do
+    return q, k, v, w, rows, do, dvar
 
 
 @triton.jit
-def _adjoint_step(io, geo, lanes, par, t, inputs, y_p, mu_p, y_t, mu_t, carry, HAS_DVAR: tl.constexpr):
-    """Token t's gradients from its inputs and the states around it; carries (Gy, Gμ) back across it and
-    accumulates the per-lane sums behind dā and dp̄. Only stores: the loads happened on the way forward."""
-    bos, i_h, i_d, H, N, D, TT = geo
+def _adjoint_step(io, geo, lanes, par, inputs, y_p, mu_p, y_t, mu_t, g, carry, HAS_DVAR: tl.constexpr):
+    """A token's gradients from its inputs, the states around it and the step's gain; carries (Gy, Gμ) back
+    across it and accumulates the per-lane sums behind dā and dp̄. Only stores: the loads happened on the way
+    forward."""
     o_n, o_d, m_n, m_d = lanes
-    a, a2, p = par
+    a, a2, _ = par
     Gy, Gmu, acc_u, acc_mu, acc_p = carry
-    q, k, v, w, out, do, dvar = inputs
+    q, k, v, w, rows, do, dvar = inputs
     phi = k * k * w
     r = k * (w * v)
-    u = a2 * y_p + p
-    g = _rcp(1.0 + phi * u)
     Gmu_t = Gmu + q * do
     if HAS_DVAR:
         Gy_t = Gy + q * q * dvar
@@ -265,29 +279,30 @@ def _adjoint_step(io, geo, lanes, par, t, inputs, y_p, mu_p, y_t, mu_t, carry, H
     # φ = k² Λv and r = k Λv v
     dk = _sum_d(2 * k * w * g_phi + (w * v) * g_r)
     kg_r = _sum_n(k * g_r)
-    part = (i_d * TT + bos + t) * H * N + i_h * N           # this block's share of Σ_d, summed on the host
+    part = geo[6] + rows[0]                                 # this block's share of Σ_d, summed on the host
     tl.store(io[6] + part + o_n, dq, mask=m_n)
     tl.store(io[7] + part + o_n, dk, mask=m_n)
-    tl.store(io[8] + out + o_d, w * kg_r, mask=m_d)
-    tl.store(io[9] + out + o_d, _sum_n(k * k * g_phi) + v * kg_r, mask=m_d)
+    tl.store(io[8] + rows[1] + o_d, w * kg_r, mask=m_d)
+    tl.store(io[9] + rows[1] + o_d, _sum_n(k * k * g_phi) + v * kg_r, mask=m_d)
     return a2 * Gu, a * g_mu_a, acc_u + Gu * y_p, acc_mu + g_mu_a * mu_p, acc_p + Gu
 
 
 @triton.jit
-def _reverse_run(io, geo, lanes, par, t, run, y, mu, carry, HAS_DVAR: tl.constexpr):
-    """Adjoint of the tokens of ``run`` (from t) from the state before t: step forward, recurse, step back, so
-    every intermediate state stays in registers (one per nesting level)."""
+def _reverse_run(io, geo, lanes, par, run, y, mu, carry, HAS_DVAR: tl.constexpr):
+    """Adjoint of the tokens of ``run`` from the state before the first: step forward, recurse, step back, so
+    every intermediate state (and gain) stays in registers (one per nesting level)."""
     inputs = run[0]
-    y1, mu1 = _filter_step(inputs[1], inputs[2], inputs[3], par, y, mu)
+    y1, mu1, g = _filter_step(inputs[1], inputs[2], inputs[3], par, y, mu)
     if len(run[1]) > 0:
-        carry = _reverse_run(io, geo, lanes, par, t + 1, run[1], y1, mu1, carry, HAS_DVAR)
-    return _adjoint_step(io, geo, lanes, par, t, inputs, y, mu, y1, mu1, carry, HAS_DVAR)
+        carry = _reverse_run(io, geo, lanes, par, run[1], y1, mu1, carry, HAS_DVAR)
+    return _adjoint_step(io, geo, lanes, par, inputs, y, mu, y1, mu1, g, carry, HAS_DVAR)
 
 
 @triton.jit
 def _kalman_bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, a_ptr, p_ptr, lam0_ptr, lamT_ptr, cky_ptr, ckmu_ptr, do_ptr,
                        dvar_ptr, dlamT_ptr, dmuT_ptr, dq_ptr, dk_ptr, dv_ptr, dw_ptr, da_ptr, dp_ptr, dlam0_ptr,
-                       dmu0_ptr, cu_ptr, chunk_ptr, TT, H, N, D, BN: tl.constexpr, BD1: tl.constexpr,
+                       dmu0_ptr, cu_ptr, chunk_ptr, TT, H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
+                       BN: tl.constexpr, BD1: tl.constexpr,
                        BD2: tl.constexpr, C: tl.constexpr, HAS_DVAR: tl.constexpr,
                        HAS_DFINAL: tl.constexpr, EVEN: tl.constexpr, ACC: tl.constexpr):
     i_d, i_h, bos, lanes, m_nd, lane, st, par, L, n_chunks, L0, c_base = _program(
@@ -301,19 +316,19 @@ def _kalman_bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, a_ptr, p_ptr, lam0_ptr, lamT_
     else:
         Gy, Gmu = zero, zero
     io = (q_ptr, k_ptr, v_ptr, w_ptr, do_ptr, dvar_ptr, dq_ptr, dk_ptr, dv_ptr, dw_ptr)
-    geo = (bos, i_h, i_d, H, N, D, TT)
+    geo = (bos, i_h, i_d, H, N, D, i_d.to(tl.int64) * TT * H * N)     # the last: this block's Σ_d partials
     carry = (Gy, Gmu, zero, zero, zero)
     # the full chunks, last first; chunk c - 1's inputs and checkpoint are loaded while chunk c runs
     ok = n_chunks > 1
-    run = _load_run(io, geo, _unless(ok, lanes), L0 + (n_chunks - 2) * C, L - 1, C, True, HAS_DVAR, ACC)
+    run = _load_run(io, geo, _unless(ok, lanes), L0 + (n_chunks - 2) * C, L0, L, C, True, HAS_DVAR, ACC)
     y, mu = _load_checkpoint(cky_ptr, ckmu_ptr, (c_base + tl.maximum(n_chunks - 1, 0)) * H * N * D + lane,
                              tl.where(ok, m_nd, False))
     for cc in range(1, n_chunks):
         c = n_chunks - cc
-        ahead = _load_run(io, geo, lanes, L0 + (c - 2) * C, L - 1, C, True, HAS_DVAR, ACC)
+        ahead = _load_run(io, geo, lanes, L0 + (c - 2) * C, L0, L, C, True, HAS_DVAR, ACC)
         y_ahead, mu_ahead = _load_checkpoint(cky_ptr, ckmu_ptr, (c_base + tl.maximum(c - 1, 0)) * H * N * D + lane,
                                              m_nd)
-        carry = _reverse_run(io, geo, lanes, par, L0 + (c - 1) * C, run, y, mu, carry, HAS_DVAR)
+        carry = _reverse_run(io, geo, lanes, par, run, y, mu, carry, HAS_DVAR)
         run, y, mu = ahead, y_ahead, mu_ahead
     # chunk 0 (L0 tokens): each token's input state recomputed from the initial state, O(L0²) steps
     y0 = 1.0 / lam0
@@ -323,9 +338,9 @@ def _kalman_bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, a_ptr, p_ptr, lam0_ptr, lamT_
         y, mu = y0, mu0
         for i in range(0, j):
             y, mu = _recompute(io, geo, lanes, par, i, y, mu, ACC)
-        inputs = _load_adjoint_inputs(io, geo, lanes, j, HAS_DVAR, ACC)
-        y1, mu1 = _filter_step(inputs[1], inputs[2], inputs[3], par, y, mu)
-        carry = _adjoint_step(io, geo, lanes, par, j, inputs, y, mu, y1, mu1, carry, HAS_DVAR)
+        inputs = _load_adjoint_inputs(io, lanes, _rows(geo, j), HAS_DVAR, ACC)
+        y1, mu1, g = _filter_step(inputs[1], inputs[2], inputs[3], par, y, mu)
+        carry = _adjoint_step(io, geo, lanes, par, inputs, y, mu, y1, mu1, g, carry, HAS_DVAR)
     Gy, Gmu, acc_u, acc_mu, acc_p = carry
     tl.store(da_ptr + st, 2 * par[0] * acc_u + acc_mu, mask=m_nd)
     tl.store(dp_ptr + st, acc_p, mask=m_nd)
