@@ -32,6 +32,11 @@ FWD_CONFIG = (16, 1)                                        # (channels per prog
 # (no-grad forward / fwd+bwd, ms): there 4.09 / 11.25 at blocks of 16, 2.78 / 10.85 at 4 (1024 programs), 3.42 /
 # 18.9 at 2; at B = 4, T = 8192 2.23 / 7.16 at 16, 2.11 / 7.15 at 8, 3.03 / 11.0 at 4; B = 16, T = 2048 keeps 16
 FWD_MIN_PROGRAMS = 1024
+# the forward is capped at 128 registers: the checkpointing forward took 136 (15 one-warp programs per
+# multiprocessor), so B = 16, T = 2048's 2048 programs ran in 1.03 waves. H100, bf16, ms (session 20, one call):
+# grad-mode forward 1.727 -> 1.381, no-grad 0.940 -> 0.887, fwd+bwd 5.571 -> 5.217; B = 4, T = 8192 no-grad
+# 1.952 -> 1.567; fp32 within ±4% either way
+FWD_MAXNREG = 128
 BWD_CONFIG = (4, 2, 1)                                      # (BD1, BD2, warps): [BD1, BN, BD2] lanes per program
 # (4, 2) makes Triton lay each thread's 4 lanes along N with no spills; (2, 4) spilled. H100, B = 16, T = 2048,
 # H = 1, N = 16, D = 2048, fwd+bwd ms: bf16 5.54 against 6.20, fp32 5.89 against 9.38 (session 20, one call)
@@ -383,7 +388,7 @@ class KalmanFusedFunction(torch.autograd.Function):
             q, k, v, w, a, p, lam0, mu0, o, o if var is None else var, lamT, muT,
             lamT if cky is None else cky, muT if ckmu is None else ckmu, cu, chunk_off, H, N, D,
             BN=_pow2(N), BD=BD, C=CHUNK, HAS_VAR=output_variance, SAVE=save, EVEN=_even(N, D, BD), ACC=_acc(q),
-            num_warps=warps)
+            num_warps=warps, maxnreg=FWD_MAXNREG)
         if save:
             ctx.save_for_backward(q, k, v, w, a, p, lam0, lamT, cky, ckmu, cu, chunk_off)
         ctx.set_materialize_grads(False)
