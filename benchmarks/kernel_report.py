@@ -1,15 +1,19 @@
-"""Compile kalmix's VLA A-path kernels for an H100 (sm_90) on a machine without a GPU and print, per kernel, the
-registers and spill stores ptxas reports, the barriers (bar.sync) and warp shuffles written in the PTX (a loop's
-body counts once), and the shared memory. With the GPU's triton (3.6, whose own ptxas it runs) the registers are
-the GPU's and the spill stores within a few percent of its ``n_spills`` × 4 bytes (session 19: 424 B here, 106 there),
-so register pressure and barriers can be compared before spending device time. From the repository root:
+"""Compile kalmix's VLA A-path kernels and the fused Kalman kernels for an H100 (sm_90) on a machine without a GPU and
+print, per kernel, the registers and spill stores ptxas reports, the barriers (bar.sync) and warp shuffles written
+in the PTX (a loop's body counts once), and the shared memory; for the Kalman kernels, whose time is instruction
+issue, also the SASS of the main loop (its instructions per lane and token, and the commonest opcodes). With the
+GPU's triton (3.6, whose own ptxas it runs) the registers are the GPU's and the spill stores within a few percent of
+its ``n_spills`` × 4 bytes (session 19: 424 B here, 106 there), so register pressure and barriers can be compared
+before spending device time. From the repository root:
 
     pip download triton==3.6.0 --no-deps -d /tmp/t36whl && pip install --no-deps --target /tmp/t36 /tmp/t36whl/*.whl
-    PYTHONPATH=/tmp/t36:$PWD python benchmarks/kernel_report.py
+    PYTHONPATH=/tmp/t36:$PWD python benchmarks/kernel_report.py [--ops vla kalman]
 
 Integer arguments and pointers are compiled as the GPU launch specialises them (divisible by 16, NPART = 1), at the
-speed harness's shape (K = 128, fp32).
+speed harness's shape (VLA: K = 128, fp32; Kalman: H = 1, N = 16, D = 2048, bf16 activations).
 """
+import argparse
+import collections
 import os
 import re
 import subprocess
@@ -20,17 +24,23 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+import kalmix.ops.kalman.fused as kf
 import kalmix.ops.vla.apath_triton as ap
 
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+PTXAS = os.path.join(BIN, "ptxas")
 
 
-def report(label, fn, pointers, ints, constexprs, num_warps, div16):
-    signature = {n: "*fp32" for n in pointers} | {n: "i32" for n in ints} | {n: "constexpr" for n in constexprs}
+def report(label, fn, pointers, ints, constexprs, num_warps, div16, types=None, maxnreg=None, lane_tokens=None):
+    """``types`` overrides a pointer's element type (default fp32); ``lane_tokens``: the (lane, token) steps one
+    pass of the kernel's main loop makes per thread, to print its SASS instructions per lane and token."""
+    signature = ({n: (types or {}).get(n, "*fp32") for n in pointers} | {n: "i32" for n in ints}
+                 | {n: "constexpr" for n in constexprs})
     names = list(signature)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    options = dict(num_warps=num_warps, num_stages=1) | ({} if maxnreg is None else dict(maxnreg=maxnreg))
     kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=1))
+                            target=GPUTarget("cuda", 90, 32), options=options)
     ptx = kernel.asm["ptx"]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
@@ -42,9 +52,33 @@ def report(label, fn, pointers, ints, constexprs, num_warps, div16):
     print(f"{label:32s} warps {num_warps}  registers {regs.group(1) if regs else '?':>3s}  spill stores "
           f"{spills.group(1) if spills else '?':>5s} B  bar.sync {len(re.findall(r'bar.sync', ptx)):4d}  "
           f"shfl {len(re.findall(r'shfl.sync', ptx)):4d}  shared {kernel.metadata.shared} B", flush=True)
+    if lane_tokens:
+        body = _main_loop(kernel.asm["cubin"])
+        ops = collections.Counter(op for op in body)
+        print(f"{'':32s} main loop: {len(body)} SASS instructions, {len(body) / lane_tokens:.1f} per lane and "
+              f"token; " + ", ".join(f"{op} {n}" for op, n in ops.most_common(10)), flush=True)
 
 
-def main():
+def _main_loop(cubin):
+    """The opcodes of the longest loop in the SASS (the span from a backward branch's target to the branch)."""
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True,
+                              text=True).stdout
+    code = [re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in sass.splitlines()]
+    code = [(int(m.group(1), 16), m.group(2)) for m in code if m]
+    where = {addr: i for i, (addr, _) in enumerate(code)}
+    best = []
+    for i, (addr, text) in enumerate(code):
+        target = re.search(r"BRA\s.*?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < addr and int(target.group(1), 16) in where:
+            body = code[where[int(target.group(1), 16)]:i + 1]
+            best = body if len(body) > len(best) else best
+    return [re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0] for _, text in best]
+
+
+def vla():
     print(f"triton {triton.__version__}, sm_90, VLA A path at K = 128, fp32")
     common = dict(BK=128, DT=tl.float32)
     ptrs = ["k_ptr", "u_ptr", "a_ptr", "al_ptr", "asv_ptr", "rinv_ptr", "w_ptr", "nrm_ptr"]
@@ -63,6 +97,34 @@ def main():
     report("_apath_carry_kernel", ap._apath_carry_kernel, ptrs, ["T", "H", "K", "NSEG", "BPP"],
            dict(NPART=1, HAS_B0=True, TOTAL=False, C=ap.SAVE * ap.C_SUB, BC=ap.CARRY_COLS, **common),
            ap.WARPS["carry"], ptrs + ["T", "K", "NSEG", "BPP"])
+
+
+def kalman():
+    print(f"triton {triton.__version__}, sm_90, fused Kalman kernels at H = 1, N = 16, D = 2048, bf16 activations")
+    shape = dict(H=1, N=16, D=2048, BN=16, C=kf.CHUNK, EVEN=True, ACC=tl.float32)
+    bf16 = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "w_ptr", "o_ptr", "var_ptr", "do_ptr", "dvar_ptr")}
+    types = bf16 | {"cu_ptr": "*i32", "chunk_ptr": "*i32"}
+    ptrs = ["q_ptr", "k_ptr", "v_ptr", "w_ptr", "a_ptr", "p_ptr", "lam0_ptr", "mu0_ptr", "o_ptr", "var_ptr",
+            "lamT_ptr", "muT_ptr", "cky_ptr", "ckmu_ptr", "cu_ptr", "chunk_ptr"]
+    bd, warps = kf.FWD_CONFIG
+    for save in (True, False):
+        report(f"_kalman_fwd_kernel SAVE={save}", kf._kalman_fwd_kernel, ptrs, [],
+               dict(BD=bd, HAS_VAR=False, SAVE=save, **shape), warps, ptrs, types, kf.FWD_MAXNREG,
+               kf.CHUNK * 16 * bd // (32 * warps))
+    ptrs = ["q_ptr", "k_ptr", "v_ptr", "w_ptr", "a_ptr", "p_ptr", "lam0_ptr", "lamT_ptr", "cky_ptr", "ckmu_ptr",
+            "do_ptr", "dvar_ptr", "dlamT_ptr", "dmuT_ptr", "dq_ptr", "dk_ptr", "dv_ptr", "dw_ptr", "da_ptr", "dp_ptr",
+            "dlam0_ptr", "dmu0_ptr", "cu_ptr", "chunk_ptr"]
+    bd1, bd2, warps = kf.BWD_CONFIG
+    report("_kalman_bwd_kernel", kf._kalman_bwd_kernel, ptrs, ["TT"],
+           dict(BD1=bd1, BD2=bd2, HAS_DVAR=False, HAS_DFINAL=True, **shape), warps, ptrs + ["TT"], types,
+           lane_tokens=kf.CHUNK * 16 * bd1 * bd2 // (32 * warps))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ops", nargs="+", choices=["vla", "kalman"], default=["vla", "kalman"])
+    for op in parser.parse_args().ops:
+        {"vla": vla, "kalman": kalman}[op]()
 
 
 if __name__ == "__main__":
