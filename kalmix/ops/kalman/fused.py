@@ -82,7 +82,7 @@ def _sum_d(x):
 def _rows(geo, t):
     """Token t's row offsets (int64 scalars) in the [B·T, H, N] tensors and in the [B·T, H, D] ones: rows are
     addressed from scalar pointers, the lanes by 32-bit offsets."""
-    bos, i_h, H, N, D = geo[0], geo[1], geo[3], geo[4], geo[5]
+    bos, i_h, H, N, D = geo[0], geo[1], geo[2], geo[3], geo[4]
     tok = bos + t
     return tok * H * N + i_h * N, tok * H * D + i_h * D
 
@@ -106,7 +106,7 @@ def _load_run(io, geo, lanes, t0, L0, L, LEN: tl.constexpr, ADJOINT: tl.constexp
     into [L0, L − LEN], so a load one chunk ahead past either end of the full chunks rereads a real one; the
     rows' offsets are computed once per chunk."""
     rows = _rows(geo, tl.minimum(tl.maximum(t0, L0), L - LEN))
-    H, N, D = geo[3], geo[4], geo[5]
+    H, N, D = geo[2], geo[3], geo[4]
     return _load_rows(io, lanes, rows, H * N, H * D, LEN, ADJOINT, HAS_DVAR, ACC)
 
 
@@ -177,12 +177,12 @@ def _fwd_run(run, par, y, mu, o_c, var_c, ci, i: tl.constexpr, HAS_VAR: tl.const
 def _fwd_chunk(io, geo, lanes, par, t0, run, y, mu, BD: tl.constexpr, C: tl.constexpr, HAS_VAR: tl.constexpr,
                ACC: tl.constexpr):
     """The C tokens from t0, whose inputs ``run`` were loaded one chunk ahead; outputs stored at the end."""
-    bos, i_h, H, D = geo[0], geo[1], geo[3], geo[5]
+    H, D = geo[2], geo[4]
     o_d, m_d = lanes[1], lanes[3]
     ci = tl.arange(0, C)[:, None, None]
     zero = tl.zeros([C, 1, BD], ACC)
     y, mu, o_c, var_c = _fwd_run(run, par, y, mu, zero, zero, ci, 0, HAS_VAR)
-    row0 = (bos + t0) * H * D + i_h * D
+    row0 = _rows(geo, t0)[1]
     rows = ci * H * D + o_d
     tl.store(io[4] + row0 + rows, o_c, mask=m_d)
     if HAS_VAR:
@@ -222,7 +222,7 @@ def _kalman_fwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, a_ptr, p_ptr, lam0_ptr, mu0_p
     y = 1.0 / tl.load(lam0_ptr + st, mask=m_nd, other=1.).to(ACC)
     mu = tl.load(mu0_ptr + st, mask=m_nd, other=0.).to(ACC)
     io = (q_ptr, k_ptr, v_ptr, w_ptr, o_ptr, var_ptr)
-    geo = (bos, i_h, i_d, H, N, D)
+    geo = (bos, i_h, H, N, D)
     if SAVE and n_chunks > 0:
         tl.store(cky_ptr + c_base * H * N * D + lane, y, mask=m_nd)
         tl.store(ckmu_ptr + c_base * H * N * D + lane, mu, mask=m_nd)
@@ -284,7 +284,7 @@ def _adjoint_step(io, geo, lanes, par, inputs, y_p, mu_p, y_t, mu_t, g, carry, H
     # φ = k² Λv and r = k Λv v
     dk = _sum_d(2 * k * w * g_phi + (w * v) * g_r)
     kg_r = _sum_n(k * g_r)
-    part = geo[6] + rows[0]                                 # this block's share of Σ_d, summed on the host
+    part = geo[5] + rows[0]                                 # this block's share of Σ_d, summed on the host
     tl.store(io[6] + part + o_n, dq, mask=m_n)
     tl.store(io[7] + part + o_n, dk, mask=m_n)
     tl.store(io[8] + rows[1] + o_d, w * kg_r, mask=m_d)
@@ -321,7 +321,7 @@ def _kalman_bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, a_ptr, p_ptr, lam0_ptr, lamT_
     else:
         Gy, Gmu = zero, zero
     io = (q_ptr, k_ptr, v_ptr, w_ptr, do_ptr, dvar_ptr, dq_ptr, dk_ptr, dv_ptr, dw_ptr)
-    geo = (bos, i_h, i_d, H, N, D, i_d.to(tl.int64) * TT * H * N)     # the last: this block's Σ_d partials
+    geo = (bos, i_h, H, N, D, i_d.to(tl.int64) * TT * H * N)          # the last: this block's Σ_d partials
     carry = (Gy, Gmu, zero, zero, zero)
     # the full chunks, last first; chunk c - 1's inputs and checkpoint are loaded while chunk c runs
     ok = n_chunks > 1
