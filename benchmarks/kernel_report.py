@@ -9,8 +9,8 @@ before spending device time. From the repository root:
     pip download triton==3.6.0 --no-deps -d /tmp/t36whl && pip install --no-deps --target /tmp/t36 /tmp/t36whl/*.whl
     PYTHONPATH=/tmp/t36:$PWD python benchmarks/kernel_report.py [--ops vla kalman]
 
-Integer arguments and pointers are compiled as the GPU launch specialises them (divisible by 16, NPART = 1), at the
-speed harness's shape (VLA: K = 128, fp32; Kalman: H = 1, N = 16, D = 2048, bf16 activations).
+Integer arguments and pointers are compiled as the GPU launch specialises them (divisible by 16 but H; NPART = 1),
+at the speed harness's shape (VLA: K = 128, fp32; Kalman: H = 1, N = 16, D = 2048, bf16 activations).
 """
 import argparse
 import collections
@@ -31,13 +31,15 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 PTXAS = os.path.join(BIN, "ptxas")
 
 
-def report(label, fn, pointers, ints, constexprs, num_warps, div16, types=None, maxnreg=None, lane_tokens=None):
-    """``types`` overrides a pointer's element type (default fp32); ``lane_tokens``: the (lane, token) steps one
-    pass of the kernel's main loop makes per thread, to print its SASS instructions per lane and token."""
-    signature = ({n: (types or {}).get(n, "*fp32") for n in pointers} | {n: "i32" for n in ints}
-                 | {n: "constexpr" for n in constexprs})
-    names = list(signature)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
+def report(label, fn, constexprs, num_warps, types=None, maxnreg=None, lane_tokens=None):
+    """Compile ``fn`` with its signature read off its own parameters: ``*_ptr`` pointers (fp32 unless ``types``
+    says otherwise), the other non-constexpr ones i32, all divisible by 16 but H. ``lane_tokens``: the (lane,
+    token) steps one pass of the kernel's main loop makes per thread, to print its SASS instructions per lane and
+    token."""
+    names = [p.name for p in fn.params]
+    signature = {n: "constexpr" if n in constexprs else (types or {}).get(n, "*fp32") if n.endswith("_ptr")
+                 else "i32" for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if signature[n] != "constexpr" and n != "H"}
     options = dict(num_warps=num_warps, num_stages=1) | ({} if maxnreg is None else dict(maxnreg=maxnreg))
     kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options=options)
@@ -81,22 +83,16 @@ def _main_loop(cubin):
 def vla():
     print(f"triton {triton.__version__}, sm_90, VLA A path at K = 128, fp32")
     common = dict(BK=128, DT=tl.float32)
-    ptrs = ["k_ptr", "u_ptr", "a_ptr", "al_ptr", "asv_ptr", "rinv_ptr", "w_ptr", "nrm_ptr"]
     for store in (True, False):
-        report(f"_apath_fwd_kernel STORE={store}", ap._apath_fwd_kernel, ptrs, ["T", "H", "K", "NSEG", "SPP"],
+        report(f"_apath_fwd_kernel STORE={store}", ap._apath_fwd_kernel,
                dict(NPART=1, STORE=store, RINV=False, SAVE=ap.SAVE, C=ap.C_SUB, BR=ap.ROW_BLOCK, **common),
-               ap.WARPS["fwd"], ptrs + ["T", "K", "NSEG", "SPP"])
+               ap.WARPS["fwd"])
     blk = dict(C=ap.SAVE * ap.C_SUB, BC=ap.BLOCK_COLS, **common)
-    ptrs = ["al_ptr", "asv_ptr", "w_ptr", "nrm_ptr", "dal_ptr", "dk_ptr"]
-    report("_apath_bwd_b_kernel", ap._apath_bwd_b_kernel, ptrs, ["T", "H", "K", "NSEG"], blk, ap.WARPS["b"],
-           ptrs + ["T", "K", "NSEG"])
-    ptrs = ["u_ptr", "al_ptr", "nrm_ptr", "dk_ptr", "du_ptr"]
-    report("_apath_bwd_du_kernel", ap._apath_bwd_du_kernel, ptrs, ["T", "H", "K"], blk, ap.WARPS["du"],
-           ptrs + ["T", "K"])
-    ptrs = ["u_ptr", "al_ptr", "nrm_ptr", "dk_ptr", "b0_ptr", "du_ptr", "tot_ptr"]
-    report("_apath_carry_kernel", ap._apath_carry_kernel, ptrs, ["T", "H", "K", "NSEG", "BPP"],
+    report("_apath_bwd_b_kernel", ap._apath_bwd_b_kernel, blk, ap.WARPS["b"])
+    report("_apath_bwd_du_kernel", ap._apath_bwd_du_kernel, blk, ap.WARPS["du"])
+    report("_apath_carry_kernel", ap._apath_carry_kernel,
            dict(NPART=1, HAS_B0=True, TOTAL=False, C=ap.SAVE * ap.C_SUB, BC=ap.CARRY_COLS, **common),
-           ap.WARPS["carry"], ptrs + ["T", "K", "NSEG", "BPP"])
+           ap.WARPS["carry"])
 
 
 def kalman():
@@ -104,19 +100,13 @@ def kalman():
     shape = dict(H=1, N=16, D=2048, BN=16, C=kf.CHUNK, EVEN=True, ACC=tl.float32)
     bf16 = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "w_ptr", "o_ptr", "var_ptr", "do_ptr", "dvar_ptr")}
     types = bf16 | {"cu_ptr": "*i32", "chunk_ptr": "*i32"}
-    ptrs = ["q_ptr", "k_ptr", "v_ptr", "w_ptr", "a_ptr", "p_ptr", "lam0_ptr", "mu0_ptr", "o_ptr", "var_ptr",
-            "lamT_ptr", "muT_ptr", "cky_ptr", "ckmu_ptr", "cu_ptr", "chunk_ptr"]
     bd, warps = kf.FWD_CONFIG
     for save in (True, False):
-        report(f"_kalman_fwd_kernel SAVE={save}", kf._kalman_fwd_kernel, ptrs, [],
-               dict(BD=bd, HAS_VAR=False, SAVE=save, **shape), warps, ptrs, types, kf.FWD_MAXNREG,
-               kf.CHUNK * 16 * bd // (32 * warps))
-    ptrs = ["q_ptr", "k_ptr", "v_ptr", "w_ptr", "a_ptr", "p_ptr", "lam0_ptr", "lamT_ptr", "cky_ptr", "ckmu_ptr",
-            "do_ptr", "dvar_ptr", "dlamT_ptr", "dmuT_ptr", "dq_ptr", "dk_ptr", "dv_ptr", "dw_ptr", "da_ptr", "dp_ptr",
-            "dlam0_ptr", "dmu0_ptr", "cu_ptr", "chunk_ptr"]
+        report(f"_kalman_fwd_kernel SAVE={save}", kf._kalman_fwd_kernel, dict(BD=bd, HAS_VAR=False, SAVE=save, **shape),
+               warps, types, kf.FWD_MAXNREG, kf.CHUNK * 16 * bd // (32 * warps))
     bd1, bd2, warps = kf.BWD_CONFIG
-    report("_kalman_bwd_kernel", kf._kalman_bwd_kernel, ptrs, ["TT"],
-           dict(BD1=bd1, BD2=bd2, HAS_DVAR=False, HAS_DFINAL=True, **shape), warps, ptrs + ["TT"], types,
+    report("_kalman_bwd_kernel", kf._kalman_bwd_kernel,
+           dict(BD1=bd1, BD2=bd2, HAS_DVAR=False, HAS_DFINAL=True, **shape), warps, types,
            lane_tokens=kf.CHUNK * 16 * bd1 * bd2 // (32 * warps))
 
 
