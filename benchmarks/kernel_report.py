@@ -1,16 +1,19 @@
-"""Compile kalmix's VLA A-path kernels and the fused Kalman kernels for an H100 (sm_90) on a machine without a GPU and
-print, per kernel, the registers and spill stores ptxas reports, the barriers (bar.sync) and warp shuffles written
-in the PTX (a loop's body counts once), and the shared memory; for the Kalman kernels, whose time is instruction
-issue, also the SASS of the main loop (its instructions per lane and token, and the commonest opcodes). With the
-GPU's triton (3.6, whose own ptxas it runs) the registers are the GPU's and the spill stores within a few percent of
-its ``n_spills`` × 4 bytes (session 19: 424 B here, 106 there), so register pressure and barriers can be compared
-before spending device time. From the repository root:
+"""Compile kalmix's VLA A-path kernels, the fused Kalman kernels and the Gated KalmaNet kernels for an H100 (sm_90)
+on a machine without a GPU and print, per kernel, the registers and spill stores ptxas reports, the barriers
+(bar.sync) and warp shuffles written in the PTX (a loop's body counts once), and the shared memory; for the Kalman
+kernels, whose time is instruction issue, also the SASS of the main loop (its instructions per lane and token, and
+the commonest opcodes), and for GKA's solves the SASS of one Chebyshev step. With the GPU's triton (3.6, whose own
+ptxas it runs) the registers are the GPU's and the spill stores within a few percent of its ``n_spills`` × 4 bytes
+(session 19: 424 B here, 106 there), so register pressure and barriers can be compared before spending device
+time; what they cost is the GPU's to say (session 21: GKA variants with fewer instructions and spill stores per
+step ran slower). From the repository root:
 
     pip download triton==3.6.0 --no-deps -d /tmp/t36whl && pip install --no-deps --target /tmp/t36 /tmp/t36whl/*.whl
-    PYTHONPATH=/tmp/t36:$PWD python benchmarks/kernel_report.py [--ops vla kalman]
+    PYTHONPATH=/tmp/t36:$PWD python benchmarks/kernel_report.py [--ops vla kalman gka]
 
-Integer arguments and pointers are compiled as the GPU launch specialises them (divisible by 16 but H; NPART = 1),
-at the speed harness's shape (VLA: K = 128, fp32; Kalman: H = 1, N = 16, D = 2048, bf16 activations).
+Integer arguments and pointers are compiled as the GPU launch specialises them (divisible by 16 but H, n_iters and
+NBK; NPART = 1), at the speed harness's shape (VLA: K = 128, fp32; Kalman: H = 1, N = 16, D = 2048, bf16
+activations; GKA: K = V = 128, bf16 activations, each kernel's warps and stages from its config).
 """
 import argparse
 import collections
@@ -19,11 +22,13 @@ import re
 import subprocess
 import tempfile
 
+import torch
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+import kalmix.ops.gka.fused as gf
 import kalmix.ops.kalman.fused as kf
 import kalmix.ops.vla.apath_triton as ap
 
@@ -31,16 +36,20 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 PTXAS = os.path.join(BIN, "ptxas")
 
 
-def report(label, fn, constexprs, num_warps, types=None, maxnreg=None, lane_tokens=None):
+def report(label, fn, constexprs, num_warps, types=None, maxnreg=None, lane_tokens=None, num_stages=1,
+           loop_steps=None):
     """Compile ``fn`` with its signature read off its own parameters: ``*_ptr`` pointers (fp32 unless ``types``
-    says otherwise), the other non-constexpr ones i32, all divisible by 16 but H. ``lane_tokens``: the (lane,
-    token) steps one pass of the kernel's main loop makes per thread, to print its SASS instructions per lane and
-    token."""
+    says otherwise), the other non-constexpr ones i32 (unless ``types`` says otherwise), the pointers and i32
+    divisible by 16 but H, n_iters and NBK. ``lane_tokens``: the (lane, token) steps one pass of the kernel's main
+    loop makes per thread, to print its SASS instructions per lane and token; ``loop_steps``: the steps one pass
+    makes, to print its instructions per step."""
     names = [p.name for p in fn.params]
-    signature = {n: "constexpr" if n in constexprs else (types or {}).get(n, "*fp32") if n.endswith("_ptr")
-                 else "i32" for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if signature[n] != "constexpr" and n != "H"}
-    options = dict(num_warps=num_warps, num_stages=1) | ({} if maxnreg is None else dict(maxnreg=maxnreg))
+    types = types or {}
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "*fp32" if n.endswith("_ptr") else "i32")
+                 for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if (signature[n] == "i32" or signature[n].startswith("*")) and n not in ("H", "n_iters", "NBK")}
+    options = dict(num_warps=num_warps, num_stages=num_stages) | ({} if maxnreg is None else dict(maxnreg=maxnreg))
     kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options=options)
     ptx = kernel.asm["ptx"]
@@ -54,11 +63,13 @@ def report(label, fn, constexprs, num_warps, types=None, maxnreg=None, lane_toke
     print(f"{label:32s} warps {num_warps}  registers {regs.group(1) if regs else '?':>3s}  spill stores "
           f"{spills.group(1) if spills else '?':>5s} B  bar.sync {len(re.findall(r'bar.sync', ptx)):4d}  "
           f"shfl {len(re.findall(r'shfl.sync', ptx)):4d}  shared {kernel.metadata.shared} B", flush=True)
-    if lane_tokens:
+    if lane_tokens or loop_steps:
         body = _main_loop(kernel.asm["cubin"])
         ops = collections.Counter(op for op in body)
-        print(f"{'':32s} main loop: {len(body)} SASS instructions, {len(body) / lane_tokens:.1f} per lane and "
-              f"token; " + ", ".join(f"{op} {n}" for op, n in ops.most_common(10)), flush=True)
+        per = f"{len(body) / lane_tokens:.1f} per lane and token" if lane_tokens else \
+            f"{len(body) / loop_steps:.0f} per step"
+        print(f"{'':32s} main loop: {len(body)} SASS instructions, {per}; "
+              + ", ".join(f"{op} {n}" for op, n in ops.most_common(10)), flush=True)
 
 
 def _main_loop(cubin):
@@ -110,11 +121,31 @@ def kalman():
            lane_tokens=kf.CHUNK * 16 * bd1 * bd2 // (32 * warps))
 
 
+def gka():
+    print(f"triton {triton.__version__}, sm_90, Gated KalmaNet kernels at K = V = 128, bf16 activations")
+    bf16 = ("q", "k", "v", "h", "u", "o", "do", "dq", "dh", "du", "dv", "dk")
+    types = {f"{n}_ptr": "*bf16" for n in bf16} | {f"{n}_ptr": "*i32" for n in ("cu", "coff", "chunks")}
+    types["scale"] = "fp32"
+    _, _, kw = gf._launch(torch.bfloat16, 128, 128)
+    BD = gf.CONFIGS[16]["BV"]
+    for name, fn, extra, loop in (
+            ("states", gf._states_kernel, dict(BD=BD), None),
+            ("fwd", gf._fwd_kernel, dict(BV=BD, SOLVE=True, STORE=True), 1),
+            ("solve_bwd", gf._solve_bwd_kernel, dict(BV=BD, SOLVE=True), 1),
+            ("dstates", gf._dstates_kernel, dict(BD=BD, SOLVE=True, HAS_DST=True), None),
+            ("grads_u", gf._grads_u_kernel, dict(BV=BD, SOLVE=True), None),
+            ("grads_h", gf._grads_h_kernel, dict(SOLVE=True), None)):
+        opts = dict(kw[name])
+        warps, stages = opts.pop("num_warps"), opts.pop("num_stages")
+        report(f"_{name}_kernel", fn, opts | extra, warps, types, num_stages=stages, loop_steps=loop)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ops", nargs="+", choices=["vla", "kalman"], default=["vla", "kalman"])
+    parser.add_argument("--ops", nargs="+", choices=["vla", "kalman", "gka"],
+                        default=["vla", "kalman", "gka"])
     for op in parser.parse_args().ops:
-        {"vla": vla, "kalman": kalman}[op]()
+        {"vla": vla, "kalman": kalman, "gka": gka}[op]()
 
 
 if __name__ == "__main__":

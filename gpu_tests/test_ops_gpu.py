@@ -192,6 +192,33 @@ def test_gka_bf16_32k_tokens_finite(dev):
         assert torch.isfinite(t).all(), name
 
 
+def test_gka_kernels_get_the_carveout_that_keeps_their_occupancy(dev):
+    """Every GKA kernel the op launched carries the shared-memory carveout of ``carveout_percent`` (the rest of
+    the multiprocessor's memory is L1 for its spills), read back from the driver."""
+    import ctypes
+    from kalmix.ops.common import carveout
+    from kalmix.ops.gka import fused as gka_fused
+    args, _ = gka_layer_inputs(1, 300, 2, 128, 128, seed=5, dtype=torch.bfloat16)
+    xs = [x.to(dev).requires_grad_() for x in args]
+    ops.gated_kalmanet(*xs, impl="triton")[0].float().sum().backward()
+    sizes = carveout.SIZES_KB[torch.cuda.get_device_capability(dev)]
+    names = [n for n in dir(gka_fused) if n.endswith("_kernel")]
+    checked = 0
+    for name in names:
+        for caches in getattr(gka_fused, name).device_caches.values():
+            for kernel in caches[0].values():
+                if kernel.function is None:
+                    continue
+                value = ctypes.c_int(-2)
+                assert carveout._driver().cuFuncGetAttribute(ctypes.byref(value), carveout._CARVEOUT,
+                                                              ctypes.c_void_p(kernel.function)) == 0
+                want = carveout.carveout_percent(kernel.n_regs, kernel.metadata.num_warps, kernel.metadata.shared,
+                                                 sizes)
+                assert value.value == want, (name, value.value, want)
+                checked += 1
+    assert checked >= len(names), (checked, names)
+
+
 def test_value_errors_on_cuda(dev):
     """On CUDA the value checks are read back after the op's kernels are queued; they still raise before the op
     returns, with the same messages as on CPU."""

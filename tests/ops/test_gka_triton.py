@@ -46,11 +46,14 @@ def test_gradients_converge_to_the_exact_solves_with_the_steps():
     assert errs[0] > 5 * errs[1] > 25 * errs[2], errs
 
 
-def test_forward_equals_the_token_loops_chebyshev():
-    """Same solver, same steps: the forward and final states match the token loop to rounding."""
+@pytest.mark.parametrize("num_iters", [1, 7, 30])
+def test_forward_equals_the_token_loops_chebyshev(num_iters):
+    """Same solver, same steps: the forward and final states match the token loop to rounding (odd step counts
+    end on the kernel's single-step tail)."""
     args, state = layer_inputs(1, 100, 2, 12, 6, seed=2)
-    o, (Hs, Us) = ops.gated_kalmanet(*args, initial_state=state, output_final_state=True, impl="triton")
-    ref, (Hr, Ur) = ops.gated_kalmanet(*args, initial_state=state, output_final_state=True, impl="naive")
+    kw = dict(initial_state=state, output_final_state=True, num_iters=num_iters)
+    o, (Hs, Us) = ops.gated_kalmanet(*args, impl="triton", **kw)
+    ref, (Hr, Ur) = ops.gated_kalmanet(*args, impl="naive", **kw)
     for name, x, r in (("o", o, ref), ("H", Hs, Hr), ("U", Us, Ur)):
         assert_close(name, x, r, 1e-12)
 

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kalmix.ops.common.carveout import prefer_l1
 from kalmix.ops.common.checks import compute_dtype, fail
 from kalmix.ops.common.varlen import batch_offsets
 from kalmix.ops.common.delta_triton import (_DT, DOT_FP32, INTERPRET, _chunk_at, _chunk_rows, _chunk_table, _decay,
@@ -387,8 +388,8 @@ def _states(k, v, g, beta, h0, u0, cu, coff, NC):
     h, u = torch.empty(NC, H, K, K, **act), torch.empty(NC, H, K, V, **act)
     hT, uT = torch.empty_like(h0), torch.empty_like(u0)
     nbk = triton.cdiv(K, BD)
-    _states_kernel[(nbk + triton.cdiv(V, BD), N * H)](k, v, g, beta, h0, u0, cu, coff, h, u, hT, uT, H, K, V, nbk,
-                                                      BD=BD, **kw["states"])
+    prefer_l1(_states_kernel[(nbk + triton.cdiv(V, BD), N * H)](k, v, g, beta, h0, u0, cu, coff, h, u, hT, uT, H, K,
+                                                                V, nbk, BD=BD, **kw["states"]))
     return h, u, hT, uT
 
 
@@ -403,8 +404,8 @@ def _forward(q, k, v, g, beta, alpha, h0, u0, cu, coff, chunks, scale, ridge, n_
     x = torch.empty(Ttot, H, K, **acc) if store else o
     hn = torch.empty(Ttot, H, **acc) if store else o
     coef = _coefficients(ridge, n_iters, acc["dtype"], q.device)
-    _fwd_kernel[(NC, H)](q, k, v, g, beta, alpha, chunks, h, u, coef, o, x, hn, scale, n_iters, H, K, V, BV=BD,
-                         SOLVE=n_iters > 0, STORE=store, **kw["fwd"])
+    prefer_l1(_fwd_kernel[(NC, H)](q, k, v, g, beta, alpha, chunks, h, u, coef, o, x, hn, scale, n_iters, H, K, V,
+                                   BV=BD, SOLVE=n_iters > 0, STORE=store, **kw["fwd"]))
     return o, hT, uT, x, hn
 
 
@@ -443,8 +444,9 @@ class GKAFunction(torch.autograd.Function):
         cvec, mvec, khk, dgam = (torch.empty_like(hn) for _ in range(4))
         coef = _coefficients(ridge, n_iters, acc, q.device)
         solve = n_iters > 0
-        _solve_bwd_kernel[(NC, H)](q, k, v, g, beta, alpha, chunks, h, u, coef, x, hn, do, dq, dalpha, y, cvec, mvec,
-                                   khk, dgam, dkp, scale, n_iters, H, K, V, BV=BD, SOLVE=solve, **kw["solve_bwd"])
+        prefer_l1(_solve_bwd_kernel[(NC, H)](q, k, v, g, beta, alpha, chunks, h, u, coef, x, hn, do, dq, dalpha, y,
+                                             cvec, mvec, khk, dgam, dkp, scale, n_iters, H, K, V, BV=BD, SOLVE=solve,
+                                             **kw["solve_bwd"]))
         # the chunk-end state gradients only feed tensor-core products (operands in the activations' dtype):
         # stored in that dtype, as the states are
         dh, du = torch.empty(NC, H, K, K, dtype=q.dtype, device=q.device), torch.empty_like(u)
@@ -454,14 +456,14 @@ class GKAFunction(torch.autograd.Function):
         dhT = torch.zeros_like(h0) if dhT is None else dhT.contiguous()
         duT = torch.zeros_like(u0) if duT is None else duT.contiguous()
         nbk = triton.cdiv(K, BD)
-        _dstates_kernel[(nbk + triton.cdiv(V, BD), N * H)](
+        prefer_l1(_dstates_kernel[(nbk + triton.cdiv(V, BD), N * H)](
             q, k, x, y, alpha, cvec, mvec, do, g, beta, h, u, dhT, duT, cu, coff, dh, du, dh0, du0, dge, scale, H, K,
-            V, nbk, BD=BD, SOLVE=solve, HAS_DST=has_dst, **kw["dstates"])
+            V, nbk, BD=BD, SOLVE=solve, HAS_DST=has_dst, **kw["dstates"]))
         e, dGp, dbp = (torch.empty_like(hn) for _ in range(3))
-        _grads_u_kernel[(NC, H)](q, k, v, g, beta, alpha, chunks, u, du, x, do, dkp, e, dGp, dbp, dv, scale, H, K, V,
-                                 BV=BD, SOLVE=solve, **kw["grads_u"])
-        _grads_h_kernel[(NC, H)](k, g, beta, chunks, dh, x, y, cvec, khk, dgam, dkp, e, dGp, dbp, dge, dk, dg, dbeta,
-                                 H, K, SOLVE=solve, **kw["grads_h"])
+        prefer_l1(_grads_u_kernel[(NC, H)](q, k, v, g, beta, alpha, chunks, u, du, x, do, dkp, e, dGp, dbp, dv, scale,
+                                           H, K, V, BV=BD, SOLVE=solve, **kw["grads_u"]))
+        prefer_l1(_grads_h_kernel[(NC, H)](k, g, beta, chunks, dh, x, y, cvec, khk, dgam, dkp, e, dGp, dbp, dge, dk, dg,
+                                           dbeta, H, K, SOLVE=solve, **kw["grads_h"]))
         shape = lambda t: t.view(B, T, *t.shape[1:])  # noqa: E731
         return (shape(dq), shape(dk), shape(dv), shape(dg), shape(dbeta), shape(dalpha), dh0, du0,
                 None, None, None, None, None)
