@@ -1,9 +1,9 @@
 """The L1 / shared-memory split of a multiprocessor, chosen per compiled Triton kernel.
 
 The driver runs a kernel that asks for much shared memory with the largest shared carveout (228 KB on an H100),
-which leaves ~28 KB of L1: the register spills of kernels at 255 registers then miss L1 and wait on L2. Giving
-shared memory only what the kernel's occupancy needs and the rest to L1 turns those spills into L1 hits (H100,
-Gated KalmaNet at B = 16, T = 2048: forward+backward GPU time 6.15 -> 5.95 ms; README of kalmix/ops/gka).
+which leaves ~23–28 KB of L1: the register spills of kernels at 255 registers then miss L1 (ncu: 2–5% hits) and
+wait on L2. Giving shared memory only what the kernel's occupancy needs leaves the rest to L1 for them (H100, Gated
+KalmaNet at B = 16, T = 2048: forward+backward GPU time 6.15 -> 5.95 ms; README of kalmix/ops/gka).
 """
 from __future__ import annotations
 
