@@ -34,5 +34,13 @@ def test_the_gka_forward_on_an_h100_gets_164_kb():
     assert carveout_percent(255, 4, 81920, SIZES_KB[(9, 0)]) == 71
 
 
-def test_interpreter_launches_are_left_alone():
+def test_interpreter_launches_never_reach_the_driver(monkeypatch):
+    """Under TRITON_INTERPRET a launch returns no compiled kernel: nothing is set and no CUDA library is loaded."""
+    from kalmix.ops.common import carveout
+
+    def driver():
+        raise AssertionError("the CUDA driver was called")
+    monkeypatch.setattr(carveout, "_driver", driver)
+    before = set(carveout._done)
     prefer_l1(None)
+    assert carveout._done == before
