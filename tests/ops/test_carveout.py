@@ -1,12 +1,19 @@
 """The L1 / shared-memory carveout a kernel is given: the smallest split that keeps its occupancy."""
 import pytest
 
-from kalmix.ops.common.carveout import SIZES_KB, _RESERVED, carveout_percent, prefer_l1
+from kalmix.ops.common.carveout import SIZES_KB, _RESERVED, blocks_per_sm, carveout_percent, prefer_l1
 
 
-def _blocks(n_regs, num_warps, shared, largest):
-    regs = -(-n_regs * 32 // 256) * 256 * num_warps
-    return min(65536 // regs, 64 // num_warps, largest // (shared + _RESERVED))
+@pytest.mark.parametrize("n_regs,num_warps,shared,blocks", [
+    (255, 4, 81920, 2),         # the GKA solves: registers allow 2 (255 -> 256 per thread, 32K per block)
+    (255, 8, 131072, 1),        # GKA's U-path gradients
+    (128, 1, 0, 16),            # Kalman's forward: registers allow 16 one-warp blocks
+    (32, 1, 0, 64),             # warps: 64 per multiprocessor
+    (32, 4, 98304, 2),          # shared memory: 2 × (96 + 1) KB within 228 KB (registers allow 16)
+    (168, 4, 0, 3),             # 168 -> 5376 registers per warp, 21.5K per block: 3 in 64K
+])
+def test_blocks_per_multiprocessor(n_regs, num_warps, shared, blocks):
+    assert blocks_per_sm(n_regs, num_warps, shared, 228 * 1024) == blocks
 
 
 @pytest.mark.parametrize("cc", sorted(SIZES_KB))
@@ -17,7 +24,7 @@ def test_the_driver_rounds_the_percent_to_the_smallest_size_that_keeps_the_block
     for n_regs in (32, 96, 128, 168, 232, 255):
         for num_warps in (1, 2, 4, 8):
             for shared in (0, 1000, 16384, 33792, 57344, 81920, 98304, 131072, 163840, sizes[-1] - _RESERVED):
-                blocks = _blocks(n_regs, num_warps, shared, sizes[-1])
+                blocks = blocks_per_sm(n_regs, num_warps, shared, sizes[-1])
                 if blocks == 0:
                     with pytest.raises(ValueError, match="does not fit"):
                         carveout_percent(n_regs, num_warps, shared, SIZES_KB[cc])

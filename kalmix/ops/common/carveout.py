@@ -20,14 +20,20 @@ SIZES_KB = {(8, 0): (0, 8, 16, 32, 64, 100, 132, 164), (9, 0): (0, 8, 16, 32, 64
 _done: set[int] = set()
 
 
-def carveout_percent(n_regs: int, num_warps: int, shared: int, sizes_kb: tuple[int, ...],
-                     regs_per_sm: int = 65536, max_warps: int = 64) -> int:
+def blocks_per_sm(n_regs: int, num_warps: int, shared: int, max_shared: int, regs_per_sm: int = 65536,
+                  max_warps: int = 64) -> int:
+    """How many blocks of a kernel one multiprocessor holds at once, given ``max_shared`` bytes of shared memory:
+    the least of what its registers (allocated per warp in units of 256), warps and shared memory allow."""
+    regs_per_warp = -(-n_regs * 32 // 256) * 256
+    return min(regs_per_sm // (regs_per_warp * num_warps), max_warps // num_warps, max_shared // (shared + _RESERVED))
+
+
+def carveout_percent(n_regs: int, num_warps: int, shared: int, sizes_kb: tuple[int, ...]) -> int:
     """The carveout preference (percent of the largest size in ``sizes_kb``) that the driver rounds up to the
-    smallest size holding as many blocks as registers and warps allow."""
-    regs_per_warp = -(-n_regs * 32 // 256) * 256                 # allocated per warp in units of 256
+    smallest size holding ``blocks_per_sm`` blocks at the largest size."""
     per_block = shared + _RESERVED
     largest = sizes_kb[-1] * 1024
-    blocks = min(regs_per_sm // (regs_per_warp * num_warps), max_warps // num_warps, largest // per_block)
+    blocks = blocks_per_sm(n_regs, num_warps, shared, largest)
     if blocks < 1:
         raise ValueError(f"a block of {num_warps} warps at {n_regs} registers and {shared} B of shared memory "
                          "does not fit a multiprocessor")
