@@ -11,8 +11,8 @@ step ran slower). From the repository root:
     pip download triton==3.6.0 --no-deps -d /tmp/t36whl && pip install --no-deps --target /tmp/t36 /tmp/t36whl/*.whl
     PYTHONPATH=/tmp/t36:$PWD python benchmarks/kernel_report.py [--ops vla kalman gka]
 
-Integer arguments and pointers are compiled as the GPU launch specialises them (divisible by 16 but H, n_iters and
-NBK; NPART = 1), at the speed harness's shape (VLA: K = 128, fp32; Kalman: H = 1, N = 16, D = 2048, bf16
+Integer arguments and pointers are compiled as the GPU launch specialises them (divisible by 16 but H, and GKA's
+n_iters and NBK; NPART = 1), at the speed harness's shape (VLA: K = 128, fp32; Kalman: H = 1, N = 16, D = 2048, bf16
 activations; GKA: K = V = 128, bf16 activations, each kernel's warps and stages from its config).
 """
 import argparse
@@ -37,18 +37,18 @@ PTXAS = os.path.join(BIN, "ptxas")
 
 
 def report(label, fn, constexprs, num_warps, types=None, maxnreg=None, lane_tokens=None, num_stages=1,
-           loop_steps=None):
+           loop_steps=None, indivisible=("H",)):
     """Compile ``fn`` with its signature read off its own parameters: ``*_ptr`` pointers (fp32 unless ``types``
     says otherwise), the other non-constexpr ones i32 (unless ``types`` says otherwise), the pointers and i32
-    divisible by 16 but H, n_iters and NBK. ``lane_tokens``: the (lane, token) steps one pass of the kernel's main
-    loop makes per thread, to print its SASS instructions per lane and token; ``loop_steps``: the steps one pass
-    makes, to print its instructions per step."""
+    divisible by 16 but those named in ``indivisible`` (as the launch specialises them). ``lane_tokens``: the
+    (lane, token) steps one pass of the kernel's main loop makes per thread, to print its SASS instructions per
+    lane and token; ``loop_steps``: the steps one pass makes, to print its instructions per step."""
     names = [p.name for p in fn.params]
     types = types or {}
     signature = {n: "constexpr" if n in constexprs else types.get(n, "*fp32" if n.endswith("_ptr") else "i32")
                  for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if (signature[n] == "i32" or signature[n].startswith("*")) and n not in ("H", "n_iters", "NBK")}
+             if (signature[n] == "i32" or signature[n].startswith("*")) and n not in indivisible}
     options = dict(num_warps=num_warps, num_stages=num_stages) | ({} if maxnreg is None else dict(maxnreg=maxnreg))
     kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options=options)
@@ -137,7 +137,8 @@ def gka():
             ("grads_h", gf._grads_h_kernel, dict(SOLVE=True), None)):
         opts = dict(kw[name])
         warps, stages = opts.pop("num_warps"), opts.pop("num_stages")
-        report(f"_{name}_kernel", fn, opts | extra, warps, types, num_stages=stages, loop_steps=loop)
+        report(f"_{name}_kernel", fn, opts | extra, warps, types, num_stages=stages, loop_steps=loop,
+               indivisible=("H", "n_iters", "NBK"))            # H = 8, 30 steps, NBK = 2 column blocks
 
 
 def main():
