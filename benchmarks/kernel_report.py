@@ -1,5 +1,6 @@
 """Compile kalmix's VLA A-path kernels, the fused Kalman kernels and the Gated KalmaNet kernels for an H100 (sm_90)
-on a machine without a GPU and print, per kernel, the registers and spill stores ptxas reports, the barriers
+on a machine without a GPU and print, per kernel, the registers and spill stores ptxas reports (and its warning
+when it serialises the kernel's wgmma instructions: session 22, that cost the GKA adjoint solve 0.87 ms), the barriers
 (bar.sync) and warp shuffles written in the PTX (a loop's body counts once), and the shared memory; for the Kalman
 kernels, whose time is instruction issue, also the SASS of the main loop (its instructions per lane and token, and
 the commonest opcodes), and for GKA's solves the SASS of one Chebyshev step. With the GPU's triton (3.6, whose own
@@ -62,7 +63,9 @@ def report(label, fn, constexprs, num_warps, types=None, maxnreg=None, lane_toke
     spills = re.search(r"(\d+) bytes spill stores", info)
     print(f"{label:32s} warps {num_warps}  registers {regs.group(1) if regs else '?':>3s}  spill stores "
           f"{spills.group(1) if spills else '?':>5s} B  bar.sync {len(re.findall(r'bar.sync', ptx)):4d}  "
-          f"shfl {len(re.findall(r'shfl.sync', ptx)):4d}  shared {kernel.metadata.shared} B", flush=True)
+          f"shfl {len(re.findall(r'shfl.sync', ptx)):4d}  shared {kernel.metadata.shared} B"
+          + "".join(f"  wgmma serialized ({c})" for c in re.findall(r"\((C75\d\d)\) Potential Performance Loss", info)),
+          flush=True)
     if lane_tokens or loop_steps:
         body = _main_loop(kernel.asm["cubin"])
         ops = collections.Counter(op for op in body)
@@ -132,6 +135,7 @@ def gka():
             ("states", gf._states_kernel, dict(BD=BD), None),
             ("fwd", gf._fwd_kernel, dict(BV=BD, SOLVE=True, STORE=True), 1),
             ("solve_bwd", gf._solve_bwd_kernel, dict(BV=BD, SOLVE=True), 1),
+            ("solve_tail", gf._solve_tail_kernel, {}, None),
             ("dstates", gf._dstates_kernel, dict(BD=BD, SOLVE=True, HAS_DST=True), None),
             ("grads_u", gf._grads_u_kernel, dict(BV=BD, SOLVE=True), None),
             ("grads_h", gf._grads_h_kernel, dict(SOLVE=True), None)):
