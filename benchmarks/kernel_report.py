@@ -134,7 +134,7 @@ def gka():
     for name, fn, extra, loop in (
             ("states", gf._states_kernel, dict(BD=BD), None),
             ("fwd", gf._fwd_kernel, dict(BV=BD, SOLVE=True, STORE=True), 1),
-            ("solve_bwd", gf._solve_bwd_kernel, dict(BV=BD, SOLVE=True), 1),
+            ("solve_bwd", gf._solve_bwd_kernel, dict(BV=BD, SOLVE=True, TAIL=True), 1),
             ("solve_tail", gf._solve_tail_kernel, {}, None),
             ("dstates", gf._dstates_kernel, dict(BD=BD, SOLVE=True, HAS_DST=True), None),
             ("grads_u", gf._grads_u_kernel, dict(BV=BD, SOLVE=True), None),

@@ -18,11 +18,13 @@ def run(impl, args, state, num_iters, ridge=0.02, final_grad=True, **kw):
     return [o.detach(), Hs.detach(), Us.detach(), *random_functional_grads([o, Hs, Us] if final_grad else [o], xs)]
 
 
+@pytest.mark.parametrize("tail_min_k", [0, fused.MAX_K])
 @pytest.mark.parametrize("T,K,V,final_grad", [(150, 20, 70, True), (64, 8, 8, False), (1, 16, 4, True)])
-def test_matches_exact_solve_with_gradients_fp64(T, K, V, final_grad):
+def test_matches_exact_solve_with_gradients_fp64(T, K, V, final_grad, tail_min_k, monkeypatch):
     """120 steps at ridge 0.02 (κ <= 51) reach ~1e-13, so the implicit-differentiation gradients must equal
     autograd through torch.linalg.solve. T = 150: three chunks, the last partial; K = 20 pads to 32;
-    V = 70 takes two column blocks."""
+    V = 70 takes two column blocks. The adjoint solve's tail in its own kernel (tail_min_k 0) and in the solve's."""
+    monkeypatch.setattr(fused, "TAIL_MIN_K", tail_min_k)
     args, state = layer_inputs(2, T, 2, K, V, seed=T)
     ref = run("torch", args, state, None, final_grad=final_grad)
     got = run("triton", args, state, 120, final_grad=final_grad)

@@ -38,6 +38,10 @@ from kalmix.ops.common.delta_triton import (_DT, DOT_FP32, INTERPRET, _chunk_at,
 
 _OP = "gated_kalmanet"
 MAX_K = 128         # H_c [K, K] is one tile
+# above this K the adjoint solve's tail runs as its own kernel (README.md, "Session 22"): at K = 128 it had made
+# ptxas serialise the solve's tensor-core instructions (solve 1.94 -> 1.07 ms, tail 0.51; H100, B = 16, T = 2048);
+# at K = 64 the split solve was the serialised one
+TAIL_MIN_K = 64
 # per operand width (16-bit activations, or fp32/fp64): the chunk length C, the column block of the states and of
 # V, and each kernel's warps, or (warps, pipeline stages) (else 1 stage) (fp32's 3×TF32 operands need twice the
 # shared memory, hence the smaller tiles). H100, 16-bit: the solves at 4 warps (one warpgroup for the chunk's 64
@@ -156,12 +160,14 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_ptr, h_p
 
 
 @triton.jit
-def _solve_bwd_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_ptr, h_ptr, u_ptr, coef_ptr, hn_ptr, do_ptr,
-                      dq_ptr, dalpha_ptr, y_ptr, dkp_ptr, scale, n_iters, H, K, V, C: tl.constexpr, BK: tl.constexpr,
-                      BV: tl.constexpr, DT: tl.constexpr, SOLVE: tl.constexpr):
-    """dq̃ (into dkp's rows) and the adjoint solve's y_t; _solve_tail_kernel does the rest. Anything after the solve
-    here, even dq's elementwise update, made ptxas serialise every tensor-core instruction of the kernel (its
-    C7515 warning), the solve's included; without SOLVE: dq and dα."""
+def _solve_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_ptr, h_ptr, u_ptr, coef_ptr, x_ptr,
+                      hn_ptr, do_ptr, dq_ptr, dalpha_ptr, y_ptr, c_ptr, m_ptr, khk_ptr, dgam_ptr, dkp_ptr, scale,
+                      n_iters, H, K, V, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
+                      SOLVE: tl.constexpr, TAIL: tl.constexpr):
+    """dq̃ (into dkp's rows) and the adjoint solve's y_t, then ``_tail`` unless TAIL (_solve_tail_kernel runs it:
+    at K = 128 anything after the solve here, even dq's elementwise update, made ptxas serialise every
+    tensor-core instruction of the kernel, its C7515 warning; at K = 64 splitting it off did). Without SOLVE: dq
+    and dα."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, L, rows, cols, valid, G, beta, G_end, Gam, Md, M = _chunk(g_ptr, beta_ptr, chunks_ptr, i_c, i_h, H, C)
     Kc = _load_rows(k_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)
@@ -179,47 +185,56 @@ def _solve_bwd_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_ptr, h_pt
         Hc = _load_state(h_ptr, base * K * K, K, K, 0, BK, BK).to(DT)
         hnorm = tl.load(hn_ptr + tok, mask=valid, other=1.)
         alpha = _load_tokens(alpha_ptr, bos, L, i_h, H, 0., C)
-        # dq̃ waits in dkp's rows (overwritten by _solve_tail_kernel) while the solve runs on its right-hand side
-        # in the operand dtype (like the forward's q)
+        # dq̃ waits in dkp's rows (overwritten by _tail) while the solve runs on its right-hand side in the
+        # operand dtype (like the forward's q)
         _store_rows(dkp_ptr, dQt, bos, L, i_h, H, K, 0, BK, C)
         Y = _chebyshev((alpha[:, None] * dQt).to(DT), Hc, Kc, M, Gam, hnorm, coef_ptr, n_iters, DT)
         _store_rows(y_ptr, Y, bos, L, i_h, H, K, 0, BK, C)
+        if not TAIL:
+            _tail(q_ptr, x_ptr, coef_ptr, dq_ptr, dalpha_ptr, c_ptr, m_ptr, khk_ptr, dgam_ptr, dkp_ptr, Y, Hc, Kc,
+                  alpha, hnorm, M, Gam, bos, L, i_h, H, K, valid, tok, C, BK, DT)
     else:
         tl.store(dalpha_ptr + tok, tl.zeros([C], dtype=G.dtype), mask=valid)
         _store_rows(dq_ptr, dQt, bos, L, i_h, H, K, 0, BK, C)
 
 
 @triton.jit
-def _solve_tail_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_ptr, h_ptr, coef_ptr, x_ptr, hn_ptr, y_ptr,
-                       dq_ptr, dalpha_ptr, c_ptr, m_ptr, khk_ptr, dgam_ptr, dkp_ptr, H, K, C: tl.constexpr,
-                       BK: tl.constexpr, DT: tl.constexpr):
-    """After the adjoint solve, per chunk: dq = (1 − α) dq̃ + y, dα, c_t, m_s = Σ_t M[t, s] c_t Γ_t, and what needs
-    H_c in _grads_h_kernel: k_sᵀH_c k_s, the H_c terms of ∂/∂Γ_t (−y_tᵀH_c x_t + c_t (Γ_t ‖H_c‖² + Σ_s M[t, s]
-    k_sᵀH_c k_s)), and dk's 2 m_s H_c k_s (into dkp, where dq̃ waited; _grads_u_kernel adds to it)."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    bos, L, rows, cols, valid, G, beta, G_end, Gam, Md, M = _chunk(g_ptr, beta_ptr, chunks_ptr, i_c, i_h, H, C)
-    tok = (bos + tl.arange(0, C)) * H + i_h
-    alpha = _load_tokens(alpha_ptr, bos, L, i_h, H, 0., C)
+def _tail(q_ptr, x_ptr, coef_ptr, dq_ptr, dalpha_ptr, c_ptr, m_ptr, khk_ptr, dgam_ptr, dkp_ptr, Y, Hc, Kc, alpha,
+          hnorm, M, Gam, bos, L, i_h, H, K, valid, tok, C: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
+    """After the adjoint solve, per chunk: dq = (1 − α) dq̃ + y (dq̃ from dkp's rows), dα, c_t, m_s = Σ_t M[t, s]
+    c_t Γ_t, and what needs H_c in _grads_h_kernel: k_sᵀH_c k_s, the H_c terms of ∂/∂Γ_t (−y_tᵀH_c x_t + c_t
+    (Γ_t ‖H_c‖² + Σ_s M[t, s] k_sᵀH_c k_s)), and dk's 2 m_s H_c k_s (into dkp; _grads_u_kernel adds to it)."""
     dQt = _load_rows(dkp_ptr, bos, L, i_h, H, K, 0, BK, C)
-    Y = _load_rows(y_ptr, bos, L, i_h, H, K, 0, BK, C)
-    X = _load_rows(x_ptr, bos, L, i_h, H, K, 0, BK, C)
     _store_rows(dq_ptr, (1. - alpha)[:, None] * dQt + Y, bos, L, i_h, H, K, 0, BK, C)
+    X = _load_rows(x_ptr, bos, L, i_h, H, K, 0, BK, C)
     tl.store(dalpha_ptr + tok, tl.sum(dQt * (X - _load_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C)), axis=1), mask=valid)
-    hnorm = tl.load(hn_ptr + tok, mask=valid, other=1.)
     cvec = tl.where(valid, -tl.load(coef_ptr + 1) * tl.sum(X * Y, axis=1) / hnorm, 0.)
-    mvec = tl.sum(M * (cvec * Gam)[:, None], axis=0)
-    Hc = _load_state(h_ptr, (i_c.to(tl.int64) * H + i_h) * K * K, K, K, 0, BK, BK).to(DT)
     dgam = -tl.sum(_dot(Y, Hc, DT) * X, axis=1)
-    Kc = _load_rows(k_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)
+    mvec = tl.sum(M * (cvec * Gam)[:, None], axis=0)
     KH = _dot(Kc, Hc, DT)
     kHk = tl.sum(KH * Kc, axis=1)
     _store_rows(dkp_ptr, 2. * mvec[:, None] * KH, bos, L, i_h, H, K, 0, BK, C)
-    Hf = Hc.to(G.dtype)
+    Hf = Hc.to(Gam.dtype)
     dgam += cvec * (Gam * tl.sum(tl.sum(Hf * Hf, axis=1), axis=0) + tl.sum(M * kHk[None, :], axis=1))
     tl.store(c_ptr + tok, cvec, mask=valid)
     tl.store(m_ptr + tok, mvec, mask=valid)
     tl.store(khk_ptr + tok, kHk, mask=valid)
     tl.store(dgam_ptr + tok, dgam, mask=valid)
+
+
+@triton.jit
+def _solve_tail_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_ptr, h_ptr, coef_ptr, x_ptr, hn_ptr, y_ptr,
+                       dq_ptr, dalpha_ptr, c_ptr, m_ptr, khk_ptr, dgam_ptr, dkp_ptr, H, K, C: tl.constexpr,
+                       BK: tl.constexpr, DT: tl.constexpr):
+    """``_tail`` of _solve_bwd_kernel's chunk, as its own kernel (TAIL)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    bos, L, rows, cols, valid, G, beta, G_end, Gam, Md, M = _chunk(g_ptr, beta_ptr, chunks_ptr, i_c, i_h, H, C)
+    tok = (bos + tl.arange(0, C)) * H + i_h
+    Hc = _load_state(h_ptr, (i_c.to(tl.int64) * H + i_h) * K * K, K, K, 0, BK, BK).to(DT)
+    Kc = _load_rows(k_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)
+    _tail(q_ptr, x_ptr, coef_ptr, dq_ptr, dalpha_ptr, c_ptr, m_ptr, khk_ptr, dgam_ptr, dkp_ptr,
+          _load_rows(y_ptr, bos, L, i_h, H, K, 0, BK, C), Hc, Kc, _load_tokens(alpha_ptr, bos, L, i_h, H, 0., C),
+          tl.load(hn_ptr + tok, mask=valid, other=1.), M, Gam, bos, L, i_h, H, K, valid, tok, C, BK, DT)
 
 
 @triton.jit
@@ -463,9 +478,11 @@ class GKAFunction(torch.autograd.Function):
         cvec, mvec, khk, dgam = (torch.empty_like(hn) for _ in range(4))
         coef = _coefficients(ridge, n_iters, acc, q.device)
         solve = n_iters > 0
-        prefer_l1(_solve_bwd_kernel[(NC, H)](k, v, g, beta, alpha, chunks, h, u, coef, hn, do, dq, dalpha, y, dkp,
-                                             scale, n_iters, H, K, V, BV=BD, SOLVE=solve, **kw["solve_bwd"]))
-        if solve:
+        tail = solve and K > TAIL_MIN_K
+        prefer_l1(_solve_bwd_kernel[(NC, H)](q, k, v, g, beta, alpha, chunks, h, u, coef, x, hn, do, dq, dalpha, y,
+                                             cvec, mvec, khk, dgam, dkp, scale, n_iters, H, K, V, BV=BD, SOLVE=solve,
+                                             TAIL=tail, **kw["solve_bwd"]))
+        if tail:
             prefer_l1(_solve_tail_kernel[(NC, H)](q, k, g, beta, alpha, chunks, h, coef, x, hn, y, dq, dalpha, cvec,
                                                   mvec, khk, dgam, dkp, H, K, **kw["solve_tail"]))
         # the chunk-end state gradients only feed tensor-core products (operands in the activations' dtype):
