@@ -197,6 +197,11 @@ def test_gka_bf16_32k_tokens_finite(dev):
         assert torch.isfinite(t).all(), name
 
 
+def _compiled(kernel_fn):
+    """Every compiled variant of the Triton kernel ``kernel_fn`` that this process launched, on any device."""
+    return [kernel for caches in kernel_fn.device_caches.values() for kernel in caches[0].values()]
+
+
 def test_gka_kernels_get_the_carveout_that_keeps_their_occupancy(dev):
     """Every GKA kernel the op launched carries the shared-memory carveout of ``carveout_percent`` (the rest of
     the multiprocessor's memory is L1 for its spills), read back from the driver."""
@@ -210,17 +215,15 @@ def test_gka_kernels_get_the_carveout_that_keeps_their_occupancy(dev):
     names = [n for n in dir(gka_fused) if n.endswith("_kernel")]
     checked = 0
     for name in names:
-        for caches in getattr(gka_fused, name).device_caches.values():
-            for kernel in caches[0].values():
-                if kernel.function is None:
-                    continue
-                value = ctypes.c_int(-2)
-                assert carveout._driver().cuFuncGetAttribute(ctypes.byref(value), carveout._CARVEOUT,
-                                                              ctypes.c_void_p(kernel.function)) == 0
-                want = carveout.carveout_percent(kernel.n_regs, kernel.metadata.num_warps, kernel.metadata.shared,
-                                                 sizes)
-                assert value.value == want, (name, value.value, want)
-                checked += 1
+        for kernel in _compiled(getattr(gka_fused, name)):
+            if kernel.function is None:
+                continue
+            value = ctypes.c_int(-2)
+            assert carveout._driver().cuFuncGetAttribute(ctypes.byref(value), carveout._CARVEOUT,
+                                                          ctypes.c_void_p(kernel.function)) == 0
+            want = carveout.carveout_percent(kernel.n_regs, kernel.metadata.num_warps, kernel.metadata.shared, sizes)
+            assert value.value == want, (name, value.value, want)
+            checked += 1
     assert checked >= len(names), (checked, names)
 
 
@@ -239,16 +242,15 @@ def test_gka_solves_keep_their_tensor_core_pipeline(dev):
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     checked = 0
     for name in ("_fwd_kernel", "_solve_bwd_kernel"):
-        for caches in getattr(gka_fused, name).device_caches.values():
-            for kernel in caches[0].values():
-                with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-                    f.write(kernel.asm["ptx"])
-                    f.flush()
-                    out = subprocess.run([ptxas, f"-arch=sm_{major}{minor}a", "-v", f.name, "-o", os.devnull],
-                                         capture_output=True, text=True)
-                assert out.returncode == 0, out.stderr
-                assert "serialized" not in out.stderr + out.stdout, (name, out.stderr)
-                checked += 1
+        for kernel in _compiled(getattr(gka_fused, name)):
+            with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+                f.write(kernel.asm["ptx"])
+                f.flush()
+                out = subprocess.run([ptxas, f"-arch=sm_{major}{minor}a", "-v", f.name, "-o", os.devnull],
+                                     capture_output=True, text=True)
+            assert out.returncode == 0, out.stderr
+            assert "serialized" not in out.stderr + out.stdout, (name, out.stderr)
+            checked += 1
     assert checked >= 4, checked
 
 
