@@ -49,7 +49,7 @@ TAIL_MIN_K = 64
 # 0.88); states at 8 was slower (0.71 vs 0.47). Stages (B = 16, T = 2048 / B = 4, T = 8192, ms per call): states
 # 0.237 / 0.365 at 1, 0.190 / 0.249 at 2, 0.206 / 0.261 at 3; fwd 1.40 at 1, 1.35 at 2; grads_u 0.666 at 1,
 # 0.616 at 2; solve_bwd 1.96 at 1, 2.04 at 2; dstates 0.82 at 1, 0.95 at 2, 1.07 at 3; grads_h 0.96 at 1 and 2.
-# solve_tail (session 22): 0.51 ms at 8 warps, 0.84 at 4, 0.70 at 16
+# solve_tail (session 22, its first form): 0.51 ms at 8 warps, 0.84 at 4, 0.70 at 16
 CONFIGS = {16: dict(C=64, BV=64, states=(4, 2), fwd=(4, 2), solve_bwd=4, solve_tail=8, dstates=8, grads_u=(8, 2),
                     grads_h=4),
            32: dict(C=32, BV=32, states=4, fwd=8, solve_bwd=8, solve_tail=8, dstates=4, grads_u=8, grads_h=8)}
