@@ -60,3 +60,12 @@ def test_layer_training_step_and_decode(name, dev):
     finite = all(torch.isfinite(p.grad).all() for p in layer.parameters() if p.grad is not None)
     print(f"layer {name}: decode vs full forward {err:.1e}; bf16 grads finite {finite}")
     assert err <= 1e-4 and finite and torch.isfinite(xb.grad).all()
+
+
+def test_speed_fp32_ceiling_is_below_the_cuda_cores_peak(dev):
+    """The fp32 FMA rate `kalmix speed` measures is finite and below 128 FMAs per multiprocessor and cycle at 2.2
+    GHz (above any Hopper clock): a rate above it would mean the compiler dropped FMAs from the chains."""
+    from kalmix.bench.speed import ceilings
+    rate = ceilings(dev, 5, 20)["fp32_TFLOPs"]
+    peak = torch.cuda.get_device_properties(dev).multi_processor_count * 128 * 2 * 2.2e9 / 1e12
+    assert 0.3 * peak < rate < peak, (rate, peak)

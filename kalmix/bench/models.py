@@ -9,7 +9,13 @@ FLOPs count multiply and add separately (2 per MAC). Chunked matrix-state rules 
   delta rules (delta, gated delta, Kaczmarz): 2·BHT·(3KV + C(K + V) + CK)        (+ the C×C triangular solve)
   Gated KalmaNet: the GLA readout + num_iters · 2·BHT·(2CK + K²) Chebyshev mat-vecs + the chunk norms 2·BHT·CK
   variational LA: the delta rule + the A path 2·BHT·(2CK + 2K² + C²/3)
-  Kalman: elementwise, ~12 FLOPs per lane-token (lanes = B·T·H·N·D) forward, ~40 forward+backward
+  Kalman: elementwise fp32 work on the CUDA cores (lanes = B·T·H·N·D), counted as FMA-equivalents: 2 per fp32
+    add, multiply or FMA the filter's math needs per lane-token, so that 100% of the measured fp32 FMA rate is
+    every fp32 issue slot doing it. Forward 9 (the covariance-form step u = ā²y + p̄, w·u, 1 + k²·wu, y' = u·g,
+    r = k·(wv), ā·μ, ā·μ + r·u, ·g: 8; the readout's Σ_n q·μ: 1), forward+backward 9 + 30 (the step recomputed,
+    8; its adjoint, 22: Gμ += q·do 1, Σ_d do·μ 1, ∂φ 3, ∂r 1, φ and ∂u 5, g·Gμ 1, Σ_d for dk 3, Σ_n for dv and
+    dw 2, the carries and the dā, dp̄ sums 5). Per-slot (k², 2k) and per-channel (w·v) factors are shared across
+    lanes and not counted; nor are loads, addressing, shuffles and the step's reciprocal (the SFU's, one per step).
   causal SDPA: 2·B·H·T²·D forward (QKᵀ and PV over the lower triangle); backward 2.5× that
 Forward+backward FLOPs of the matrix-state rules are taken as 3× forward.
 """
@@ -57,7 +63,7 @@ def op_flops(op: str, s: Shape, mode: str, num_iters: int = 30) -> float:
     bht = s.B * s.H * s.T
     C, K, V = CHUNK, s.K, s.V
     if op == "kalman":
-        return (12 if mode == "fwd" else 40) * bht * K * V
+        return 2 * (9 if mode == "fwd" else 39) * bht * K * V
     if op == "sdpa":
         fwd = 2.0 * s.B * s.H * s.T * s.T * K
         return fwd if mode == "fwd" else 3.5 * fwd

@@ -3,7 +3,8 @@
 Rows are long-format: one per (thing timed, mode, dtype, T). Each row carries the median and p20/p80 time
 (``triton.testing.do_bench`` on CUDA; a plain timer loop on CPU), the peak memory of one call, achieved GB/s
 and TFLOP/s under the models of ``kalmix.bench.models``, and their fraction of the machine ceilings measured in
-the same run (copy bandwidth, bf16 matmul rate).
+the same run (copy bandwidth, bf16 matmul rate, and for Kalman's elementwise filter the fp32 FMA rate of the CUDA
+cores).
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from kalmix import ops
 from kalmix.bench.models import Shape, op_bytes, op_flops
@@ -198,8 +201,21 @@ def peak_mib(fn: Callable, device: torch.device) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
 
 
+@triton.jit
+def _fma_chains(x_ptr, a, b, n_iters, BLOCK: tl.constexpr, UNROLL: tl.constexpr):
+    """Four independent chains x <- a·x + b per element, ``n_iters`` × UNROLL steps each: fp32 FMAs only."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x0 = tl.load(x_ptr + offs)
+    x1, x2, x3 = x0 + 1.0, x0 + 2.0, x0 + 3.0
+    for _ in range(n_iters):
+        for _u in tl.static_range(UNROLL):
+            x0, x1, x2, x3 = x0 * a + b, x1 * a + b, x2 * a + b, x3 * a + b
+    tl.store(x_ptr + offs, x0 + x1 + x2 + x3)
+
+
 def ceilings(device: torch.device, warmup: int, rep: int) -> dict:
-    """Copy bandwidth (GB/s, read + write) and bf16 (CPU: fp32) matmul rate (TFLOP/s) measured now."""
+    """Copy bandwidth (GB/s, read + write), bf16 (CPU: fp32) matmul rate and, on CUDA, the fp32 FMA rate of the
+    CUDA cores (TFLOP/s, 2 per FMA; NaN off CUDA) measured now."""
     n = (1 << 28) if device.type == "cuda" else (1 << 22)
     src = torch.empty(n, dtype=torch.float32, device=device).normal_()
     dst = torch.empty_like(src)
@@ -208,7 +224,15 @@ def ceilings(device: torch.device, warmup: int, rep: int) -> dict:
     mdt = torch.bfloat16 if device.type == "cuda" else torch.float32
     a, b = torch.randn(m, m, device=device, dtype=mdt), torch.randn(m, m, device=device, dtype=mdt)
     _, mm_ms, _ = time_call(lambda: a @ b, [], device, warmup, rep)
-    return {"copy_GBps": 2 * 4 * n / copy_ms / 1e6, "matmul_TFLOPs": 2 * m ** 3 / mm_ms / 1e9}
+    fp32 = float("nan")
+    if device.type == "cuda":
+        x = torch.rand(1 << 22, device=device)
+        n_iters, unroll = 128, 8
+        _, fma_ms, _ = time_call(lambda: _fma_chains[(x.numel() // 1024,)](x, 0.999, 1e-3, n_iters, BLOCK=1024,
+                                                                            UNROLL=unroll, num_warps=4),
+                                 [], device, warmup, rep)
+        fp32 = 2 * 4 * n_iters * unroll * x.numel() / fma_ms / 1e9
+    return {"copy_GBps": 2 * 4 * n / copy_ms / 1e6, "matmul_TFLOPs": 2 * m ** 3 / mm_ms / 1e9, "fp32_TFLOPs": fp32}
 
 
 def versions() -> dict:
@@ -297,8 +321,10 @@ def _row(t: Target, mode, dtype_name, s: Shape, timing, ceil, meta, elt) -> dict
     return {"op": t.name, "impl": t.impl, "kind": t.kind, "mode": mode, "dtype": dtype_name, "B": s.B, "T": s.T,
             "H": s.H, "K": s.K, "V": s.V, "tokens": s.B * s.T, "ms_p20": p20, "ms_p50": p50, "ms_p80": p80,
             "peak_MiB": peak, "GBps": gbps, "TFLOPs": tflops, "frac_copy_bw": gbps / ceil["copy_GBps"],
-            "frac_matmul": tflops / ceil["matmul_TFLOPs"], "status": status, **meta,
-            "copy_GBps_measured": ceil["copy_GBps"], "matmul_TFLOPs_measured": ceil["matmul_TFLOPs"]}
+            "frac_matmul": tflops / ceil["matmul_TFLOPs"] if t.family == "matrix" else math.nan,
+            "frac_fp32": tflops / ceil["fp32_TFLOPs"] if t.family == "kalman" else math.nan, "status": status,
+            **meta, "copy_GBps_measured": ceil["copy_GBps"], "matmul_TFLOPs_measured": ceil["matmul_TFLOPs"],
+            "fp32_TFLOPs_measured": ceil["fp32_TFLOPs"]}
 
 
 def _decode_rows(cfg, device, dtype_name, ceil, meta) -> list[dict]:
@@ -400,13 +426,13 @@ def write_csv(rows: list[dict], path: str) -> None:
 def format_table(rows: list[dict], ceil: dict, meta: dict, device: torch.device) -> str:
     lines = [f"{meta['device_name']}  torch {meta['torch']}  triton {meta['triton']}  fla {meta['fla']}  "
              f"git {meta['git']}  measured ceilings: copy {ceil['copy_GBps']:.0f} GB/s, "
-             f"matmul {ceil['matmul_TFLOPs']:.1f} TFLOP/s",
+             f"matmul {ceil['matmul_TFLOPs']:.1f} TFLOP/s, fp32 FMA {ceil['fp32_TFLOPs']:.1f} TFLOP/s",
              "ops timed " + ("with their value checks (one host synchronisation per call)" if meta.get("check_values")
                              else "with check_values=False, as the layers call them (--check-values: with them)")]
     if device.type != "cuda":
         lines.append("NOTE: CPU run - these times say nothing about GPU speed.")
     head = (f"{'op':34s} {'impl':6s} {'mode':7s} {'dtype':5s} {'B':>4s} {'T':>6s} {'ms p50':>9s} {'Mtok/s':>8s} "
-            f"{'GB/s':>7s} {'%bw':>5s} {'TFLOP/s':>8s} {'%mm':>5s} {'peak MiB':>9s}  status")
+            f"{'GB/s':>7s} {'%bw':>5s} {'TFLOP/s':>8s} {'%mm':>5s} {'%fp32':>5s} {'peak MiB':>9s}  status")
     lines += [head, "-" * len(head)]
     for r in rows:
         tok = r["tokens"] / r["ms_p50"] / 1e3 if r["status"] == "ok" else float("nan")
@@ -416,7 +442,8 @@ def format_table(rows: list[dict], ceil: dict, meta: dict, device: torch.device)
         lines.append(f"{r['op']:34s} {r['impl']:6s} {r['mode']:7s} {r['dtype']:5s} {r['B']:>4d} {r['T']:>6d} "
                      f"{f(r['ms_p50'], '9.3f')} {f(tok, '8.2f')} {f(r['GBps'], '7.0f')} "
                      f"{f(100 * r['frac_copy_bw'], '5.0f')} {f(r['TFLOPs'], '8.1f')} "
-                     f"{f(100 * r['frac_matmul'], '5.0f')} {f(r['peak_MiB'], '9.0f')}  {r['status']}")
+                     f"{f(100 * r['frac_matmul'], '5.0f')} {f(100 * r['frac_fp32'], '5.0f')} "
+                     f"{f(r['peak_MiB'], '9.0f')}  {r['status']}")
     return "\n".join(lines)
 
 

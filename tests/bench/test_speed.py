@@ -31,7 +31,9 @@ def test_op_bytes_by_hand():
 
 def test_op_flops_by_hand():
     s = Shape(B=1, T=2, H=1, K=2, V=3)
-    assert op_flops("kalman", s, "fwd") == 12 * 2 * 2 * 3
+    # Kalman: 9 (forward) and 39 (forward+backward) fp32 slots per lane-token, as 2 FLOPs each
+    assert op_flops("kalman", s, "fwd") == 2 * 9 * 2 * 2 * 3
+    assert op_flops("kalman", s, "fwdbwd") == 2 * 39 * 2 * 2 * 3
     assert op_flops("sdpa", s, "fwd") == 2 * 1 * 1 * 2 * 2 * 2
     assert op_flops("sdpa", s, "fwdbwd") == 3.5 * op_flops("sdpa", s, "fwd")
     # gated linear attention: 2·BHT·(2KV + C(K + V)), C = 64
@@ -90,3 +92,13 @@ def test_ops_run_their_value_checks_only_when_asked(monkeypatch, check):
         assert fn().shape == (1, 8, 2, 8)
     assert seen["check_values"] is check
     assert SpeedConfig().check_values is False
+
+
+def test_fp32_ceiling_kernel_runs_every_fma():
+    """The fp32 ceiling's kernel (run by the interpreter here): with x <- x + 1 each of its four chains per element
+    takes exactly n_iters × UNROLL steps, so its output counts them."""
+    from kalmix.bench.speed import _fma_chains
+    x = torch.rand(2048)
+    x0 = x.clone()
+    _fma_chains[(2,)](x, 1.0, 1.0, 3, BLOCK=1024, UNROLL=5)
+    assert torch.allclose(x, 4 * x0 + (0 + 1 + 2 + 3) + 4 * 3 * 5)
