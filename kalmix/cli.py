@@ -92,6 +92,9 @@ def _add_speed_parser(sub) -> None:
     sp.add_argument("--warmup", type=int, default=d.warmup, help="do_bench warm-up (ms)")
     sp.add_argument("--rep", type=int, default=d.rep, help="do_bench repetition time (ms)")
     sp.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    sp.add_argument("--gka-iters", nargs="+", type=int, default=list(d.gka_iters),
+                    help="Chebyshev steps of the gated_kalmanet rows, one row each (named "
+                    "gated_kalmanet[num_iters=N] but for the op's default)")
     sp.add_argument("--check-values", action="store_true",
                     help="time the ops with their value checks on (each reads its result back: one host "
                     "synchronisation per call; the layers, and by default these timings, skip them)")
@@ -103,7 +106,8 @@ def _run_speed(args) -> int:
                       tokens=args.tokens, dtypes=tuple(args.dtypes), heads=args.heads, head_dim=args.head_dim,
                       d_model=args.d_model, d_state=args.d_state, decode_contexts=tuple(args.decode_contexts),
                       ops=tuple(args.ops), impls=tuple(args.impls), naive_max_len=args.naive_max_len,
-                      warmup=args.warmup, rep=args.rep, plots=not args.no_plots, check_values=args.check_values)
+                      warmup=args.warmup, rep=args.rep, plots=not args.no_plots, check_values=args.check_values,
+                      gka_iters=tuple(args.gka_iters))
     run_speed(cfg)
     return 0
 

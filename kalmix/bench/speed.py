@@ -15,7 +15,7 @@ import os
 import platform
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -29,6 +29,7 @@ from kalmix.ops.common.testing import CASES
 from kalmix.layers import MIXERS
 
 MODES = ("fwd", "fwdbwd", "decode")
+GKA_ITERS = inspect.signature(ops.gated_kalmanet).parameters["num_iters"].default    # the op's default (30)
 
 
 @dataclass
@@ -41,6 +42,7 @@ class Target:
     model: str | None            # key of the bytes/FLOPs model (ops and anchors)
     family: str                  # "matrix" (H heads of K x V states) or "kalman" (diagonal N x D lanes)
     build: Callable
+    op_kwargs: dict = field(default_factory=dict)    # keywords the op is called with (GKA's num_iters)
 
 
 def _rand(shape, dtype, device):
@@ -55,10 +57,11 @@ def _leaves(*xs):
     return [x.requires_grad_() for x in xs]
 
 
-def _op(op_name: str, case: str, impl: str, check_values: bool):
+def _op(op_name: str, case: str, impl: str, check_values: bool, op_kwargs: dict):
     """Inputs drawn like the tests' (``kalmix.ops.common.testing.CASES``), cast to the timed dtype (Kalman's
-    decay and process noise stay fp32 parameters). Ops with a value check run it only with ``check_values`` (its
-    read-back is one host synchronisation per call, which fla's ops do not make; the layers skip it)."""
+    decay and process noise stay fp32 parameters); the op is called with ``op_kwargs``. Ops with a value check run
+    it only with ``check_values`` (its read-back is one host synchronisation per call, which fla's ops do not
+    make; the layers skip it)."""
     def build(s: Shape, dt, dev):
         xs = CASES[case].inputs(s.B, s.T, s.H, s.K, s.V, torch.float32, torch.Generator().manual_seed(0))
         n_params = 2 if case == "kalman" else 0
@@ -66,7 +69,7 @@ def _op(op_name: str, case: str, impl: str, check_values: bool):
         leaves = _leaves(*xs)
         fn = getattr(ops, op_name)
         kw = {"check_values": check_values} if "check_values" in inspect.signature(fn).parameters else {}
-        return (lambda: fn(*leaves, impl=impl, **kw)[0]), leaves
+        return (lambda: fn(*leaves, impl=impl, **kw, **op_kwargs)[0]), leaves
     return build
 
 
@@ -142,17 +145,23 @@ def _layer(name, impl, d_model, heads, head_dim, d_state):
     return build
 
 
-def targets(ops_filter, impls_filter, d_model, heads, head_dim, d_state, device, check_values: bool = False
-            ) -> list[Target]:
+def targets(ops_filter, impls_filter, d_model, heads, head_dim, d_state, device, check_values: bool = False,
+            gka_iters: tuple = (GKA_ITERS,)) -> list[Target]:
     """Everything ``kalmix speed`` can time on this device (fla's kernels only on CUDA); ``check_values``: the
-    ops run their value checks."""
+    ops run their value checks; ``gka_iters``: gated_kalmanet's Chebyshev steps, one row each (named
+    ``gated_kalmanet[num_iters=N]`` but for the op's default)."""
     out = []
     op_cases = {"kalman_attention": "kalman", "gated_kalmanet": "gka", "kaczmarz_attention": "kaczmarz",
                 "variational_linear_attention": "vla"}
     for op_name, case in op_cases.items():
+        variants = [(op_name, {})]
+        if case == "gka":
+            variants = [(op_name if n == GKA_ITERS else f"{op_name}[num_iters={n}]", {"num_iters": n})
+                        for n in gka_iters]
         for impl in ops.runnable_impls(op_name, device):
-            out.append(Target(op_name, impl, "op", case, "kalman" if case == "kalman" else "matrix",
-                              _op(op_name, case, impl, check_values)))
+            for name, kw in variants:
+                out.append(Target(name, impl, "op", case, "kalman" if case == "kalman" else "matrix",
+                                  _op(op_name, case, impl, check_values, kw), kw))
     if device.type == "cuda":
         for fn_name, model in (("chunk_delta_rule", "delta"), ("chunk_gated_delta_rule", "gated_delta"),
                                ("chunk_simple_gla", "simple_gla"), ("chunk_gla", "gla")):
@@ -284,6 +293,7 @@ class SpeedConfig:
     rep: int = 100
     plots: bool = True
     check_values: bool = False
+    gka_iters: tuple = (GKA_ITERS,)
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -317,7 +327,7 @@ def _row(t: Target, mode, dtype_name, s: Shape, timing, ceil, meta, elt) -> dict
     gbps = tflops = float("nan")
     if t.model is not None and status == "ok":
         gbps = op_bytes(t.model, s, elt, mode) / p50 / 1e6
-        tflops = op_flops(t.model, s, mode) / p50 / 1e9
+        tflops = op_flops(t.model, s, mode, **t.op_kwargs) / p50 / 1e9
     return {"op": t.name, "impl": t.impl, "kind": t.kind, "mode": mode, "dtype": dtype_name, "B": s.B, "T": s.T,
             "H": s.H, "K": s.K, "V": s.V, "tokens": s.B * s.T, "ms_p20": p20, "ms_p50": p50, "ms_p80": p80,
             "peak_MiB": peak, "GBps": gbps, "TFLOPs": tflops, "frac_copy_bw": gbps / ceil["copy_GBps"],
@@ -368,7 +378,8 @@ def run(cfg: SpeedConfig, progress: bool = True) -> list[dict]:
     device = torch.device(cfg.device)
     meta = versions()
     ceil = ceilings(device, cfg.warmup, cfg.rep)
-    ts = targets(cfg.ops, cfg.impls, cfg.d_model, cfg.heads, cfg.head_dim, cfg.d_state, device, cfg.check_values)
+    ts = targets(cfg.ops, cfg.impls, cfg.d_model, cfg.heads, cfg.head_dim, cfg.d_state, device, cfg.check_values,
+                 cfg.gka_iters)
     meta["check_values"] = cfg.check_values
     rows = []
     os.makedirs(cfg.out, exist_ok=True)

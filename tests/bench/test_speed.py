@@ -46,11 +46,12 @@ def test_cli_on_cpu_writes_csv_and_plots(tmp_path, capsys):
     out = tmp_path / "speed"
     assert main(["speed", "--device", "cpu", "--out", str(out), "--seq-lens", "8", "16", "--tokens", "32",
                  "--heads", "2", "--head-dim", "8", "--d-model", "16", "--d-state", "4", "--decode-contexts", "8",
-                 "16", "--warmup", "1", "--rep", "1", "--naive-max-len", "8",
+                 "16", "--warmup", "1", "--rep", "1", "--naive-max-len", "8", "--gka-iters", "0", "30",
                  "--impls", "naive", "torch", "sdpa", "-"]) == 0
     rows = list(csv.DictReader(open(out / "speed.csv")))
     ops = {r["op"] for r in rows}
-    assert {"kalman_attention", "gated_kalmanet", "kaczmarz_attention", "variational_linear_attention",
+    assert {"kalman_attention", "gated_kalmanet", "gated_kalmanet[num_iters=0]", "kaczmarz_attention",
+            "variational_linear_attention",
             "sdpa_causal", "layer.kalman", "layer.attention", "sdpa_kv_cache"} <= ops
     assert {r["mode"] for r in rows} == {"fwd", "fwdbwd", "decode"}
     decode = {(r["op"], r["impl"], r["T"]) for r in rows if r["mode"] == "decode"}
@@ -102,3 +103,27 @@ def test_fp32_ceiling_kernel_runs_every_fma():
     x0 = x.clone()
     _fma_chains[(2,)](x, 1.0, 1.0, 3, BLOCK=1024, UNROLL=5)
     assert torch.allclose(x, 4 * x0 + (0 + 1 + 2 + 3) + 4 * 3 * 5)
+
+
+def test_gka_rows_per_num_iters(monkeypatch):
+    """--gka-iters makes one gated_kalmanet row per step count (the op's default keeps the plain name), each
+    calling the op with its count and modelled with its FLOPs."""
+    from kalmix.bench.speed import GKA_ITERS, _row
+    seen = []
+    real = ops.gated_kalmanet
+
+    def spy(*a, **kw):
+        seen.append(kw["num_iters"])
+        return real(*a, **kw)
+    monkeypatch.setattr(ops, "gated_kalmanet", spy)
+    cpu = torch.device("cpu")
+    ts = targets(("gated_kalmanet",), ("torch",), 16, 2, 8, 4, cpu, gka_iters=(0, GKA_ITERS))
+    assert [t.name for t in ts] == ["gated_kalmanet[num_iters=0]", "gated_kalmanet"]
+    s = Shape(1, 8, 2, 8, 8)
+    for t in ts:
+        fn, _ = t.build(s, torch.float32, cpu)
+        assert fn().shape == (1, 8, 2, 8)
+    assert seen == [0, GKA_ITERS]
+    ceil = {"copy_GBps": 1.0, "matmul_TFLOPs": 1.0, "fp32_TFLOPs": 1.0}
+    rows = [_row(t, "fwd", "fp32", s, (1.0, 1.0, 1.0, 0.0, "ok"), ceil, {}, 4) for t in ts]
+    assert [r["TFLOPs"] for r in rows] == [op_flops("gka", s, "fwd", num_iters=n) / 1e9 for n in (0, GKA_ITERS)]
