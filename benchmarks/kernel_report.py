@@ -1,20 +1,21 @@
-"""Compile kalmix's VLA A-path kernels, the fused Kalman kernels and the Gated KalmaNet kernels for an H100 (sm_90)
-on a machine without a GPU and print, per kernel, the registers and spill stores ptxas reports (and its warning
-when it serialises the kernel's wgmma instructions: session 22, that cost the GKA adjoint solve 0.87 ms), the barriers
-(bar.sync) and warp shuffles written in the PTX (a loop's body counts once), and the shared memory; for the Kalman
-kernels, whose time is instruction issue, also the SASS of the main loop (its instructions per lane and token, and
-the commonest opcodes), and for GKA's solves the SASS of one Chebyshev step. With the GPU's triton (3.6, whose own
-ptxas it runs) the registers are the GPU's and the spill stores within a few percent of its ``n_spills`` × 4 bytes
-(session 19: 424 B here, 106 there), so register pressure and barriers can be compared before spending device
-time; what they cost is the GPU's to say (session 21: GKA variants with fewer instructions and spill stores per
-step ran slower). From the repository root:
+"""Compile kalmix's VLA A-path kernels, the fused Kalman kernels, the Gated KalmaNet kernels and the delta rule's
+_grads_qw_kernel for an H100 (sm_90) on a machine without a GPU and print, per kernel, the registers and spill stores
+ptxas reports (and its warning when it serialises the kernel's wgmma instructions: session 22, that cost the GKA
+adjoint solve 0.87 ms), the barriers (bar.sync) and warp shuffles written in the PTX (a loop's body counts once), and
+the shared memory; for the Kalman kernels, whose time is instruction issue, also the SASS of the main loop (its
+instructions per lane and token, and the commonest opcodes), and for GKA's solves the SASS of one Chebyshev step.
+With the GPU's triton (3.6, whose own ptxas it runs) the registers are the GPU's and the spill stores within a few
+percent of its ``n_spills`` × 4 bytes (session 19: 424 B here, 106 there), so register pressure and barriers can be
+compared before spending device time; what they cost is the GPU's to say (session 21: GKA variants with fewer
+instructions and spill stores per step ran slower). From the repository root:
 
     pip download triton==3.6.0 --no-deps -d /tmp/t36whl && pip install --no-deps --target /tmp/t36 /tmp/t36whl/*.whl
-    PYTHONPATH=/tmp/t36:$PWD python benchmarks/kernel_report.py [--ops vla kalman gka]
+    PYTHONPATH=/tmp/t36:$PWD python benchmarks/kernel_report.py [--ops vla kalman gka delta]
 
 Integer arguments and pointers are compiled as the GPU launch specialises them (divisible by 16 but H, and GKA's
 n_iters and NBK; NPART = 1), at the speed harness's shape (VLA: K = 128, fp32; Kalman: H = 1, N = 16, D = 2048, bf16
-activations; GKA: K = V = 128, bf16 activations, each kernel's warps and stages from its config).
+activations; GKA: K = V = 128, bf16 activations, each kernel's warps and stages from its config; delta:
+_grads_qw_kernel at K = V = 128, bf16 activations, its launch's warps and stages).
 """
 import argparse
 import collections
@@ -29,6 +30,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+import kalmix.ops.common.delta_triton as dt
 import kalmix.ops.gka.fused as gf
 import kalmix.ops.kalman.fused as kf
 import kalmix.ops.vla.apath_triton as ap
@@ -145,12 +147,22 @@ def gka():
                indivisible=("H", "n_iters", "NBK"))            # H = 8, 30 steps, NBK = 2 column blocks
 
 
+def delta():
+    print(f"triton {triton.__version__}, sm_90, the delta-rule chunk kernels' _grads_qw_kernel at K = V = 128, bf16 "
+          "activations (ptxas serialises its wgmma: kalmix/ops/kaczmarz/README.md)")
+    names = ("q", "w", "g", "beta", "h", "dh", "u", "du", "do", "dq", "dw", "dwt")
+    types = {f"{n}_ptr": "*bf16" for n in names} | {"chunks_ptr": "*i32", "dG_ptr": "*fp32", "scale": "fp32"}
+    opts = dict(dt._launch(torch.bfloat16, 128, 128)["grads_qw"])
+    warps, stages = opts.pop("num_warps"), opts.pop("num_stages")
+    report("_grads_qw_kernel", dt._grads_qw_kernel, opts, warps, types, num_stages=stages)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ops", nargs="+", choices=["vla", "kalman", "gka"],
-                        default=["vla", "kalman", "gka"])
+    parser.add_argument("--ops", nargs="+", choices=["vla", "kalman", "gka", "delta"],
+                        default=["vla", "kalman", "gka", "delta"])
     for op in parser.parse_args().ops:
-        {"vla": vla, "kalman": kalman, "gka": gka}[op]()
+        {"vla": vla, "kalman": kalman, "gka": gka, "delta": delta}[op]()
 
 
 if __name__ == "__main__":
