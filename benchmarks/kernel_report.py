@@ -34,9 +34,9 @@ import kalmix.ops.common.delta_triton as dt
 import kalmix.ops.gka.fused as gf
 import kalmix.ops.kalman.fused as kf
 import kalmix.ops.vla.apath_triton as ap
+from kalmix.ops.common.testing import ptxas_verbose
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-PTXAS = os.path.join(BIN, "ptxas")
 
 
 def report(label, fn, constexprs, num_warps, types=None, maxnreg=None, lane_tokens=None, num_stages=1,
@@ -56,10 +56,7 @@ def report(label, fn, constexprs, num_warps, types=None, maxnreg=None, lane_toke
     kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options=options)
     ptx = kernel.asm["ptx"]
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-        f.write(ptx)
-        f.flush()
-        out = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
+    out = ptxas_verbose(ptx, "sm_90a")
     info = out.stderr + out.stdout
     regs = re.search(r"Used (\d+) registers", info)
     spills = re.search(r"(\d+) bytes spill stores", info)

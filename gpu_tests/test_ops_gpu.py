@@ -1,17 +1,12 @@
 """Every op's impl="triton" on the GPU against its fp64 torch path: outputs, final states and the gradients of
 every input (including the initial state), fp32 and bf16, one length that is no multiple of any chunk, and packed
 sequences with an empty one. Each comparison prints its error (``-s`` shows them)."""
-import os
-import subprocess
-import tempfile
-
 import pytest
 import torch
-import triton
 
 from kalmix import ops
 from kalmix.ops.common.testing import (CASES, gka_layer_inputs, kalman_realistic_inputs, outputs_and_grads,
-                                       random_functional_grads, rel_err, run_case)
+                                       ptxas_verbose, random_functional_grads, rel_err, run_case)
 from kalmix.ops.common import delta_triton
 from kalmix.ops.kaczmarz import fused as kaczmarz_fused
 
@@ -239,15 +234,10 @@ def test_gka_solves_keep_their_tensor_core_pipeline(dev):
         args, _ = gka_layer_inputs(1, 256, 8, K, K, seed=6, dtype=torch.bfloat16)
         xs = [x.to(dev).requires_grad_() for x in args]
         ops.gated_kalmanet(*xs, impl="triton")[0].float().sum().backward()
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     checked = 0
     for name in ("_fwd_kernel", "_solve_bwd_kernel"):
         for kernel in _compiled(getattr(gka_fused, name)):
-            with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-                f.write(kernel.asm["ptx"])
-                f.flush()
-                out = subprocess.run([ptxas, f"-arch=sm_{major}{minor}a", "-v", f.name, "-o", os.devnull],
-                                     capture_output=True, text=True)
+            out = ptxas_verbose(kernel.asm["ptx"], f"sm_{major}{minor}a")
             assert out.returncode == 0, out.stderr
             assert "serialized" not in out.stderr + out.stdout, (name, out.stderr)
             checked += 1

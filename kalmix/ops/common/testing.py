@@ -1,6 +1,10 @@
-"""Helpers shared by the test-suite and by GPU check scripts: relative errors and random op inputs."""
+"""Helpers shared by the test-suite and by GPU check scripts: relative errors, random op inputs, and ptxas's
+report on a compiled kernel."""
 from __future__ import annotations
 
+import os
+import subprocess
+import tempfile
 from dataclasses import dataclass
 from typing import Callable
 
@@ -14,6 +18,19 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     x, ref = x.detach().double(), ref.detach().double()
     den = ref.norm().item()
     return (x - ref).norm().item() / (den if den > 0 else 1.0)
+
+
+def ptxas_verbose(ptx: str, arch: str) -> subprocess.CompletedProcess:
+    """Assemble ``ptx`` for ``arch`` (e.g. "sm_90a") with the ptxas bundled in the installed Triton, verbose: its
+    output names the registers, the spill stores and its performance warnings (C75xx: wgmma serialised). Nothing
+    is written; the caller checks the return code."""
+    import triton
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        return subprocess.run([ptxas, f"-arch={arch}", "-v", f.name, "-o", os.devnull], capture_output=True,
+                              text=True)
 
 
 def assert_close(name: str, x: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
