@@ -6,8 +6,8 @@ with the compiler's registers and spills. From the repository root:
 
 Variants: "nochol" replaces R⁻¹ (the 16-step factorisation loop) by a scaled G; "tf32" multiplies with one TF32
 pass instead of 3×TF32; "nochol+tf32" both; "noUA" drops the products with A's row blocks (U A, K̂ A; A is still
-loaded); "nodown" drops the downdate A ← A − WᵀW; "C32" walks sub-chunks of 32 tokens (the factorisation 32 steps). The last column is α̂'s distance from the unedited kernel's. One
-program per (batch, head): no parts.
+loaded); "nodown" drops the downdate A ← A − WᵀW; "C32" walks sub-chunks of 32 tokens (the factorisation 32
+steps). The last column is α̂'s distance from the unedited kernel's. One program per (batch, head): no parts.
 """
 import importlib.util
 import pathlib
