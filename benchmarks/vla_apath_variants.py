@@ -4,10 +4,11 @@ with the compiler's registers and spills. From the repository root:
 
     python benchmarks/vla_apath_variants.py
 
-Variants: "nochol" replaces R⁻¹ (the 16-step factorisation loop) by a scaled G; "tf32" multiplies with one TF32
-pass instead of 3×TF32; "nochol+tf32" both; "noUA" drops the products with A's row blocks (U A, K̂ A; A is still
-loaded); "nodown" drops the downdate A ← A − WᵀW; "C32" walks sub-chunks of 32 tokens (the factorisation 32
-steps). The last column is α̂'s distance from the unedited kernel's. One program per (batch, head): no parts.
+Variants: "nochol" replaces R⁻¹ (the 16-step factorisation loop) by a scaled G; "tf32" multiplies with one TF32 pass
+instead of 3×TF32; "nochol+tf32" both; "noUA" drops the products with A's row blocks (U A, K̂ A; U A and K̂ A stay zero,
+and A is not read); "nodown" drops the downdate A ← A − WᵀW (A is neither read nor written there); "C32" walks
+sub-chunks of 32 tokens (the factorisation 32 steps). The last column is α̂'s distance from the unedited kernel's. One
+program per (batch, head): no parts.
 """
 import importlib.util
 import pathlib
@@ -28,12 +29,10 @@ EDITS = {
               "    return tl.dot(a, b, acc, input_precision='tf32')\n\n\n@triton.jit\n"
               "def _dot(a, b, DT: tl.constexpr):\n    return _dot_acc(a, b, None, DT)\n\n\n"
               "@triton.jit\ndef _chol_inv")],
-    "noUA": [("UA = _dot_acc(_load_rows(u_ptr, t0, L, i_h, H, K, r0, BR, C), Ar, UA, DT)",
-              "UA += tl.sum(Ar, axis=0)[None, :]"),
-             ("KA = _dot_acc(_load_rows(k_ptr, t0, L, i_h, H, K, r0, BR, C), Ar, KA, DT)",
-              "KA += tl.sum(Ar, axis=0)[None, :]")],
+    "noUA": [("UA = _dot_acc(_load_rows(u_ptr, t0, L, i_h, H, K, r0, BR, C), Ar, UA, DT)", "pass"),
+             ("KA = _dot_acc(_load_rows(k_ptr, t0, L, i_h, H, K, r0, BR, C), Ar, KA, DT)", "pass")],
     "nodown": [("tl.store(a_work + o, _dot_acc(-tl.trans(Wr), W, tl.load(a_work + o, mask=m, other=0.), DT), mask=m)",
-                "tl.store(a_work + o, tl.load(a_work + o, mask=m, other=0.) + tl.sum(Wr), mask=m)")],
+                "pass")],
     "C32": [("C_SUB = 16 ", "C_SUB = 32 "), ("SAVE = 4 ", "SAVE = 2 ")],
 }
 VARIANTS = {"base": [], "nochol": EDITS["nochol"], "tf32": EDITS["tf32"],
