@@ -438,7 +438,7 @@ def format_table(rows: list[dict], ceil: dict, meta: dict, device: torch.device)
     lines = [f"{meta['device_name']}  torch {meta['torch']}  triton {meta['triton']}  fla {meta['fla']}  "
              f"git {meta['git']}  measured ceilings: copy {ceil['copy_GBps']:.0f} GB/s, "
              f"matmul {ceil['matmul_TFLOPs']:.1f} TFLOP/s"
-             + (f", fp32 FMA {ceil['fp32_TFLOPs']:.1f} TFLOP/s" if ceil["fp32_TFLOPs"] == ceil["fp32_TFLOPs"] else ""),
+             + (f", fp32 FMA {ceil['fp32_TFLOPs']:.1f} TFLOP/s" if not math.isnan(ceil["fp32_TFLOPs"]) else ""),
              "ops timed " + ("with their value checks (one host synchronisation per call)" if meta.get("check_values")
                              else "with check_values=False, as the layers call them (--check-values: with them)")]
     if device.type != "cuda":
