@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tqdm.auto import tqdm
 
 from kalmix.layers import MIXERS
-from kalmix.models import MixerLM
+from kalmix.models import KalmixConfig, KalmixForCausalLM
 from kalmix.tasks import MQARConfig
 
 MIXER_NAMES = tuple(MIXERS)
@@ -45,6 +45,12 @@ class MQARBenchConfig(BaseModel):
     impl: Literal["naive", "torch", "triton"] | None = None
     threads: int | None = None
 
+    def lm_config(self, mixer: str) -> KalmixConfig:
+        """``n_layers`` blocks of ``mixer`` without MLPs (Zoology's MQAR models), untied embeddings."""
+        return KalmixConfig(vocab_size=self.vocab_size, hidden_size=self.d_model, num_hidden_layers=self.n_layers,
+                            mixer=mixer, mixer_kwargs={mixer: self.mixer_kwargs(mixer)}, mlp=False,
+                            tie_word_embeddings=False, impl=self.impl)
+
     def mixer_kwargs(self, mixer: str) -> dict:
         if mixer == "kalman":
             return dict(d_state=self.d_state, expand=1)     # the Kalman paper's MQAR setting (expand 1, H = 1)
@@ -71,7 +77,7 @@ def evaluate(model, inputs, labels, batch_size, device) -> float:
     model.eval()
     accs = []
     for i in range(0, len(inputs), batch_size):
-        logits, _ = model(inputs[i:i + batch_size].to(device))
+        logits = model(inputs[i:i + batch_size].to(device)).logits
         accs.append(accuracy(logits.float(), labels[i:i + batch_size].to(device)).cpu())
     model.train()
     return torch.cat(accs).mean().item()
@@ -81,8 +87,7 @@ def train_one(mixer: str, cfg: MQARBenchConfig, data, position: int = 0) -> dict
     (x_tr, y_tr), (x_te, y_te) = data
     device = torch.device(cfg.device)
     torch.manual_seed(cfg.seed)
-    model = MixerLM(cfg.vocab_size, cfg.d_model, cfg.n_layers, mixer, cfg.mixer_kwargs(mixer), impl=cfg.impl)
-    model.to(device)
+    model = KalmixForCausalLM(cfg.lm_config(mixer)).to(device)
     decay, no_decay = [], []
     for p in model.parameters():
         (no_decay if p.dim() < 2 or getattr(p, "_no_weight_decay", False) else decay).append(p)
@@ -97,7 +102,7 @@ def train_one(mixer: str, cfg: MQARBenchConfig, data, position: int = 0) -> dict
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         t0 = time.perf_counter()
-        logits, _ = model(x)
+        logits = model(x).logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -111,7 +116,7 @@ def train_one(mixer: str, cfg: MQARBenchConfig, data, position: int = 0) -> dict
             bar.set_postfix(loss=f"{loss.item():.3f}")
     bar.close()
     acc = evaluate(model, x_te, y_te, 256, device)
-    layer = model.blocks[0].mixer
+    layer = model.model.layers[0].mixer
     state = layer.state_size(cfg.seq_len) if mixer == "attention" else layer.state_size()
     return {"mixer": mixer, "params": sum(p.numel() for p in model.parameters()), "state_size": state,
             "accuracy": acc, "train_tokens_per_s": tokens / train_time, "train_time_s": train_time,

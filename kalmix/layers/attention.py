@@ -5,16 +5,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kalmix.layers.common import check_hidden, layer_cache, new_cache
+from kalmix.layers.cache import KalmixCache
+from kalmix.layers.common import check_hidden
 
 
 def rotary(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate channel pairs (first half, second half) of x [B, T, H, D] by angle pos · theta^(−2i/D)."""
     D = x.shape[-1]
-    freqs = theta ** (-torch.arange(0, D // 2, device=x.device, dtype=torch.float32) * 2 / D)
-    ang = pos.float()[..., None, None] * freqs                          # [B, T, 1, D/2]
+    dt = torch.promote_types(x.dtype, torch.float32)
+    freqs = theta ** (-torch.arange(0, D // 2, device=x.device, dtype=dt) * 2 / D)
+    ang = pos.to(dt)[..., None, None] * freqs                           # [B, T, 1, D/2]
     cos, sin = ang.cos(), ang.sin()
-    x1, x2 = x.float().chunk(2, dim=-1)
+    x1, x2 = x.to(dt).chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
@@ -22,7 +24,8 @@ class SoftmaxAttention(nn.Module):
     """Multi-head causal softmax attention with rotary position embeddings.
 
     ``attention_mask`` [B, T] (1 = token, 0 = padding) masks padded keys; positions count real tokens only.
-    Decoding keeps (k, v) [B, S, H, D] in the fla ``Cache``.
+    With ``use_cache`` the rotated keys and the values go into a ``KalmixCache`` (one row per token written into
+    buffers that grow by doubling); the mask then covers the whole context [B, S].
     """
 
     def __init__(self, d_model: int, num_heads: int = 4, rope_theta: float = 10000.0, layer_idx: int = 0,
@@ -39,9 +42,7 @@ class SoftmaxAttention(nn.Module):
         check_hidden(type(self).__name__, hidden_states, self.d_model, None)
         B, T, _ = hidden_states.shape
         q, k, v = self.qkv_proj(hidden_states).view(B, T, 3, self.num_heads, self.head_dim).unbind(2)
-        last = layer_cache(past_key_values, self.layer_idx)
-        past = last["attn_state"] if last else None
-        start = past[0].shape[1] if past is not None else 0
+        start = past_key_values.get_seq_length(self.layer_idx) if past_key_values is not None else 0
         S = start + T
         if attention_mask is not None:
             if attention_mask.shape != (B, S):
@@ -51,18 +52,22 @@ class SoftmaxAttention(nn.Module):
         else:
             pos = torch.arange(start, S, device=q.device).expand(B, T)
         q, k = rotary(q, pos, self.rope_theta), rotary(k, pos, self.rope_theta)
-        if use_cache:
-            if past_key_values is None:
-                past_key_values = new_cache()
-            past_key_values.update(attn_state=(k, v), layer_idx=self.layer_idx, offset=T)
-        if past is not None:
-            k, v = torch.cat([past[0], k], 1), torch.cat([past[1], v], 1)
-        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(start)[None, None]
-        if attention_mask is not None:
-            own = torch.zeros(T, S, dtype=torch.bool, device=q.device)
-            own[torch.arange(T), start + torch.arange(T)] = True          # padded queries see themselves (no NaN)
-            mask = (mask & attention_mask.bool()[:, None, None, :]) | own
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+        if use_cache and past_key_values is None:
+            past_key_values = KalmixCache()
+        if past_key_values is not None:
+            k, v = past_key_values.context_kv(self.layer_idx, k, v, store=use_cache)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if attention_mask is None and start == 0:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif attention_mask is None and T == 1:
+            o = F.scaled_dot_product_attention(q, k, v)                  # one query sees the whole context
+        else:
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(start)[None, None]
+            if attention_mask is not None:
+                own = torch.zeros(T, S, dtype=torch.bool, device=q.device)
+                own[torch.arange(T), start + torch.arange(T)] = True      # padded queries see themselves (no NaN)
+                mask = (mask & attention_mask.bool()[:, None, None, :]) | own
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.d_model)), None, past_key_values
 
     def state_size(self, context: int = 1) -> int:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from kalmix.layers.common import Packer, check_hidden, layer_cache, new_cache
+from kalmix.layers.cache import KalmixCache
+from kalmix.layers.common import Packer, activation_dtype, check_hidden, context_mask, keep_where
 
 
 class MixerLayer(nn.Module):
@@ -13,9 +14,14 @@ class MixerLayer(nn.Module):
     ``forward(hidden_states, attention_mask=None, past_key_values=None, use_cache=False)`` returns
     ``(o [B, T, d_model], None, past_key_values)`` like fla's layers. ``attention_mask`` [B, T] (1 = token,
     0 = padding; left or right padding) runs the padded batch as packed sequences, so padding never touches
-    a state. With ``use_cache`` the final recurrent and convolution states go into an fla ``Cache`` (created
-    when None is given); a following call continues from them, and single-token calls run ``step_impl``: the
-    op's recurrent step (impl="naive", the function the reference loops over) unless a subclass has a fused one.
+    a state; with a cache it may cover the whole context [B, S] (its last T columns are this call's). With
+    ``use_cache`` the final recurrent and convolution states go into a ``KalmixCache`` (created when None is
+    given); a following call continues from them, and single-token calls run ``step_impl``: the op's recurrent
+    step (impl="naive", the function the reference loops over) unless a subclass has a fused one.
+
+    Mixed precision: the op's activations (its [B, T, H, *] inputs) enter in one dtype, the autocast dtype
+    inside an autocast region and the hidden states' dtype otherwise; gates stay fp32; the op keeps its state
+    math in fp32 with autocast off.
     """
 
     d_model: int
@@ -39,21 +45,25 @@ class MixerLayer(nn.Module):
         raise NotImplementedError
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                past_key_values=None, use_cache: bool = False, **kwargs):
+                past_key_values: KalmixCache | None = None, use_cache: bool = False, **kwargs):
         name = type(self).__name__
         B, T = hidden_states.shape[:2]
-        if attention_mask is not None and T == 1 and attention_mask.dim() == 2:
-            attention_mask = attention_mask[:, -1:]                     # decoding: the mask grows with the context
+        attention_mask = context_mask(name, attention_mask, hidden_states, past_key_values is not None)
         check_hidden(name, hidden_states, self.d_model, attention_mask)
-        last = layer_cache(past_key_values, self.layer_idx)
+        last = past_key_values.get(self.layer_idx, B) if past_key_values is not None else None
         conv_state = last["conv_state"] if last else None
         rec_state = last["recurrent_state"] if last else None
         x = hidden_states
-        packer = None
-        if attention_mask is not None and not bool(attention_mask.all()):
+        packer = keep = None
+        if attention_mask is not None and T == 1 and rec_state is not None:
+            keep = attention_mask.bool()                               # [B, 1]: a padded step keeps the state
+            x = x * keep[..., None].to(x.dtype)                         # (no host read: decode steps stay async)
+        elif attention_mask is not None and not bool(attention_mask.all()):
             x = x * attention_mask[..., None].to(x.dtype)             # padding enters the convolutions as zeros
             packer = Packer(attention_mask)
         inputs, ctx, conv_state = self.project(x, conv_state)
+        act = activation_dtype(hidden_states)
+        inputs = [a.to(act) if a.dim() == 4 else a for a in inputs]
         cu_seqlens = None
         if packer is not None:
             inputs = [packer.pack(a) if a.dim() >= 3 else a for a in inputs]
@@ -63,9 +73,11 @@ class MixerLayer(nn.Module):
         if packer is not None:
             o = packer.unpack(o)
             extra = None if extra is None else packer.unpack(extra)
+        if keep is not None and state is not None:
+            state = keep_where(keep[:, 0], state, rec_state)
         if use_cache:
             if past_key_values is None:
-                past_key_values = new_cache()
-            past_key_values.update(recurrent_state=state, conv_state=conv_state, layer_idx=self.layer_idx, offset=T)
+                past_key_values = KalmixCache()
+            past_key_values.update(self.layer_idx, T, recurrent_state=state, conv_state=conv_state)
         out, second = self.readout(o, extra, ctx, **kwargs)
         return out, second, past_key_values

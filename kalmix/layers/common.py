@@ -1,5 +1,5 @@
 """Pieces the layers share: causal short convolution with a decode cache, gated RMSNorm, Mamba-2 decay gate,
-padding masks to packed sequences, and fla-compatible cache access."""
+padding masks to packed sequences, the activation dtype under mixed precision."""
 from __future__ import annotations
 
 import math
@@ -103,6 +103,34 @@ class DecayGate(nn.Module):
         return -upcast(self.A_log).exp() * F.softplus(upcast(self.proj(x)) + upcast(self.dt_bias))
 
 
+def activation_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a layer hands its op's activations in: autocast's inside an autocast region, else x's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def context_mask(name: str, attention_mask: torch.Tensor | None, x: torch.Tensor, cached: bool):
+    """This call's columns of a padding mask: with a cache the mask may cover the whole context [B, S >= T]
+    (as ``generate`` passes it); returns [B, T] or None."""
+    if attention_mask is None:
+        return None
+    T = x.shape[1]
+    if attention_mask.dim() != 2:
+        raise ValueError(f"{name}: `attention_mask` must be a 2-D [B, T] padding mask (1 = token, 0 = padding), got "
+                         f"shape {list(attention_mask.shape)}")
+    if cached and attention_mask.shape[1] > T:
+        return attention_mask[:, -T:]
+    return attention_mask
+
+
+def keep_where(keep: torch.Tensor, new, old):
+    """Per sequence, ``new`` where keep [B] is True and ``old`` elsewhere, for a state or tuple of states [B, ...]."""
+    if isinstance(new, torch.Tensor):
+        return torch.where(keep.view(-1, *[1] * (new.dim() - 1)), new, old.to(new.dtype))
+    return type(new)(keep_where(keep, n, o) for n, o in zip(new, old))
+
+
 def check_hidden(name: str, x: torch.Tensor, d_model: int, attention_mask: torch.Tensor | None) -> None:
     if x.dim() != 3 or x.shape[-1] != d_model:
         raise ValueError(f"{name}: `hidden_states` must be [B, T, {d_model}], got {list(x.shape)}")
@@ -128,16 +156,3 @@ class Packer:
         out = x.new_zeros(self.shape[0] * self.shape[1], *x.shape[2:])
         out[self.indices] = x[0]
         return out.view(*self.shape, *x.shape[2:])
-
-
-def layer_cache(past_key_values, layer_idx: int) -> dict | None:
-    """This layer's entry of an fla ``Cache`` (or None when there is none yet)."""
-    if past_key_values is not None and len(past_key_values) > layer_idx:
-        return past_key_values[layer_idx]
-    return None
-
-
-def new_cache():
-    """An empty fla ``Cache``; kalmix layers store their states in it the way fla's layers do."""
-    from fla.models.utils import Cache
-    return Cache()

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from kalmix.ops import runnable_impls
-from kalmix.ops.common.testing import CASES, assert_close, outputs_and_grads, run_case
+from kalmix.ops.common.testing import CASES, assert_close, outputs_and_grads, random_functional_grads, run_case
 
 TOL64 = 1e-6
 # every parallel impl of every op that runs on CPU tensors (triton in the interpreter)
@@ -116,3 +116,21 @@ def test_impl_matches_naive_with_default_state(name, impl):
         res[which] = out + list(torch.autograd.grad(loss, xs))
     for i, (x, r) in enumerate(zip(res[impl], res["naive"])):
         assert_close(f"{name}/{impl} tensor {i}", x, r, TOL64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name,impl", ALL)
+def test_autocast_does_not_touch_the_state_math(name, impl, dtype):
+    """An op called inside a CPU autocast region computes exactly what it computes outside: outputs and
+    gradients (the backward called outside the region, as torch.autocast prescribes)."""
+    case = CASES[name]
+    args, state = draw(case, 2, 40, 2, 4, 6, dtype=torch.float32)
+    args = [a.to(dtype) if a.dim() >= 3 else a for a in args]
+    results = []
+    for autocast in (False, True):
+        leaves = [a.detach().requires_grad_() for a in args]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            outs = run_case(case, leaves, state, impl)
+        results.append(outs + random_functional_grads(outs, leaves))
+    for x, r in zip(*results):
+        assert torch.equal(x, r)

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from kalmix.ops.common.checks import compute_dtype
+from kalmix.ops.common.precision import no_autocast
 from kalmix.ops.common.varlen import batch_offsets
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -329,6 +330,7 @@ class _KaczmarzStep(torch.autograd.Function):
         return beta
 
     @staticmethod
+    @no_autocast
     def backward(ctx, dbeta):
         k, eta = ctx.saved_tensors
         dk, deta = torch.empty_like(k), torch.empty_like(eta)
@@ -774,6 +776,7 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         return o.view(B, T, H, V), sT, ext
 
     @staticmethod
+    @no_autocast
     def backward(ctx, do, dsT, *_):
         q, w, e, v, g, beta, s0, cu, coff, chunks, Gc, Tm, wt, ut = ctx.saved_tensors
         B, T, H, K, V = ctx.shape

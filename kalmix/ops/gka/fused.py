@@ -31,6 +31,7 @@ import triton.language as tl
 
 from kalmix.ops.common.carveout import prefer_l1
 from kalmix.ops.common.checks import compute_dtype, fail
+from kalmix.ops.common.precision import no_autocast
 from kalmix.ops.common.varlen import batch_offsets
 from kalmix.ops.common.delta_triton import (_DT, DOT_FP32, INTERPRET, _chunk_at, _chunk_rows, _chunk_table, _decay,
                                             _dot, _dot32, _dot_acc, _gates, _load_rows, _load_state, _load_tokens,
@@ -463,6 +464,7 @@ class GKAFunction(torch.autograd.Function):
         return o.view(B, T, H, V), hT, uT
 
     @staticmethod
+    @no_autocast
     def backward(ctx, do, dhT, duT):
         q, k, v, g, beta, alpha, h0, u0, cu, coff, chunks, x, hn = ctx.saved_tensors
         scale, ridge, n_iters = ctx.args

@@ -5,6 +5,7 @@ import torch
 
 from kalmix.ops.common.checks import (Range, check_cu_seqlens, check_gates, check_ranges, check_same, no_check,
                                       check_tensor, compute_dtype, fail, resolve_impl)
+from kalmix.ops.common.precision import no_autocast
 from kalmix.ops.common.varlen import run_packed
 from kalmix.ops.gka.chunk import gka_chunk
 from kalmix.ops.gka.fused import gka_fused
@@ -14,6 +15,7 @@ _OP = "gated_kalmanet"
 _IMPLS = {"naive": gka_naive, "torch": gka_chunk, "triton": gka_fused}
 
 
+@no_autocast
 def gated_kalmanet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None = None,
                    beta: torch.Tensor | None = None, alpha: torch.Tensor | None = None, *,
                    scale: float | None = None, ridge: float = 0.02, num_iters: int | None = 30,

@@ -5,6 +5,7 @@ import torch
 
 from kalmix.ops.common.checks import (Range, check_cu_seqlens, check_gates, check_ranges, check_same, check_tensor,
                                       compute_dtype, resolve_impl)
+from kalmix.ops.common.precision import no_autocast
 from kalmix.ops.common.varlen import run_packed
 from kalmix.ops.kaczmarz.chunk import kaczmarz_chunk
 from kalmix.ops.kaczmarz.naive import kaczmarz_naive
@@ -14,6 +15,7 @@ _OP = "kaczmarz_attention"
 _IMPLS = {"naive": kaczmarz_naive, "torch": kaczmarz_chunk, "triton": kaczmarz_fused}
 
 
+@no_autocast
 def kaczmarz_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, eta: torch.Tensor, *,
                        eps: float = 1e-6, scale: float | None = None, initial_state: torch.Tensor | None = None,
                        output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kalmix.ops.common.precision import no_autocast
 from kalmix.ops.common.scan import affine_scan, mobius_scan
 
 
@@ -32,6 +33,7 @@ class KalmanScanFunction(torch.autograd.Function):
         return o, var, lam[:, -1], mu[:, -1]
 
     @staticmethod
+    @no_autocast
     def backward(ctx, do, dvar, dlam_T, dmu_T):          # unused outputs arrive as zeros (dvar: None if not computed)
         q, k, v, w, a, p, lam0, mu0, lam, mu, lam_prev, s, prior, gain = ctx.saved_tensors
         mu_prev = torch.cat([mu0[:, None], mu[:, :-1]], dim=1)

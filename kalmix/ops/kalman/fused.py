@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kalmix.ops.common.precision import no_autocast
 from kalmix.ops.common.varlen import batch_offsets
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -395,6 +396,7 @@ class KalmanFusedFunction(torch.autograd.Function):
         return o, var, lamT, muT
 
     @staticmethod
+    @no_autocast
     def backward(ctx, do, dvar, dlamT, dmuT):
         q, k, v, w, a, p, lam0, lamT, cky, ckmu, cu, chunk_off = ctx.saved_tensors
         B, T, H, N = q.shape

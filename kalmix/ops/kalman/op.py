@@ -5,6 +5,7 @@ import torch
 
 from kalmix.ops.common.checks import (Range, check_cu_seqlens, check_ranges, check_same, check_tensor, compute_dtype,
                                       fail, no_check, resolve_impl)
+from kalmix.ops.common.precision import no_autocast
 from kalmix.ops.common.varlen import run_packed
 from kalmix.ops.kalman.chunk import kalman_chunk
 from kalmix.ops.kalman.fused import kalman_fused
@@ -14,6 +15,7 @@ _OP = "kalman_attention"
 _IMPLS = {"naive": kalman_naive, "torch": kalman_chunk, "triton": kalman_fused}
 
 
+@no_autocast
 def kalman_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_precision: torch.Tensor,
                      decay: torch.Tensor, process_noise: torch.Tensor, *,
                      initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,

@@ -41,6 +41,7 @@ import triton.language as tl
 from kalmix.ops.common.checks import fail
 from kalmix.ops.common.delta_triton import (_DT, _dot, _dot_acc, _load_rows, _load_state, _load_tokens, _store_rows,
                                             _store_state, _store_tokens)
+from kalmix.ops.common.precision import no_autocast
 
 C_SUB = 16      # tokens per sub-chunk (one unblocked 16×16 Cholesky each)
 SAVE = 4        # the forward keeps A every SAVE sub-chunks for the backward
@@ -359,6 +360,7 @@ class APathFunction(torch.autograd.Function):
         return alpha, AT
 
     @staticmethod
+    @no_autocast
     def backward(ctx, dalpha, dAT):
         kh, uh, alpha, AT, asv, rinv, w, nrm = ctx.saved_tensors
         B, T, H, K = kh.shape

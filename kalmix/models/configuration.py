@@ -1,0 +1,105 @@
+"""``KalmixConfig``: a transformers config for causal LMs over any per-layer mix of mixers."""
+from __future__ import annotations
+
+import inspect
+
+from transformers import PretrainedConfig
+
+from kalmix.layers import MIXERS
+
+# arguments the model sets on every mixer itself
+_RESERVED = {"d_model", "layer_idx", "impl"}
+
+
+def layer_pattern(num_layers: int, mixer: str, attention_every: int | None = None,
+                  attention_layers=()) -> list[str]:
+    """Per-layer mixer names: ``mixer`` everywhere, softmax attention in every ``attention_every``-th layer
+    (layers k-1, 2k-1, ...) and in ``attention_layers`` (negative indices count from the end).
+
+    ``layer_pattern(12, "gka", attention_every=6)`` -> 5 × gka, attention, 5 × gka, attention;
+    ``layer_pattern(4, "kalman", attention_layers=[0, 1, 2])`` -> attention everywhere, Kalman in the last layer.
+    """
+    types = [mixer] * num_layers
+    if attention_every is not None:
+        if attention_every < 1:
+            raise ValueError(f"layer_pattern: `attention_every` must be >= 1, got {attention_every}")
+        for i in range(attention_every - 1, num_layers, attention_every):
+            types[i] = "attention"
+    for i in attention_layers:
+        if not -num_layers <= i < num_layers:
+            raise ValueError(f"layer_pattern: attention layer {i} is out of range for {num_layers} layers")
+        types[i] = "attention"
+    return types
+
+
+class KalmixConfig(PretrainedConfig):
+    """Configuration of ``KalmixModel`` / ``KalmixForCausalLM``.
+
+    Args:
+        vocab_size, hidden_size, num_hidden_layers: sizes.
+        mixers: the mixer of each layer, names of ``kalmix.layers.MIXERS`` ("attention", "gdn", "kaczmarz",
+            "gka", "vla", "kalman"); default: ``mixer`` in every layer, with softmax attention placed by
+            ``attention_every`` / ``attention_layers`` (see ``layer_pattern``). Saved resolved.
+        mixer_kwargs: per mixer name, keyword arguments of its layer class (e.g. ``{"gka": {"num_heads": 8}}``);
+            an unknown name or argument is an error.
+        intermediate_size: SwiGLU hidden width (default 8/3 · hidden_size rounded up to a multiple of 64);
+            ``mlp=False`` drops the MLPs (the MQAR convention).
+        norm_eps: of the pre-norm RMSNorms; initializer_range: std of the linear and embedding weights.
+        tie_word_embeddings: share the embedding with the LM head.
+        impl: the ops' backend for every kalmix mixer (None: triton on CUDA, torch otherwise).
+    """
+
+    model_type = "kalmix"
+
+    def __init__(self, vocab_size: int = 32000, hidden_size: int = 1024, num_hidden_layers: int = 8,
+                 mixers: list[str] | None = None, mixer: str = "gka", attention_every: int | None = None,
+                 attention_layers: list[int] | tuple = (), mixer_kwargs: dict | None = None,
+                 intermediate_size: int | None = None, mlp: bool = True, norm_eps: float = 1e-5,
+                 initializer_range: float = 0.02, tie_word_embeddings: bool = True, impl: str | None = None,
+                 use_cache: bool = True, **kwargs):
+        if mixers is None:
+            mixers = layer_pattern(num_hidden_layers, mixer, attention_every, attention_layers)
+        elif attention_every is not None or len(attention_layers):
+            raise ValueError("KalmixConfig: give either `mixers` or `mixer` with `attention_every` / "
+                             "`attention_layers`, not both")
+        mixers = list(mixers)
+        if len(mixers) != num_hidden_layers:
+            raise ValueError(f"KalmixConfig: `mixers` has {len(mixers)} entries for "
+                             f"num_hidden_layers = {num_hidden_layers}")
+        for t in mixers:
+            if t not in MIXERS:
+                raise ValueError(f"KalmixConfig: unknown mixer {t!r} in `mixers`; expected one of {sorted(MIXERS)}")
+        mixer_kwargs = {k: dict(v) for k, v in (mixer_kwargs or {}).items()}
+        for name, kw in mixer_kwargs.items():
+            if name not in MIXERS:
+                raise ValueError(f"KalmixConfig: `mixer_kwargs` names unknown mixer {name!r}; expected one of "
+                                 f"{sorted(MIXERS)}")
+            allowed = set(inspect.signature(MIXERS[name].__init__).parameters) - _RESERVED - {"self"}
+            bad = sorted(set(kw) - allowed)
+            if bad:
+                raise ValueError(f"KalmixConfig: `mixer_kwargs[{name!r}]` has unknown argument(s) {bad}; "
+                                 f"{MIXERS[name].__name__} takes {sorted(allowed)}")
+        if impl not in (None, "naive", "torch", "triton"):
+            raise ValueError(f"KalmixConfig: `impl` must be None, 'naive', 'torch' or 'triton', got {impl!r}")
+        if intermediate_size is None:
+            intermediate_size = -(-8 * hidden_size // 3 // 64) * 64
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.mixers = mixers
+        self.mixer_kwargs = mixer_kwargs
+        self.intermediate_size = intermediate_size
+        self.mlp = mlp
+        self.norm_eps = norm_eps
+        self.initializer_range = initializer_range
+        self.impl = impl
+        self.use_cache = use_cache
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    def layer_kwargs(self, layer_idx: int) -> dict:
+        """The constructor arguments of layer ``layer_idx``'s mixer (besides d_model)."""
+        name = self.mixers[layer_idx]
+        kw = dict(self.mixer_kwargs.get(name, {}), layer_idx=layer_idx)
+        if "impl" in inspect.signature(MIXERS[name].__init__).parameters:
+            kw["impl"] = self.impl
+        return kw

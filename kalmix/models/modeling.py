@@ -1,0 +1,249 @@
+"""``KalmixModel`` / ``KalmixForCausalLM``: transformers causal LMs over any per-layer mix of kalmix mixers.
+
+Blocks are pre-norm: ``x + mixer(RMSNorm(x))`` then ``x + SwiGLU(RMSNorm(x))``. Initialisation: embeddings and
+every linear weight ~ N(0, initializer_range), biases zero, norm weights one; the projections that write into the
+residual stream (each mixer's output projection and the MLP's down projection) ~ N(0, initializer_range /
+√(2 · num_hidden_layers)) (GPT-2's scaling); each mixer's own parameters (decays, Δ, process noise, short
+convolutions, skip) keep the initialisation of its paper that the layer sets.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from kalmix.layers import MIXERS
+from kalmix.layers.cache import KalmixCache
+from kalmix.layers.common import upcast
+from kalmix.models.configuration import KalmixConfig
+
+_RESIDUAL_OUT = ("o_proj", "out_proj", "down")
+# the outputs' cache field: ``cache`` from transformers 5.24 on, ``past_key_values`` before
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) · up(x))``, gate and up as one [d, 2·hidden] projection."""
+
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.gate_up = nn.Linear(d_model, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class KalmixBlock(nn.Module):
+    """Pre-norm residual block: mixer, then (unless ``config.mlp`` is False) a SwiGLU MLP."""
+
+    def __init__(self, config: KalmixConfig, layer_idx: int):
+        super().__init__()
+        d = config.hidden_size
+        self.mixer_type = config.mixers[layer_idx]
+        self.mixer_norm = nn.RMSNorm(d, eps=config.norm_eps)
+        self.mixer = MIXERS[self.mixer_type](d, **config.layer_kwargs(layer_idx))
+        self.mlp_norm = nn.RMSNorm(d, eps=config.norm_eps) if config.mlp else None
+        self.mlp = SwiGLU(d, config.intermediate_size) if config.mlp else None
+        for name in _RESIDUAL_OUT:                  # the projections that write into the residual stream
+            for owner in (self.mixer, self.mlp):
+                if isinstance(getattr(owner, name, None), nn.Linear):
+                    getattr(owner, name)._residual_out = True
+
+    def forward(self, x, attention_mask=None, cache=None, use_cache=False):
+        h, _, cache = self.mixer(self.mixer_norm(x), attention_mask=attention_mask, past_key_values=cache,
+                                 use_cache=use_cache)
+        x = x + h
+        if self.mlp is not None:
+            x = x + self.mlp(self.mlp_norm(x))
+        return x, cache
+
+
+class KalmixPreTrainedModel(PreTrainedModel):
+    config_class = KalmixConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["KalmixBlock"]
+    _supports_cache_class = False
+    _is_stateful = True
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        """The model makes its own ``KalmixCache`` (recurrent states do not fit transformers' KV caches)."""
+        return False
+
+    def _init_weights(self, module: nn.Module):
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            if getattr(module, "_residual_out", False):
+                std = std / math.sqrt(2 * self.config.num_hidden_layers)
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.RMSNorm) and module.weight is not None:
+            init.ones_(module.weight)
+
+
+class KalmixModel(KalmixPreTrainedModel):
+    """Embedding, ``num_hidden_layers`` blocks of the configured mixers, final RMSNorm."""
+
+    def __init__(self, config: KalmixConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(KalmixBlock(config, i) for i in range(config.num_hidden_layers))
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                cache: KalmixCache | None = None, past_key_values: KalmixCache | None = None,
+                inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
+                output_hidden_states: bool | None = None, return_dict: bool | None = None,
+                **kwargs) -> BaseModelOutputWithPast | tuple:
+        """input_ids [B, T] (or inputs_embeds [B, T, d]); attention_mask [B, T] or, with a cache, [B, S] over the
+        whole context (1 = token, 0 = padding); cache: a ``KalmixCache`` to continue from (``past_key_values``
+        is the same argument under transformers' older name)."""
+        unknown = set(kwargs) - {"position_ids", "cache_position", "output_attentions"}
+        if unknown:
+            raise TypeError(f"KalmixModel.forward got unexpected argument(s) {sorted(unknown)}")
+        if kwargs.get("output_attentions"):
+            raise ValueError("KalmixModel: `output_attentions` is not supported (most mixers have no attention map)")
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("KalmixModel: pass exactly one of `input_ids` and `inputs_embeds`")
+        if cache is not None and past_key_values is not None and cache is not past_key_values:
+            raise ValueError("KalmixModel: `cache` and `past_key_values` name the same argument; pass one")
+        cache = cache if cache is not None else past_key_values
+        if cache is not None and not isinstance(cache, KalmixCache):
+            raise TypeError(f"KalmixModel: the cache must be a KalmixCache, got {type(cache).__name__}")
+        use_cache = self.config.use_cache if use_cache is None and not self.training else bool(use_cache)
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            use_cache = False
+        if use_cache and cache is None:
+            cache = KalmixCache()
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        attn_mask, rec_mask = self._layer_masks(attention_mask, x, cache)
+        hidden = [] if output_hidden_states else None
+        for block in self.layers:
+            if hidden is not None:
+                hidden.append(x)
+            mask = attn_mask if block.mixer_type == "attention" else rec_mask
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                x, _ = self._gradient_checkpointing_func(block.__call__, x, mask, None, False)
+            else:
+                x, cache = block(x, mask, cache, use_cache)
+        x = self.norm(x)
+        if hidden is not None:
+            hidden.append(x)
+            hidden = tuple(hidden)
+        out_cache = cache if use_cache else None
+        if return_dict is False:
+            return tuple(v for v in (x, out_cache, hidden) if v is not None)
+        return BaseModelOutputWithPast(last_hidden_state=x, hidden_states=hidden, **{_CACHE_FIELD: out_cache})
+
+    @staticmethod
+    def _layer_masks(attention_mask, x, cache):
+        """(attention layers' mask [B, S] over the context, recurrent layers' mask [B, T] over this call's tokens),
+        each None where it holds no padding. One host read of the mask per prefill and none per decoded token: a
+        recurrent layer keeps its state through a padded step without reading the mask, and the cache remembers
+        whether its context holds padding."""
+        if attention_mask is None:
+            return None, None
+        T = x.shape[1]
+        if cache is not None and T == 1 and len(cache):
+            return (attention_mask if cache.has_padding else None), attention_mask[:, -1:]
+        new = attention_mask[:, -T:]
+        padded = not bool(new.all())
+        if cache is not None:
+            cache.has_padding = cache.has_padding or padded
+            return (attention_mask if cache.has_padding else None), (new if padded else None)
+        return (attention_mask if padded else None), (new if padded else None)
+
+
+class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
+    """``KalmixModel`` with an LM head (tied to the embedding when ``config.tie_word_embeddings``)."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: KalmixConfig):
+        super().__init__(config)
+        self.model = KalmixModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                cache: KalmixCache | None = None, past_key_values: KalmixCache | None = None,
+                inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
+                use_cache: bool | None = None, output_hidden_states: bool | None = None,
+                return_dict: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
+                **kwargs) -> CausalLMOutputWithPast | tuple:
+        """As ``KalmixModel.forward``, plus: labels [B, T] (−100 = not scored) give the mean cross-entropy of
+        position t's logits against labels[t + 1]; ``logits_to_keep`` = n > 0 projects only the last n positions
+        onto the vocabulary (a 1-D tensor: those positions); 0 keeps all."""
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, cache=cache,
+                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                         output_hidden_states=output_hidden_states, return_dict=True, **kwargs)
+        h = out.last_hidden_state
+        if labels is not None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+            raise ValueError("KalmixForCausalLM: `labels` need the logits of every position; leave `logits_to_keep` 0")
+        if isinstance(logits_to_keep, int):
+            h = h[:, -logits_to_keep:] if logits_to_keep > 0 else h
+        else:
+            h = h[:, logits_to_keep]
+        logits = self.lm_head(h)
+        loss = None
+        if labels is not None:
+            if labels.shape != logits.shape[:2]:
+                raise ValueError(f"KalmixForCausalLM: `labels` must be [B, T] = {list(logits.shape[:2])}, got "
+                                 f"{list(labels.shape)}")
+            loss = F.cross_entropy(upcast(logits[:, :-1].flatten(0, 1)), labels[:, 1:].flatten(), ignore_index=-100)
+        if return_dict is False:
+            return tuple(v for v in (loss, logits, getattr(out, _CACHE_FIELD), out.hidden_states) if v is not None)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states,
+                                      **{_CACHE_FIELD: getattr(out, _CACHE_FIELD)})
+
+    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, cache: KalmixCache | None = None,
+                                      past_key_values: KalmixCache | None = None,
+                                      attention_mask: torch.Tensor | None = None,
+                                      inputs_embeds: torch.Tensor | None = None, use_cache: bool = True,
+                                      logits_to_keep: int | None = None, **kwargs) -> dict:
+        """The next forward's inputs: the tokens the cache has not seen (all of them at the first step)."""
+        cache = cache if cache is not None else past_key_values
+        seen = cache.get_seq_length() if cache is not None else 0
+        inputs = {"cache": cache, "attention_mask": attention_mask, "use_cache": use_cache}
+        if inputs_embeds is not None and seen == 0:
+            inputs["inputs_embeds"] = inputs_embeds
+        else:
+            inputs["input_ids"] = input_ids[:, seen:].contiguous()
+        if logits_to_keep is not None:
+            inputs["logits_to_keep"] = logits_to_keep
+        return inputs
+
+    def _reorder_cache(self, cache: KalmixCache, beam_idx: torch.LongTensor) -> KalmixCache:
+        cache.reorder_cache(beam_idx)
+        return cache
