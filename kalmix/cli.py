@@ -41,9 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     _add_config_flags(mqar, MQARBenchConfig)
     mqar.add_argument("--out", default="runs/mqar.jsonl", help="JSONL file the results are appended to")
     _add_speed_parser(sub)
+    _add_generate_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "speed":
         return _run_speed(args)
+    if args.command == "generate":
+        return _run_generate(args)
     values = {k: v for k, v in vars(args).items() if k in MQARBenchConfig.model_fields}
     values = {k: (None if v in ("None", "none") else v) for k, v in values.items()}
     try:
@@ -54,6 +57,33 @@ def main(argv: list[str] | None = None) -> int:
         run(cfg, args.out)
     except NotImplementedError as e:   # e.g. the default impl of a device that has no kernels yet
         parser.error(f"{e} (on the command line: --impl torch)")
+    return 0
+
+
+def _add_generate_parser(sub) -> None:
+    g = sub.add_parser("generate", help="decode text from a saved model (static cache, CUDA-graphed steps)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g.add_argument("--model", required=True, help="folder of a saved KalmixForCausalLM (save_pretrained)")
+    g.add_argument("--prompt", required=True, help="prompt text")
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
+    g.add_argument("--device", default=None, help="torch device (default: cuda if available)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"], help="weights' dtype")
+    g.add_argument("--no-graph", action="store_true", help="run the decode steps eagerly (no CUDA graph)")
+    g.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    g.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed")
+
+
+def _run_generate(args) -> int:
+    from kalmix.models.decoding import generate_text
+    r = generate_text(args.model, args.prompt, max_new_tokens=args.max_new_tokens, tokenizer=args.tokenizer,
+                      device=args.device, dtype=args.dtype, graph=False if args.no_graph else None,
+                      do_sample=args.sample, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    print(args.prompt + r["text"])
+    print(f"-- {len(r['new_tokens'])} tokens in {r['decode_s']:.3f} s: {r['tokens_per_s']:.1f} tokens/s "
+          f"({'CUDA graph' if r['graph'] else 'eager'}; prefill {1e3 * r['prefill_s']:.1f} ms)", file=sys.stderr)
     return 0
 
 

@@ -42,6 +42,9 @@ class SoftmaxAttention(nn.Module):
         check_hidden(type(self).__name__, hidden_states, self.d_model, None)
         B, T, _ = hidden_states.shape
         q, k, v = self.qkv_proj(hidden_states).view(B, T, 3, self.num_heads, self.head_dim).unbind(2)
+        if (past_key_values is not None and past_key_values.static and T == 1 and use_cache
+                and "kv" in (past_key_values.get(self.layer_idx) or {})):
+            return self._static_step(q, k, v, past_key_values), None, past_key_values
         start = past_key_values.get_seq_length(self.layer_idx) if past_key_values is not None else 0
         S = start + T
         if attention_mask is not None:
@@ -69,6 +72,18 @@ class SoftmaxAttention(nn.Module):
                 mask = (mask & attention_mask.bool()[:, None, None, :]) | own
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.d_model)), None, past_key_values
+
+    def _static_step(self, q, k, v, cache: KalmixCache) -> torch.Tensor:
+        """One token against a static cache, with no host value: the row, the rotary position and the visible
+        rows all come from the cache's device tensors, so the step can be captured in a CUDA graph and replayed
+        at every position. Attends over the whole buffer with the unwritten rows masked."""
+        B = q.shape[0]
+        pos = (cache.position - cache.pad_count)[:, None]                # [B, 1]
+        q, k = rotary(q, pos, self.rope_theta), rotary(k, pos, self.rope_theta)
+        kb, vb, visible = cache.write_kv_at_position(self.layer_idx, k, v)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2),
+                                           attn_mask=visible[:, None, None, :])
+        return self.o_proj(o.transpose(1, 2).reshape(B, 1, self.d_model))
 
     def state_size(self, context: int = 1) -> int:
         """Elements carried per sequence while decoding: the KV cache, 2 · d_model per token of ``context``."""

@@ -136,6 +136,11 @@ class KalmixModel(KalmixPreTrainedModel):
             cache = KalmixCache()
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         attn_mask, rec_mask = self._layer_masks(attention_mask, x, cache)
+        static = cache is not None and cache.static and use_cache
+        if static:
+            cache.advance(0, x.device, x.shape[0])
+            if x.shape[1] > 1 and attention_mask is not None:
+                cache.mark_padding(attention_mask[:, -x.shape[1]:], cache.get_seq_length())
         hidden = [] if output_hidden_states else None
         for block in self.layers:
             if hidden is not None:
@@ -145,6 +150,8 @@ class KalmixModel(KalmixPreTrainedModel):
                 x, _ = self._gradient_checkpointing_func(block.__call__, x, mask, None, False)
             else:
                 x, cache = block(x, mask, cache, use_cache)
+        if static:
+            cache.advance(x.shape[1], x.device, x.shape[0])
         x = self.norm(x)
         if hidden is not None:
             hidden.append(x)
