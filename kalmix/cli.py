@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_config_flags(mqar, MQARBenchConfig)
     mqar.add_argument("--out", default="runs/mqar.jsonl", help="JSONL file the results are appended to")
+    decode = tasks.add_parser("decode", help="ms per generated token of whole models: eager, CUDA-graphed and "
+                              "the kernels' GPU time", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_decode_flags(decode)
     _add_speed_parser(sub)
     _add_generate_parser(sub)
     args = parser.parse_args(argv)
@@ -47,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_speed(args)
     if args.command == "generate":
         return _run_generate(args)
+    if args.task == "decode":
+        return _run_decode(args, parser)
     values = {k: v for k, v in vars(args).items() if k in MQARBenchConfig.model_fields}
     values = {k: (None if v in ("None", "none") else v) for k, v in values.items()}
     try:
@@ -57,6 +62,40 @@ def main(argv: list[str] | None = None) -> int:
         run(cfg, args.out)
     except NotImplementedError as e:   # e.g. the default impl of a device that has no kernels yet
         parser.error(f"{e} (on the command line: --impl torch)")
+    return 0
+
+
+_DECODE_HELP = {
+    "mixers": "mixers, one model each (attention is the KV-cache baseline)", "batch_sizes": "batch sizes B",
+    "contexts": "tokens prefilled per sequence before the timed steps", "layers": "blocks per model",
+    "d_model": "model width", "vocab_size": "vocabulary", "num_heads": "heads of every mixer but Kalman (H = 1)",
+    "steps": "decode steps timed", "prefill_chunk": "tokens per prefill call across the batch",
+    "dtype": "weights' dtype: bf16, fp16 or fp32", "device": "torch device", "graph": "also time the CUDA graph",
+    "out": "CSV file of the rows",
+}
+
+
+def _add_decode_flags(parser) -> None:
+    from kalmix.bench.decode import DecodeBenchConfig
+    for name, field in DecodeBenchConfig.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        default = field.get_default(call_default_factory=True)
+        if field.annotation is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_DECODE_HELP[name])
+            continue
+        nargs = "+" if typing.get_origin(field.annotation) is list else None
+        kind = int if field.annotation in (int, list[int]) else None
+        parser.add_argument(flag, nargs=nargs, type=kind, default=default, help=_DECODE_HELP[name])
+
+
+def _run_decode(args, parser) -> int:
+    from kalmix.bench.decode import DecodeBenchConfig, run as run_decode
+    values = {k: v for k, v in vars(args).items() if k in DecodeBenchConfig.model_fields}
+    try:
+        cfg = DecodeBenchConfig.model_validate(values)
+    except ValidationError as e:
+        parser.error(str(e))
+    run_decode(cfg)
     return 0
 
 

@@ -56,8 +56,8 @@ class MixerLayer(nn.Module):
         x = hidden_states
         packer = keep = None
         if attention_mask is not None and T == 1 and rec_state is not None:
-            keep = attention_mask.bool()                               # [B, 1]: a padded step keeps the state
-            x = x * keep[..., None].to(x.dtype)                         # (no host read: decode steps stay async)
+            keep = attention_mask.bool()[..., None]                    # [B, 1, 1]: a padded step keeps the state
+            x = torch.where(keep, x, 0)                                 # (no host read: decode steps stay async)
         elif attention_mask is not None and not bool(attention_mask.all()):
             x = x * attention_mask[..., None].to(x.dtype)             # padding enters the convolutions as zeros
             packer = Packer(attention_mask)
@@ -73,8 +73,10 @@ class MixerLayer(nn.Module):
         if packer is not None:
             o = packer.unpack(o)
             extra = None if extra is None else packer.unpack(extra)
-        if keep is not None and state is not None:
-            state = keep_where(keep[:, 0], state, rec_state)
+        if keep is not None:
+            o = torch.where(keep[..., None], o, 0)                      # o [B, 1, H, V]; NaN-safe, unlike o · keep
+            if state is not None:
+                state = keep_where(keep[:, 0, 0], state, rec_state)
         if use_cache:
             if past_key_values is None:
                 past_key_values = KalmixCache()

@@ -1,0 +1,152 @@
+"""`kalmix bench decode`: milliseconds per generated token of whole models, eager and CUDA-graphed, next to the
+GPU time of the step's kernels (its floor), for each mixer, batch size and context length.
+
+For each (mixer, B, context): a ``KalmixForCausalLM`` of ``layers`` blocks of that mixer (bf16 weights) is
+prefilled with ``context`` random tokens per sequence (in chunks, through the cache), then timed per decode step
+three ways: ``Decoder``'s static-cache step run eagerly, the same step replayed as a CUDA graph, and the sum of
+the durations of the kernels one eager step launches (``torch.profiler``; the GPU time with no launch gaps).
+"""
+from __future__ import annotations
+
+import csv
+import gc
+import os
+import time
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from kalmix.layers import MIXERS
+from kalmix.models import KalmixConfig, KalmixForCausalLM
+from kalmix.models.decoding import Decoder
+
+
+class DecodeBenchConfig(BaseModel):
+    """One run; every field is a CLI flag (kebab-case)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mixers: list[str] = Field(default_factory=lambda: list(MIXERS))
+    batch_sizes: list[int] = [1, 32]
+    contexts: list[int] = [1024, 8192, 32768]
+    layers: int = 8
+    d_model: int = 1024
+    vocab_size: int = 32000
+    num_heads: int = 8
+    steps: int = 50
+    prefill_chunk: int = 65536
+    dtype: str = "bf16"
+    device: str = "cuda"
+    graph: bool = True
+    out: str | None = "runs/decode.csv"
+
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def lm_config(mixer: str, cfg: DecodeBenchConfig) -> KalmixConfig:
+    """``layers`` blocks of ``mixer`` with SwiGLU MLPs, ``num_heads`` heads (Kalman: its paper's H = 1)."""
+    kw = {} if mixer == "kalman" else {"num_heads": cfg.num_heads}
+    return KalmixConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.layers,
+                        mixer=mixer, mixer_kwargs={mixer: kw})
+
+
+def kernel_ms(fn, n: int = 5) -> float:
+    """Mean GPU time of the kernels ``fn`` launches (summed durations, ms), from ``torch.profiler``."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return total_us / n / 1e3
+
+
+@torch.no_grad()
+def measure(model, mixer: str, B: int, context: int, cfg: DecodeBenchConfig) -> dict:
+    """One row: prefill ``context`` random tokens per sequence, then time the decode step (see the module)."""
+    device = torch.device(cfg.device)
+    row = {"mixer": mixer, "B": B, "context": context, "layers": cfg.layers, "d_model": cfg.d_model,
+           "dtype": cfg.dtype, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    dec = Decoder(model, B, context + cfg.steps + 8, graph=False)
+    prompt = torch.randint(0, cfg.vocab_size, (B, context), device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    t0 = time.perf_counter()
+    chunk = max(1, cfg.prefill_chunk // B)
+    for lo in range(0, context, chunk):                                  # chunked prefill through the cache
+        model(prompt[:, lo:lo + chunk], cache=dec.cache, use_cache=True, logits_to_keep=1)
+    sync()
+    row["prefill_s"] = time.perf_counter() - t0
+    snap = dec.cache.snapshot()
+
+    def rewind():
+        dec.cache.restore(snap)
+        dec.length = context
+
+    rewind()
+    row["eager_ms"] = dec.time_step(cfg.steps)
+    if device.type == "cuda":
+        rewind()
+        tok = torch.zeros(B, dtype=torch.long, device=device)
+        row["kernel_ms"] = kernel_ms(lambda: dec.step(tok))
+        if cfg.graph:
+            rewind()
+            dec._capture()
+            row["graph_ms"] = dec.time_step(cfg.steps)
+            row["graph_over_kernels"] = row["graph_ms"] / row["kernel_ms"]
+        row["cache_MiB"] = dec.cache.nbytes() / 2 ** 20
+        row["peak_GiB"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
+    return row
+
+
+def run(cfg: DecodeBenchConfig, progress: bool = True) -> list[dict]:
+    """Measure every (mixer, B, context) of ``cfg``; print a table; write CSV rows to ``cfg.out``."""
+    from tqdm.auto import tqdm
+    for m in cfg.mixers:
+        if m not in MIXERS:
+            raise ValueError(f"bench decode: unknown mixer {m!r}; expected one of {sorted(MIXERS)}")
+    if cfg.dtype not in _DTYPES:
+        raise ValueError(f"bench decode: dtype must be one of {sorted(_DTYPES)}, got {cfg.dtype!r}")
+    rows = []
+    todo = [(m, B, L) for m in cfg.mixers for B in cfg.batch_sizes for L in cfg.contexts]
+    bar = tqdm(todo, disable=not progress, desc="decode")
+    model, current = None, None
+    for mixer, B, L in bar:
+        bar.set_postfix_str(f"{mixer} B={B} context={L}")
+        if current != mixer:
+            model = None
+            gc.collect()
+            torch.manual_seed(0)
+            model = KalmixForCausalLM(lm_config(mixer, cfg)).to(cfg.device, _DTYPES[cfg.dtype]).eval()
+            current = mixer
+        if cfg.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            rows.append(measure(model, mixer, B, L, cfg))
+        except torch.OutOfMemoryError:
+            rows.append({"mixer": mixer, "B": B, "context": L, "status": "OOM"})
+        gc.collect()
+    print(format_table(rows))
+    if cfg.out:
+        os.makedirs(os.path.dirname(os.path.abspath(cfg.out)), exist_ok=True)
+        keys = sorted({k for r in rows for k in r})
+        with open(cfg.out, "w", newline="") as f:
+            w = csv.DictWriter(f, keys)
+            w.writeheader()
+            w.writerows(rows)
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    cols = f"{'mixer':<10} {'B':>3} {'context':>8} {'eager ms':>9} {'graph ms':>9} {'kernels ms':>10} {'graph/kern':>10}"
+    lines = [cols, "-" * len(cols)]
+    fmt = lambda r, k: f"{r[k]:.3f}" if k in r else "-"                  # noqa: E731
+    for r in rows:
+        if r.get("status") == "OOM":
+            lines.append(f"{r['mixer']:<10} {r['B']:>3} {r['context']:>8} OOM")
+            continue
+        ratio = f"{r['graph_over_kernels']:.2f}" if "graph_over_kernels" in r else "-"
+        lines.append(f"{r['mixer']:<10} {r['B']:>3} {r['context']:>8} {fmt(r, 'eager_ms'):>9} "
+                     f"{fmt(r, 'graph_ms'):>9} {fmt(r, 'kernel_ms'):>10} {ratio:>10}")
+    return "\n".join(lines)
