@@ -5,6 +5,7 @@ import torch
 
 from kalmix.ops.common.checks import (check_cu_seqlens, check_same, check_tensor, compute_dtype, fail,
                                       resolve_impl)
+from kalmix.ops.common.precision import no_autocast
 from kalmix.ops.common.varlen import run_packed
 from kalmix.ops.vla.chunk import vla_chunk
 from kalmix.ops.vla.fused import vla_fused
@@ -12,22 +13,29 @@ from kalmix.ops.vla.naive import vla_naive
 
 _OP = "variational_linear_attention"
 _IMPLS = {"naive": vla_naive, "torch": vla_chunk, "triton": vla_fused}
+WRITE_KEYS = ("raw", "feature")
 
 
+@no_autocast
 def variational_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, u: torch.Tensor, *,
-                                 lambda0: float = 0.1, eps: float = 1e-4,
+                                 lambda0: float = 0.1, eps: float = 1e-4, write_key: str = "raw",
                                  initial_state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                                  output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
-                                 impl: str | None = None):
+                                 impl: str | None = None, check_values: bool = True):
     """Recursive least squares with a Sherman–Morrison-maintained inverse penalty A.
 
     Args:
         q, k, u: [B, T, H, K] (u: penalty directions); v: [B, T, H, V].
         lambda0: A_0 = I / lambda0 (> 0) when no initial state is given; eps: floor of the normaliser.
+        write_key: the key S is written and erased along: "raw", k̂ = k/‖k‖ (the paper's equations (7), (10));
+            "feature", k̂ = φ(k)/‖φ(k)‖ (the paper's Alg. 1 and the authors' code). The normaliser sums φ(k)
+            either way.
         initial_state: (S [B, H, K, V], A [B, H, K, K] symmetric positive definite, n [B, H, K]);
             default (0, I / lambda0, 0). The op reads A as (A + Aᵀ)/2, so A's gradient is symmetric.
         cu_seqlens: [N + 1] offsets of packed sequences (B must be 1).
         impl: "naive" | "torch" | "triton" | None (triton on CUDA, torch otherwise).
+        check_values: check that the initial A is symmetric (one host synchronisation); False skips it, for
+            callers whose state comes from the op itself (the layers, decoding).
     Returns:
         o [B, T, H, V], (S, A, n) final state (fp32, fp64 for fp64 inputs) or None.
     """
@@ -42,6 +50,8 @@ def variational_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         fail(_OP, f"`lambda0` must be > 0, got {lambda0}")
     if not eps > 0:
         fail(_OP, f"`eps` must be > 0, got {eps}")
+    if write_key not in WRITE_KEYS:
+        fail(_OP, f"`write_key` must be one of {WRITE_KEYS}, got {write_key!r}")
     n_seq = check_cu_seqlens(_OP, cu_seqlens, B, T, q.device)
     fn = resolve_impl(_OP, impl, q.device, _IMPLS)
     dt = compute_dtype(q)
@@ -58,11 +68,12 @@ def variational_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             check_tensor(_OP, name, s, shape, desc)
             check_same(_OP, "q", q, {name: s}, dtype=False)
         A = initial_state[1].detach()
-        if not torch.allclose(A, A.transpose(-1, -2), rtol=1e-5, atol=1e-6 * float(A.abs().max())):
+        if check_values and not torch.allclose(A, A.transpose(-1, -2), rtol=1e-5, atol=1e-6 * float(A.abs().max())):
             fail(_OP, "`initial_state[1]` (A) must be symmetric positive definite")
     # the triton impl takes 16-bit activations as they are (its S path multiplies 16-bit operands, the rest is fp32)
     acts = [x if fn is vla_fused else x.to(dt) for x in (q, k, v, u)]
     S, A, n = (s.to(dt) for s in initial_state)
     # A is symmetric: every impl runs on (A + Aᵀ)/2, so dA is symmetric and the same whatever an impl's formulas
-    (o,), final = run_packed(fn, cu_seqlens, acts, (S, 0.5 * (A + A.mT), n), eps=eps)
+    (o,), final = run_packed(fn, cu_seqlens, acts, (S, 0.5 * (A + A.mT), n), eps=eps,
+                             feature_key=write_key == "feature")
     return o.to(q.dtype), (final if output_final_state else None)
