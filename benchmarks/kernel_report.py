@@ -1,13 +1,13 @@
 """Compile kalmix's VLA A-path kernels, the fused Kalman kernels, the Gated KalmaNet kernels and the delta rule's
 _grads_qw_kernel for an H100 (sm_90) on a machine without a GPU and print, per kernel, the registers and spill stores
-ptxas reports (and its warning when it serialises the kernel's wgmma instructions: session 22, that cost the GKA
-adjoint solve 0.87 ms), the barriers (bar.sync) and warp shuffles written in the PTX (a loop's body counts once), and
+ptxas reports (and its warning when it serialises the kernel's wgmma instructions, which had cost the GKA adjoint
+solve 0.87 ms of 1.94), the barriers (bar.sync) and warp shuffles written in the PTX (a loop's body counts once), and
 the shared memory; for the Kalman kernels, whose time is instruction issue, also the SASS of the main loop (its
 instructions per lane and token, and the commonest opcodes), and for GKA's solves the SASS of one Chebyshev step.
 With the GPU's triton (3.6, whose own ptxas it runs) the registers are the GPU's and the spill stores within a few
-percent of its ``n_spills`` × 4 bytes (session 19: 424 B here, 106 there), so register pressure and barriers can be
-compared before spending device time; what they cost is the GPU's to say (session 21: GKA variants with fewer
-instructions and spill stores per step ran slower). From the repository root:
+percent of its ``n_spills`` × 4 bytes (the VLA forward: 424 B here, 106 spills there), so register pressure and
+barriers can be compared without a GPU; what they cost is the GPU's to say (GKA variants with fewer instructions and
+spill stores per step ran slower). From the repository root:
 
     pip download triton==3.6.0 --no-deps -d /tmp/t36whl && pip install --no-deps --target /tmp/t36 /tmp/t36whl/*.whl
     PYTHONPATH=/tmp/t36:$PWD python benchmarks/kernel_report.py [--ops vla kalman gka delta]

@@ -225,7 +225,7 @@ def test_gka_kernels_get_the_carveout_that_keeps_their_occupancy(dev):
 def test_gka_solves_keep_their_tensor_core_pipeline(dev):
     """ptxas does not serialise the tensor-core instructions of the two Chebyshev solves (its C7515 / C7512
     warning), at K = 64 and 128 and every variant the process compiled: serialised, the adjoint solve took 1.94 ms
-    instead of 1.07 at B = 16, T = 2048 (H100, session 22)."""
+    instead of 1.07 at B = 16, T = 2048 on an H100."""
     from kalmix.ops.gka import fused as gka_fused
     major, minor = torch.cuda.get_device_capability(dev)
     if major != 9:

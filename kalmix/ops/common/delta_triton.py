@@ -12,7 +12,7 @@ for s ≤ t (0 above the diagonal):
     O = scale · (diag(e^G) Q S_0 + ((Q Wᵀ) ⊙ D) U)
     S_C = e^{G_C} S_0 + (diag(e^{G_C − G}) W)ᵀ U
 
-The backward runs the adjoint of these equations (README of kalmix/ops/kaczmarz, "Chunked kernels"): the
+The backward runs the adjoint of these equations (README of kalmix/ops/kaczmarz, "Chunked form"): the
 chunk-end state gradients dS_C go backwards over chunks with dU = scale·Pᵀ dO + diag(e^{G_C−G}) W dS_C and
 dS_0 = scale·Qᵀ diag(e^G) dO + e^{G_C} dS_C − W̃ᵀ dU, and every chunk then differentiates its own equations,
 through T by dA = −(Tᵀ dŨ) Ũᵀ − (Tᵀ dW̃) W̃ᵀ. Chunk-start states are recomputed, never stored by the forward;
@@ -46,18 +46,12 @@ from kalmix.ops.common.varlen import batch_offsets
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 CHUNK = 64
 # per operand width (16-bit activations, or fp32/fp64): the V block, the pipeline depth and each kernel's warps
-# (or warps and its own pipeline depth)
-# (fp32 operands need twice the shared memory; the backward's per-chunk kernels hold three [C, K] fp32 accumulators).
-# 16-bit, H200 (benchmarks/delta_triton.py, 32K tokens, K = V = 128): grads_wy 0.565 ms at 8 warps, 0.338 at 4;
-# grads_qw 0.476 at 8, 0.907 at 4. H100, the current kernels: output and dv_local 0.156 and 0.106 at 4, 0.174 and
-# 0.124 at 8; grads_qw 0.455 at 3 stages, 0.480 at 2; prep with the Kaczmarz step 0.234 at 2 stages, 0.228 at 3,
-# 0.233 at 1, 0.50 at 8 warps (spills).
-# "narrow": the V block and launches of the two kernels that walk each (sequence, head) through its chunks in
-# order, used when their programs at the usual V block would not fill the GPU (``_narrow``). H100, alone, 32K
-# tokens: at B = 16 (128 programs of V blocks of 64), states 0.157 ms at (4 warps, 2 stages), 0.154 at (4, 3),
-# 0.159 at (8, 3); dstates 0.257 at (8, 2), 0.215 at (8, 3), 0.307 at (4, 3); at B = 4 (64 programs) with V
-# blocks of 64 / 32: states 0.290 / 0.269 at (4, 2), 0.232 / 0.181 at (4, 3), 0.250 / 0.173 at (4, 4); dstates
-# 0.452 / 0.408 at (8, 2), 0.419 / 0.339 at (8, 3), 0.524 / 0.294 at (4, 3)
+# (or warps and its own pipeline depth). fp32 operands need twice the shared memory, and the backward's per-chunk
+# kernels hold three [C, K] fp32 accumulators, hence the smaller fp32 tiles. "narrow": the V block and launches of
+# the two kernels that walk each (sequence, head) through its chunks in order, used when their programs at the usual
+# V block would not fill the GPU (``_narrow``; at B = 4, T = 8192 on an H100). Each value measured the fastest of
+# those tried at 32K tokens, K = V = 128 (H100, H200): `python benchmarks/delta_triton.py --configs prep=8 ...` times
+# others against them
 CONFIGS = {16: dict(BV=64, stages=2, prep=(4, 3), states=(4, 3), output=4, dv_local=4, dstates=(8, 3),
                     grads_qw=(8, 3), grads_wy=4, narrow=dict(BV=32, states=(4, 4), dstates=(4, 3))),
            32: dict(BV=32, stages=1, prep=8, states=8, output=8, dv_local=4, dstates=8, grads_qw=8, grads_wy=8)}
@@ -277,10 +271,9 @@ def _step_kernel(k_ptr, eta_ptr, g_ptr, ext_ptr, dbeta_ptr, out_ptr, dk_ptr, n_r
         _store_extrema(row + 3, ext_e)
 
 
-# row block, most programs, warps. H100, 32K tokens × 8 heads × K = 128 in bf16, alone in a CUDA graph: 26.8 µs
-# with the check, 25.4 without (the floor to read k: 20 µs); 25-28 µs at 16-64 rows, 1056-2112 programs, 4-8
-# warps. The check's atomics into one [2, 3] buffer (before the partial rows) took 37.3 µs at 16 rows, 2048
-# programs and 4 warps
+# the step pass's row block, most programs and warps: the fastest tried (16-64 rows, 1056-2112 programs, 4-8 warps)
+# at 32K tokens × 8 heads × K = 128 on an H100, its value check written as per-program extrema rather than atomics
+# into one buffer (`python benchmarks/kaczmarz_fused.py` times the op with fla's engine, which runs this pass)
 _STEP_ROWS, _STEP_PROGRAMS, _STEP_WARPS = 32, 1056, 8
 
 

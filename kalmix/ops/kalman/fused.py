@@ -26,21 +26,19 @@ from kalmix.ops.common.precision import no_autocast
 from kalmix.ops.common.varlen import batch_offsets
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# `python benchmarks/kalman_fused.py --configs CHUNK,FWD_BD,FWD_WARPS,BWD_BD1,BWD_BD2,BWD_WARPS` times other values
+# of the constants below on a GPU; `python benchmarks/kernel_report.py --ops kalman` prints registers and spills.
 CHUNK = 4                               # tokens between checkpoints (unrolled; the backward holds their states)
 FWD_CONFIG = (16, 1)                                        # (channels per program, warps)
-# the forward halves its channel blocks (down to 2 channels, one lane per thread) until it launches this many
-# programs: at B = 2, T = 16384 (H = 1, N = 16, D = 2048) blocks of 16 make only 256 one-warp programs. H100, bf16
-# (no-grad forward / fwd+bwd, ms): there 4.09 / 11.25 at blocks of 16, 2.78 / 10.85 at 4 (1024 programs), 3.42 /
-# 18.9 at 2; at B = 4, T = 8192 2.23 / 7.16 at 16, 2.11 / 7.15 at 8, 3.03 / 11.0 at 4; B = 16, T = 2048 keeps 16
+# the forward halves its channel blocks (down to 2) until it launches this many programs, so that few long
+# sequences still fill the GPU (B = 2, T = 16384: 256 programs at blocks of 16, and blocks of 4 the fastest there:
+# `kalmix speed --device cuda --ops kalman_attention --seq-lens 16384`)
 FWD_MIN_PROGRAMS = 1024
-# the forward is capped at 128 registers: the checkpointing forward took 136 (15 one-warp programs per
-# multiprocessor), so B = 16, T = 2048's 2048 programs ran in 1.03 waves. H100, bf16, ms (session 20, one call):
-# grad-mode forward 1.727 -> 1.381, no-grad 0.940 -> 0.887, fwd+bwd 5.571 -> 5.217; B = 4, T = 8192 no-grad
-# 1.952 -> 1.567; fp32 within ±4% either way
+# the forward's register cap, so that 16 one-warp programs fit per multiprocessor (at its uncapped 136, B = 16,
+# T = 2048's 2048 programs ran in 1.03 waves)
 FWD_MAXNREG = 128
 BWD_CONFIG = (4, 2, 1)                                      # (BD1, BD2, warps): [BD1, BN, BD2] lanes per program
-# (4, 2) makes Triton lay each thread's 4 lanes along N with no spills; (2, 4) spilled. H100, B = 16, T = 2048,
-# H = 1, N = 16, D = 2048, fwd+bwd ms: bf16 5.54 against 6.20, fp32 5.89 against 9.38 (session 20, one call)
+# (4, 2) makes Triton lay each thread's 4 lanes along N with no spills; (2, 4) spills (--configs 4,16,1,2,4,1)
 # the GPU takes 1/x in fp32 as one approximate reciprocal (rel. error ~1 ulp) instead of a full-range division
 FAST_RCP = tl.constexpr(not INTERPRET)
 
