@@ -71,6 +71,7 @@ _DECODE_HELP = {
     "d_model": "model width", "vocab_size": "vocabulary", "num_heads": "heads of every mixer but Kalman (H = 1)",
     "steps": "decode steps timed", "prefill_chunk": "tokens per prefill call across the batch",
     "dtype": "weights' dtype: bf16, fp16 or fp32", "device": "torch device", "graph": "also time the CUDA graph",
+    "compile": "run the step through torch.compile before timing and capturing it",
     "out": "CSV file of the rows",
 }
 

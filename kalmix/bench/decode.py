@@ -38,6 +38,7 @@ class DecodeBenchConfig(BaseModel):
     dtype: str = "bf16"
     device: str = "cuda"
     graph: bool = True
+    compile: bool = False
     out: str | None = "runs/decode.csv"
 
 
@@ -68,7 +69,7 @@ def measure(model, mixer: str, B: int, context: int, cfg: DecodeBenchConfig) -> 
     device = torch.device(cfg.device)
     row = {"mixer": mixer, "B": B, "context": context, "layers": cfg.layers, "d_model": cfg.d_model,
            "dtype": cfg.dtype, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
-    dec = Decoder(model, B, context + cfg.steps + 8, graph=False)
+    dec = Decoder(model, B, context + cfg.steps + 8, graph=False, compile=cfg.compile)
     prompt = torch.randint(0, cfg.vocab_size, (B, context), device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()

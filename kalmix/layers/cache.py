@@ -24,7 +24,7 @@ def _tensors(x):
 class KalmixCache:
     """Per-layer decoding state of a model (or of stand-alone layers), indexed by ``layer_idx``.
 
-    A recurrent layer stores ``{"recurrent_state": tensor or tuple of tensors [B, H, ...], "conv_state": tuple of
+    A recurrent layer stores ``{"recurrent_state": tensor or tuple of tensors [B, H, ...], "conv_state":
     [B, C, kernel - 1]}``; an attention layer stores its keys and values in buffers [B, capacity, H, D] that grow
     by doubling (``context_kv``), so a decode step writes one row instead of concatenating the whole context.
     Every entry also records how many tokens the layer has seen. All states share the batch size of the first

@@ -50,18 +50,6 @@ class ShortConv(nn.Module):
         return y, full[..., T:]                                         # the last K - 1 (none for K = 1)
 
 
-def project_and_convolve(x: torch.Tensor, projs, convs, conv_state):
-    """Each Linear of ``projs`` applied to x [B, T, d], then its ShortConv of ``convs`` continuing from
-    ``conv_state`` (a tuple of per-conv states, or None). Returns (list of [B, T, *], new state tuple)."""
-    states = conv_state if conv_state is not None else (None,) * len(projs)
-    outs, new_states = [], []
-    for proj, conv, state in zip(projs, convs, states):
-        y, state = conv(proj(x), state)
-        outs.append(y)
-        new_states.append(state)
-    return outs, tuple(new_states)
-
-
 def gated_norm_out(o: torch.Tensor, gate: torch.Tensor, norm: nn.Module, o_proj: nn.Linear) -> torch.Tensor:
     """Per-head gated RMSNorm of o [B, T, H, V] with gate [B, T, H·V], then the output projection."""
     B, T, H, V = o.shape
@@ -83,14 +71,14 @@ class GatedRMSNorm(nn.Module):
 
 
 class DecayGate(nn.Module):
-    """Mamba-2 style data-dependent log decay g = −exp(A_log) · softplus(W x + dt_bias), one per head.
+    """Mamba-2 style data-dependent log decay g = −exp(A_log) · softplus(dt + dt_bias), one per head, from the
+    pre-activation dt [B, T, H] that the owning layer's input projection computes.
 
-    Init: A ~ U(1, 16), dt log-uniform in [dt_min, dt_max] (stored through the inverse softplus).
+    Init: A ~ U(1, 16), Δ log-uniform in [dt_min, dt_max] (stored through the inverse softplus).
     """
 
-    def __init__(self, d_model: int, num_heads: int, dt_min: float = 1e-3, dt_max: float = 0.1):
+    def __init__(self, num_heads: int, dt_min: float = 1e-3, dt_max: float = 0.1):
         super().__init__()
-        self.proj = nn.Linear(d_model, num_heads, bias=False)
         self.A_log = nn.Parameter(torch.empty(num_heads).uniform_(1, 16).log())
         dt = torch.exp(torch.rand(num_heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
         dt = dt.clamp_min(1e-4)
@@ -98,9 +86,9 @@ class DecayGate(nn.Module):
         self.A_log._no_weight_decay = True
         self.dt_bias._no_weight_decay = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, T, d_model] -> g [B, T, H] (at least fp32, <= 0)."""
-        return -upcast(self.A_log).exp() * F.softplus(upcast(self.proj(x)) + upcast(self.dt_bias))
+    def forward(self, dt: torch.Tensor) -> torch.Tensor:
+        """dt [B, T, H] -> g [B, T, H] (at least fp32, <= 0)."""
+        return -upcast(self.A_log).exp() * F.softplus(upcast(dt) + upcast(self.dt_bias))
 
 
 def activation_dtype(x: torch.Tensor) -> torch.dtype:

@@ -7,7 +7,8 @@ those chains as its CPU path and as the reference the tests compare with):
 
 - ``sensor_split``: the sensor projection [R, 2M + 2HN] -> v, Λv = 1/(softplus(s) + 1e-4), k/‖k‖, q/‖q‖
   per head (``F.normalize``: x / max(‖x‖, 1e-12)), and in the backward the whole gradient of the projection.
-- ``ou_dynamics``: ā = exp(−aΔ), p̄ = p²/(2a)·(1 − exp(−2aΔ)) with a = exp(A_log), Δ = softplus(dt_raw).
+- ``ou_dynamics``: ā = exp(−aΔ), p̄ = p²/(2a)·(1 − exp(−2aΔ)) with a = exp(A_log), Δ = softplus(dt_raw)
+  (or p̄ = max(p, 1e-7)/(2a)·(1 − exp(−2aΔ)), the released code's noise, with ``linear_p``).
 - ``gated_skip``: y = (o + skip·z)·SiLU(gate), with the gradient of the scalar skip reduced per program.
 
 and every layer's short convolution (``ShortConv`` without a state, on CUDA) runs ``short_conv``: causal
@@ -22,6 +23,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kalmix.ops.common.precision import no_autocast
 
 _ROWS = 16          # rows (tokens) per program
 _COLS = 256         # channels per program in the [R, M] parts
@@ -161,6 +164,7 @@ def _sensor_meta(R, M, H, N, x):
 
 class _SensorSplit(torch.autograd.Function):
     @staticmethod
+    @no_autocast
     def forward(ctx, p, H, N):
         R = p.numel() // p.shape[-1]
         M = (p.shape[-1] - 2 * H * N) // 2
@@ -174,6 +178,7 @@ class _SensorSplit(torch.autograd.Function):
         return v, w, k, q
 
     @staticmethod
+    @no_autocast
     def backward(ctx, dv, dw, dk, dq):
         (p,) = ctx.saved_tensors
         H, N = ctx.dims
@@ -198,10 +203,35 @@ def sensor_split(p: torch.Tensor, num_heads: int, d_state: int):
 
 # ---------------------------------------------------------------------------------------------- OU dynamics
 _BLOCK = 1024
+P_MIN = 1e-7        # the floor the released code puts on p where its noise is linear in p
+_P_MIN = tl.constexpr(P_MIN)
 
 
 @triton.jit
-def _ou_fwd_kernel(alog_ptr, dtr_ptr, p_ptr, dec_ptr, noise_ptr, n, BLOCK: tl.constexpr, ACC: tl.constexpr):
+def _p_min(p):
+    """P_MIN in p's dtype (a bare float constant would be rounded to fp32 first)."""
+    return tl.full(p.shape, _P_MIN, p.dtype)
+
+
+@triton.jit
+def _noise_scale(p, LINEAR_P: tl.constexpr):
+    """s(p) = p̄ / ((1 − e^{−2aΔ})/(2a)): p², or max(p, P_MIN) with LINEAR_P."""
+    if LINEAR_P:
+        return tl.maximum(p, _p_min(p))
+    return p * p
+
+
+@triton.jit
+def _noise_scale_grad(p, LINEAR_P: tl.constexpr):
+    """s'(p): 2p, or with LINEAR_P 1 where p >= P_MIN and 0 below (``clamp_min``'s gradient)."""
+    if LINEAR_P:
+        return tl.where(p >= _p_min(p), 1., 0.).to(p.dtype)
+    return 2. * p
+
+
+@triton.jit
+def _ou_fwd_kernel(alog_ptr, dtr_ptr, p_ptr, dec_ptr, noise_ptr, n, LINEAR_P: tl.constexpr, BLOCK: tl.constexpr,
+                   ACC: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     a = tl.exp(tl.load(alog_ptr + i, mask=m, other=0.).to(ACC))
@@ -209,15 +239,15 @@ def _ou_fwd_kernel(alog_ptr, dtr_ptr, p_ptr, dec_ptr, noise_ptr, n, BLOCK: tl.co
     p = tl.load(p_ptr + i, mask=m, other=0.).to(ACC)
     x = a * dt
     tl.store(dec_ptr + i, tl.exp(-x), mask=m)
-    tl.store(noise_ptr + i, p * p * _one_minus_exp(2. * x, ACC) / (2. * a), mask=m)
+    tl.store(noise_ptr + i, _noise_scale(p, LINEAR_P) * _one_minus_exp(2. * x, ACC) / (2. * a), mask=m)
 
 
 @triton.jit
 def _ou_bwd_kernel(alog_ptr, dtr_ptr, p_ptr, ddec_ptr, dnoise_ptr, dalog_ptr, ddtr_ptr, dp_ptr, n,
-                   BLOCK: tl.constexpr, ACC: tl.constexpr):
-    """With x = aΔ, f = (1 − e^{−2x})/(2a), p̄ = p² f:
+                   LINEAR_P: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr):
+    """With x = aΔ, f = (1 − e^{−2x})/(2a), p̄ = s(p) f (s = p², or max(p, P_MIN) with LINEAR_P):
     ∂ā/∂A_log = −x ā, ∂ā/∂Δ = −a ā; ∂f/∂A_log = −(1 − (1 + 2x)e^{−2x})/(2a) (no cancellation),
-    ∂f/∂Δ = e^{−2x}; ∂Δ/∂dt_raw = σ(dt_raw); ∂p̄/∂p = 2p f."""
+    ∂f/∂Δ = e^{−2x}; ∂Δ/∂dt_raw = σ(dt_raw); ∂p̄/∂p = s'(p) f."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     alog = tl.load(alog_ptr + i, mask=m, other=0.).to(ACC)
@@ -230,27 +260,31 @@ def _ou_bwd_kernel(alog_ptr, dtr_ptr, p_ptr, ddec_ptr, dnoise_ptr, dalog_ptr, dd
     x = a * dt
     dec = tl.exp(-x)
     f = _one_minus_exp(2. * x, ACC) / (2. * a)
-    pp = p * p * gn
+    pp = _noise_scale(p, LINEAR_P) * gn
     tl.store(dalog_ptr + i, (-x * dec * gd - pp * _one_minus_exp_times(2. * x, ACC) / (2. * a)).to(
         dalog_ptr.dtype.element_ty), mask=m)
     tl.store(ddtr_ptr + i, (_sigmoid(dtr) * (-a * dec * gd + pp * dec * dec)).to(ddtr_ptr.dtype.element_ty),
              mask=m)
-    tl.store(dp_ptr + i, (2. * p * f * gn).to(dp_ptr.dtype.element_ty), mask=m)
+    tl.store(dp_ptr + i, (_noise_scale_grad(p, LINEAR_P) * f * gn).to(dp_ptr.dtype.element_ty), mask=m)
 
 
 class _OUDynamics(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, A_log, dt_raw, p):
+    @no_autocast
+    def forward(ctx, A_log, dt_raw, p, linear_p: bool):
         A_log, dt_raw, p = A_log.contiguous(), dt_raw.contiguous(), p.contiguous()
         dt = torch.promote_types(A_log.dtype, torch.float32)
         dec, noise = torch.empty(A_log.shape, dtype=dt, device=A_log.device), torch.empty(
             A_log.shape, dtype=dt, device=A_log.device)
         n = A_log.numel()
-        _ou_fwd_kernel[(triton.cdiv(n, _BLOCK),)](A_log, dt_raw, p, dec, noise, n, BLOCK=_BLOCK, ACC=_acc(dec))
+        _ou_fwd_kernel[(triton.cdiv(n, _BLOCK),)](A_log, dt_raw, p, dec, noise, n, LINEAR_P=linear_p, BLOCK=_BLOCK,
+                                                  ACC=_acc(dec))
         ctx.save_for_backward(A_log, dt_raw, p)
+        ctx.linear_p = linear_p
         return dec, noise
 
     @staticmethod
+    @no_autocast
     def backward(ctx, ddec, dnoise):
         A_log, dt_raw, p = ctx.saved_tensors
         acc = torch.promote_types(A_log.dtype, torch.float32)
@@ -258,14 +292,15 @@ class _OUDynamics(torch.autograd.Function):
         dnoise = torch.zeros(A_log.shape, dtype=acc, device=A_log.device) if dnoise is None else dnoise.contiguous()
         grads = torch.empty_like(A_log), torch.empty_like(dt_raw), torch.empty_like(p)
         n = A_log.numel()
-        _ou_bwd_kernel[(triton.cdiv(n, _BLOCK),)](A_log, dt_raw, p, ddec, dnoise, *grads, n, BLOCK=_BLOCK,
-                                                  ACC=_acc(ddec))
-        return grads
+        _ou_bwd_kernel[(triton.cdiv(n, _BLOCK),)](A_log, dt_raw, p, ddec, dnoise, *grads, n, LINEAR_P=ctx.linear_p,
+                                                  BLOCK=_BLOCK, ACC=_acc(ddec))
+        return (*grads, None)
 
 
-def ou_dynamics(A_log: torch.Tensor, dt_raw: torch.Tensor, p: torch.Tensor):
-    """(ā, p̄) of the OU prior from the layer's parameters (all [H, N, D], same dtype), in fp32 (fp64 for fp64)."""
-    return _OUDynamics.apply(A_log, dt_raw, p)
+def ou_dynamics(A_log: torch.Tensor, dt_raw: torch.Tensor, p: torch.Tensor, linear_p: bool = False):
+    """(ā, p̄) of the OU prior from the layer's parameters (all [H, N, D], same dtype), in fp32 (fp64 for fp64);
+    ``linear_p``: p̄ from max(p, P_MIN) instead of p²."""
+    return _OUDynamics.apply(A_log, dt_raw, p, linear_p)
 
 
 # ---------------------------------------------------------------------------------------------- gated skip
@@ -307,6 +342,7 @@ def _rows_of(x: torch.Tensor, M: int) -> torch.Tensor:
 
 class _GatedSkip(torch.autograd.Function):
     @staticmethod
+    @no_autocast
     def forward(ctx, o, z, gate, skip):
         M = o.shape[-1]
         o2, z2, g2 = o.reshape(-1, M).contiguous(), z.reshape(-1, M).contiguous(), _rows_of(gate, M)
@@ -319,6 +355,7 @@ class _GatedSkip(torch.autograd.Function):
         return y.view(o.shape)
 
     @staticmethod
+    @no_autocast
     def backward(ctx, dy):
         o2, z2, g2, skip = ctx.saved_tensors
         R, M = o2.shape
@@ -417,6 +454,7 @@ def _conv_bwd_kernel(x_ptr, w_ptr, b_ptr, dy_ptr, dx_ptr, part_ptr, T, C, n_sub,
 
 class _ShortConv(torch.autograd.Function):
     @staticmethod
+    @no_autocast
     def forward(ctx, x, weight, bias, silu):
         B, T, C = x.shape
         W = weight.shape[1]
@@ -431,6 +469,7 @@ class _ShortConv(torch.autograd.Function):
         return y
 
     @staticmethod
+    @no_autocast
     def backward(ctx, dy):
         x, weight, bias = ctx.saved_tensors
         B, T, C = x.shape

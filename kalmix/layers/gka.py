@@ -6,48 +6,75 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kalmix.layers.base import MixerLayer
-from kalmix.layers.common import DecayGate, GatedRMSNorm, ShortConv, gated_norm_out, project_and_convolve
+from kalmix.layers.common import DecayGate, GatedRMSNorm, ShortConv, gated_norm_out
 from kalmix.ops import gated_kalmanet
 
 
+BETA_SCALINGS = ("linear", "squared")
+_BETA_EPS = 1e-6    # the released layer's offset: k and v are scaled by β + 1e-6
+
+
 class GatedKalmaNet(MixerLayer):
-    """q, k, v projections + short conv (4, SiLU); q, k L2-normalised; β = sigmoid, α = sigmoid, Mamba-2 decay;
+    """One input projection (q, k, v, output gate, β, α and decay pre-activations) + short conv (4, SiLU) over
+    q, k, v; q, k L2-normalised; β = sigmoid, α = sigmoid, Mamba-2 decay;
     x_t = Chebyshev solve of (H_t + ridge·‖H_t‖_F I) x = q_t; o = U_tᵀ (q + α(x − q)) / √D;
     per-head gated RMSNorm; out projection.
 
+    ``beta_scaling`` sets the weight w_t each token gets in H_t = γ_t H_{t-1} + w_t k_t k_tᵀ and
+    U_t = γ_t U_{t-1} + w_t k_t v_tᵀ (the op's ``beta``):
+
+    - ``"linear"`` (default): w_t = β_t, the regression weight η_t of the paper's objective (3) and DESIGN §1.2.
+    - ``"squared"``: w_t = (β_t + 1e-6)², what the authors' released layer computes by scaling both k_t and v_t
+      by β_t + 1e-6 before its kernels.
+
+    Both reach every weight in (0, 1), so the choice changes the parameterisation (and its gradients), not what
+    the layer can express. The default is ``"linear"``: it is the paper's weighted ridge regression with β as the
+    weight, so the op's ``beta`` is that weight; ``"squared"`` reproduces the released layer.
+
     Args:
-        d_model: width; num_heads: H; head_dim: D (K = V = D); ridge, num_iters: of the solve (DESIGN §1.2).
+        d_model: width; num_heads: H; head_dim: D (K = V = D); ridge, num_iters: of the solve (DESIGN §1.2);
+        beta_scaling: "linear" | "squared".
     """
 
     def __init__(self, d_model: int, num_heads: int = 4, head_dim: int | None = None, conv_size: int = 4,
-                 ridge: float = 0.02, num_iters: int | None = 30, norm_eps: float = 1e-5, layer_idx: int = 0,
-                 impl: str | None = None):
+                 ridge: float = 0.02, num_iters: int | None = 30, norm_eps: float = 1e-5,
+                 beta_scaling: str = "linear", layer_idx: int = 0, impl: str | None = None):
         super().__init__()
+        if beta_scaling not in BETA_SCALINGS:
+            raise ValueError(f"GatedKalmaNet: beta_scaling must be one of {BETA_SCALINGS}, got {beta_scaling!r}")
+        self.beta_scaling = beta_scaling
         self.d_model, self.layer_idx, self.impl = d_model, layer_idx, impl
         self.num_heads = num_heads
         self.head_dim = head_dim or d_model // num_heads
         self.ridge, self.num_iters = ridge, num_iters
         width = num_heads * self.head_dim
-        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(d_model, width, bias=False) for _ in range(3))
-        self.q_conv, self.k_conv, self.v_conv = (ShortConv(width, conv_size) for _ in range(3))
-        self.b_proj = nn.Linear(d_model, num_heads, bias=True)
-        self.a_proj = nn.Linear(d_model, num_heads, bias=True)
-        self.decay = DecayGate(d_model, num_heads)
-        self.g_proj = nn.Linear(d_model, width, bias=False)
+        self.splits = (3 * width, width, num_heads, num_heads, num_heads)      # q|k|v, gate, β, α, decay
+        self.in_proj = nn.Linear(d_model, sum(self.splits), bias=False)
+        self.conv = ShortConv(3 * width, conv_size)                        # q, k, v channels in one conv
+        self.beta_bias = nn.Parameter(torch.zeros(num_heads))
+        self.alpha_bias = nn.Parameter(torch.zeros(num_heads))
+        self.decay = DecayGate(num_heads)
         self.o_norm = GatedRMSNorm(self.head_dim, eps=norm_eps)
         self.o_proj = nn.Linear(width, d_model, bias=False)
 
     def project(self, x, conv_state):
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
-        (q, k, v), conv_state = project_and_convolve(x, (self.q_proj, self.k_proj, self.v_proj),
-                                                     (self.q_conv, self.k_conv, self.v_conv), conv_state)
-        q = F.normalize(q.view(B, T, H, D), dim=-1, eps=1e-6)
-        k = F.normalize(k.view(B, T, H, D), dim=-1, eps=1e-6)
-        beta = torch.sigmoid(self.b_proj(x))
-        alpha = torch.sigmoid(self.a_proj(x))
-        g = self.decay(x)                                              # fp32 (at least)
-        return [q, k, v.view(B, T, H, D), g, beta, alpha], self.g_proj(x), conv_state
+        qkv, gate, beta, alpha, dt = self.in_proj(x).split(self.splits, dim=-1)
+        qkv, conv_state = self.conv(qkv, conv_state)
+        q, k, v = qkv.view(B, T, 3, H, D).unbind(2)
+        q = F.normalize(q, dim=-1, eps=1e-6)
+        k = F.normalize(k, dim=-1, eps=1e-6)
+        beta = torch.sigmoid(beta + self.beta_bias)
+        if self.beta_scaling == "squared":
+            beta = (beta + _BETA_EPS) ** 2
+        alpha = torch.sigmoid(alpha + self.alpha_bias)
+        g = self.decay(dt)                                             # fp32 (at least)
+        return [q, k, v, g, beta, alpha], gate, conv_state
+
+    def step_impl(self, device):
+        """Decoding runs the op's Triton step (one launch per token) wherever the layer runs Triton."""
+        return "triton" if self.impl == "triton" or (self.impl is None and device.type == "cuda") else "naive"
 
     def mix(self, inputs, initial_state, output_final_state, cu_seqlens, impl, **kwargs):
         # g <= 0 and β = sigmoid >= 0 by construction: no host sync for checking them

@@ -7,12 +7,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kalmix.layers.base import MixerLayer
-from kalmix.layers.common import DecayGate, GatedRMSNorm, ShortConv, gated_norm_out, project_and_convolve
+from kalmix.layers.common import DecayGate, GatedRMSNorm, ShortConv, gated_norm_out
 from kalmix.ops import kaczmarz_attention
 
 
 class KaczmarzAttention(MixerLayer):
-    """q, k, v projections + short conv (4, SiLU); q L2-normalised, k raw; η = sigmoid, Mamba-2 decay;
+    """One input projection (q, k, v, output gate, η and decay pre-activations) + short conv (4, SiLU) over q, k, v;
+    q L2-normalised, k raw; η = sigmoid, Mamba-2 decay;
     S_t = γS + η/(‖k‖² + eps) · k (v − γSᵀk)ᵀ; o = Sᵀq / √K; per-head gated RMSNorm; out projection.
 
     Args:
@@ -31,28 +32,31 @@ class KaczmarzAttention(MixerLayer):
         self.head_v_dim = int(self.head_k_dim * expand_v)
         self.eps = 0.0 if self.normalize_keys else eps
         kw, vw = num_heads * self.head_k_dim, num_heads * self.head_v_dim
-        self.q_proj, self.k_proj = nn.Linear(d_model, kw, bias=False), nn.Linear(d_model, kw, bias=False)
-        self.v_proj = nn.Linear(d_model, vw, bias=False)
-        self.q_conv, self.k_conv, self.v_conv = ShortConv(kw, conv_size), ShortConv(kw, conv_size), ShortConv(
-            vw, conv_size)
-        self.b_proj = nn.Linear(d_model, num_heads, bias=True)
-        self.decay = DecayGate(d_model, num_heads)
-        self.g_proj = nn.Linear(d_model, vw, bias=False)
+        self.splits = (2 * kw + vw, vw, num_heads, num_heads)                 # q|k|v, gate, η, decay
+        self.in_proj = nn.Linear(d_model, sum(self.splits), bias=False)
+        self.conv = ShortConv(2 * kw + vw, conv_size)                      # q, k, v channels in one conv
+        self.eta_bias = nn.Parameter(torch.zeros(num_heads))
+        self.decay = DecayGate(num_heads)
         self.o_norm = GatedRMSNorm(self.head_v_dim, eps=norm_eps)
         self.o_proj = nn.Linear(vw, d_model, bias=False)
 
     def project(self, x, conv_state):
         B, T, _ = x.shape
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
-        (q, k, v), conv_state = project_and_convolve(x, (self.q_proj, self.k_proj, self.v_proj),
-                                                     (self.q_conv, self.k_conv, self.v_conv), conv_state)
+        qkv, gate, eta, dt = self.in_proj(x).split(self.splits, dim=-1)
+        qkv, conv_state = self.conv(qkv, conv_state)
+        q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
         q = F.normalize(q.view(B, T, H, K), dim=-1, eps=1e-6)
         k = k.view(B, T, H, K)
         if self.normalize_keys:
             k = F.normalize(k, dim=-1, eps=1e-6)
-        eta = torch.sigmoid(self.b_proj(x))
-        g = self.decay(x)                                              # fp32 (at least)
-        return [q, k, v.view(B, T, H, V), g, eta], self.g_proj(x), conv_state
+        eta = torch.sigmoid(eta + self.eta_bias)
+        g = self.decay(dt)                                             # fp32 (at least)
+        return [q, k, v.view(B, T, H, V), g, eta], gate, conv_state
+
+    def step_impl(self, device):
+        """Decoding runs the op's Triton step (one launch per token) wherever the layer runs Triton."""
+        return "triton" if self.impl == "triton" or (self.impl is None and device.type == "cuda") else "naive"
 
     def mix(self, inputs, initial_state, output_final_state, cu_seqlens, impl, **kwargs):
         # g <= 0 and η = sigmoid in [0, 1] by construction (η = 0, a sigmoid underflowing in bf16, writes

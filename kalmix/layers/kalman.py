@@ -9,8 +9,11 @@ import torch.nn.functional as F
 
 from kalmix.layers.base import MixerLayer
 from kalmix.layers.common import ShortConv, upcast
-from kalmix.layers.fused import gated_skip, ou_dynamics, sensor_split
+from kalmix.layers.fused import P_MIN, gated_skip, ou_dynamics, sensor_split
 from kalmix.ops import kalman_attention
+
+
+NOISE_PARAMS = ("p2", "p")
 
 
 class KalmanAttention(MixerLayer):
@@ -24,14 +27,28 @@ class KalmanAttention(MixerLayer):
     ``forward(..., output_variance=True)`` returns the posterior variance propagated through the gate and the
     output projection as the second value (channels treated as independent: var · SiLU(gate)², then W_out²).
 
+    ``noise_param`` sets how the learned p gives the process noise:
+
+    - ``"p2"`` (default): p̄ = p² / (2a) · (1 − exp(−2aΔ)), the paper's OU discretisation (DESIGN §1.1).
+    - ``"p"``: p̄ = max(p, 1e-7) / (2a) · (1 − exp(−2aΔ)), the authors' released layer (its p is clamped at
+      1e-7, which keeps p̄ > 0).
+
+    The default is ``"p2"`` because p² keeps p̄ >= 0 for every p with a gradient that vanishes only at p = 0,
+    while the clamp gives p no gradient below 1e-7, so an entry that training pushes there stays there. At the
+    same p_init = 0.01 the two start the noise 100× apart (p̄ ≈ p²Δ vs pΔ).
+
     Args:
-        d_model: model width; expand: channels M = expand · d_model; d_state: N; num_heads: H (M = H · D).
+        d_model: model width; expand: channels M = expand · d_model; d_state: N; num_heads: H (M = H · D);
+        noise_param: "p2" | "p".
     """
 
     def __init__(self, d_model: int, expand: int = 2, d_state: int = 16, num_heads: int = 1, conv_size: int = 4,
-                 dt_min: float = 1e-3, dt_max: float = 0.1, p_init: float = 0.01, layer_idx: int = 0,
-                 impl: str | None = None):
+                 dt_min: float = 1e-3, dt_max: float = 0.1, p_init: float = 0.01, noise_param: str = "p2",
+                 layer_idx: int = 0, impl: str | None = None):
         super().__init__()
+        if noise_param not in NOISE_PARAMS:
+            raise ValueError(f"KalmanAttention: noise_param must be one of {NOISE_PARAMS}, got {noise_param!r}")
+        self.noise_param = noise_param
         self.d_model, self.layer_idx, self.impl = d_model, layer_idx, impl
         self.d_inner = expand * d_model
         if self.d_inner % num_heads:
@@ -59,12 +76,15 @@ class KalmanAttention(MixerLayer):
 
     def dynamics(self):
         """(decay ā, process noise p̄), both [H, N, D] fp32, from the OU discretisation."""
+        linear_p = self.noise_param == "p"
         if self.fused(self.A_log.device):
-            return ou_dynamics(self.A_log, self.dt_raw, self.p)
+            return ou_dynamics(self.A_log, self.dt_raw, self.p, linear_p)
         a = upcast(self.A_log).exp()
         dt = F.softplus(upcast(self.dt_raw))
         decay = torch.exp(-a * dt)
-        noise = upcast(self.p) ** 2 / (2 * a) * -torch.expm1(-2 * a * dt)
+        p = upcast(self.p)
+        scale = p.clamp_min(P_MIN) if linear_p else p ** 2
+        noise = scale / (2 * a) * -torch.expm1(-2 * a * dt)
         return decay, noise
 
     def step_impl(self, device):

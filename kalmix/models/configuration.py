@@ -44,7 +44,10 @@ class KalmixConfig(PretrainedConfig):
             an unknown name or argument is an error.
         intermediate_size: SwiGLU hidden width (default 8/3 · hidden_size rounded up to a multiple of 64);
             ``mlp=False`` drops the MLPs (the MQAR convention).
-        norm_eps: of the pre-norm RMSNorms; initializer_range: std of the linear and embedding weights.
+        norm_eps: of the pre-norm RMSNorms.
+        initializer_range: std of the linear and embedding weights; None (default): 1/√fan_in for each linear
+            weight and 1/√hidden_size for the embedding, which trains at every width (a fixed 0.02, GPT-2's, leaves
+            a width-64 MQAR model's attention near uniform for hundreds of steps).
         tie_word_embeddings: share the embedding with the LM head.
         impl: the ops' backend for every kalmix mixer (None: triton on CUDA, torch otherwise).
     """
@@ -55,7 +58,7 @@ class KalmixConfig(PretrainedConfig):
                  mixers: list[str] | None = None, mixer: str = "gka", attention_every: int | None = None,
                  attention_layers: list[int] | tuple = (), mixer_kwargs: dict | None = None,
                  intermediate_size: int | None = None, mlp: bool = True, norm_eps: float = 1e-5,
-                 initializer_range: float = 0.02, tie_word_embeddings: bool = True, impl: str | None = None,
+                 initializer_range: float | None = None, tie_word_embeddings: bool = True, impl: str | None = None,
                  use_cache: bool = True, **kwargs):
         if mixers is None:
             mixers = layer_pattern(num_hidden_layers, mixer, attention_every, attention_layers)

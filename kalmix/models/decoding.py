@@ -23,11 +23,12 @@ class Decoder:
         max_length: the most tokens (prompt + generated) a sequence may reach.
         graph: capture the step in a CUDA graph (default: on CUDA). False runs the same static-cache step
             eagerly, the path CPU tests check.
+        compile: run the step through ``torch.compile`` (inductor fuses its elementwise work) before capturing.
 
     The graph is captured after the first prefill and replayed for every later prompt of the same batch size.
     """
 
-    def __init__(self, model, batch_size: int, max_length: int, graph: bool | None = None):
+    def __init__(self, model, batch_size: int, max_length: int, graph: bool | None = None, compile: bool = False):
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.graph_wanted = self.device.type == "cuda" if graph is None else graph
@@ -39,6 +40,7 @@ class Decoder:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         self.length = 0
+        self._step = torch.compile(self._forward_step) if compile else self._forward_step
 
     def _forward_step(self) -> torch.Tensor:
         return self.model(self.tokens, cache=self.cache, use_cache=True).logits[:, -1]
@@ -67,11 +69,11 @@ class Decoder:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._forward_step()
+                self._step()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.logits = self._forward_step()
+            self.logits = self._step()
         self.cache.restore(snap)
 
     @torch.no_grad()
@@ -83,7 +85,7 @@ class Decoder:
         self.tokens.copy_(tokens.view(self.batch_size, 1))
         self.length += 1
         if self.graph is None:
-            return self._forward_step()
+            return self._step()
         self.graph.replay()
         self.cache.count_seen(1)
         return self.logits

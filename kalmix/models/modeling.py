@@ -1,10 +1,11 @@
 """``KalmixModel`` / ``KalmixForCausalLM``: transformers causal LMs over any per-layer mix of kalmix mixers.
 
-Blocks are pre-norm: ``x + mixer(RMSNorm(x))`` then ``x + SwiGLU(RMSNorm(x))``. Initialisation: embeddings and
-every linear weight ~ N(0, initializer_range), biases zero, norm weights one; the projections that write into the
-residual stream (each mixer's output projection and the MLP's down projection) ~ N(0, initializer_range /
-√(2 · num_hidden_layers)) (GPT-2's scaling); each mixer's own parameters (decays, Δ, process noise, short
-convolutions, skip) keep the initialisation of its paper that the layer sets.
+Blocks are pre-norm: ``x + mixer(RMSNorm(x))`` then ``x + SwiGLU(RMSNorm(x))``. Initialisation: every linear
+weight ~ N(0, σ²) with σ = 1/√fan_in (or ``initializer_range`` when set), the embedding ~ N(0, 1/hidden_size)
+(or ``initializer_range``), biases zero, norm weights one; the projections that write into the residual stream
+(each mixer's output projection and the MLP's down projection) have σ / √(2 · num_hidden_layers) (GPT-2's
+scaling); each mixer's own parameters (decays, Δ, process noise, short convolutions, skip, gate biases) keep the
+initialisation of its paper that the layer sets.
 """
 from __future__ import annotations
 
@@ -79,15 +80,16 @@ class KalmixPreTrainedModel(PreTrainedModel):
         return False
 
     def _init_weights(self, module: nn.Module):
-        std = self.config.initializer_range
+        fixed = self.config.initializer_range
         if isinstance(module, nn.Linear):
+            std = fixed if fixed is not None else module.in_features ** -0.5
             if getattr(module, "_residual_out", False):
                 std = std / math.sqrt(2 * self.config.num_hidden_layers)
             init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
-            init.normal_(module.weight, mean=0.0, std=std)
+            init.normal_(module.weight, mean=0.0, std=fixed if fixed is not None else module.embedding_dim ** -0.5)
         elif isinstance(module, nn.RMSNorm) and module.weight is not None:
             init.ones_(module.weight)
 

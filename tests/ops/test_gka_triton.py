@@ -86,3 +86,19 @@ def test_head_dim_beyond_registers_and_exact_solve_are_refused():
     args = CASES["gka"].inputs(1, 4, 1, 8, 4, torch.float32, gen)
     with pytest.raises(ValueError, match="num_iters=None"):
         ops.gated_kalmanet(*args, num_iters=None, impl="triton")
+
+
+@pytest.mark.parametrize("K,V,num_iters", [(8, 8, 30), (12, 20, 7), (16, 8, 0)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_decoding_step_kernel_matches_the_token_loop(K, V, num_iters, dtype):
+    """A one-token inference call runs step.py's single kernel: o and the new (H, U) equal the token loop's."""
+    args, state = layer_inputs(3, 1, 2, K, V, seed=5, dtype=dtype)
+    state = tuple(s.to(dtype) for s in state)
+    with torch.no_grad():
+        o, (Hs, Us) = ops.gated_kalmanet(*args, initial_state=state, output_final_state=True, impl="triton",
+                                         num_iters=num_iters)
+        ref, (Hr, Ur) = ops.gated_kalmanet(*args, initial_state=state, output_final_state=True, impl="naive",
+                                           num_iters=num_iters)
+    tol = 1e-14 if dtype == torch.float64 else 1e-6
+    for name, x, r in (("o", o, ref), ("H", Hs, Hr), ("U", Us, Ur)):
+        assert_close(name, x, r, tol)

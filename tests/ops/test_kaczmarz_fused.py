@@ -166,3 +166,22 @@ def test_the_step_pass_checks_the_values_like_the_other_impls(monkeypatch, engin
         o, _ = ops.kaczmarz_attention(q, k, v, gates["g"], gates["eta"], impl="triton", check_values=False)
         assert o.shape == v.shape, name
     ops.kaczmarz_attention(q, k, v, g, eta, impl="triton")             # in range: no error
+
+
+@pytest.mark.parametrize("K,V,eps", [(8, 8, 1e-6), (12, 40, 0.0), (16, 5, 0.1)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_decoding_step_kernel_matches_the_token_loop(K, V, eps, dtype):
+    """A one-token inference call runs step.py's single kernel: o and the new state equal the token loop's."""
+    gen = torch.Generator().manual_seed(K + V)
+    q, k = (torch.randn(3, 1, 2, K, generator=gen, dtype=dtype) for _ in range(2))
+    v = torch.randn(3, 1, 2, V, generator=gen, dtype=dtype)
+    g, eta = -torch.rand(3, 1, 2, generator=gen, dtype=dtype), torch.rand(3, 1, 2, generator=gen, dtype=dtype)
+    S0 = torch.randn(3, 2, K, V, generator=gen, dtype=torch.promote_types(dtype, torch.float32))
+    outs = {}
+    for impl in ("triton", "naive"):
+        with torch.no_grad():
+            outs[impl] = ops.kaczmarz_attention(q, k, v, g, eta, eps=eps, initial_state=S0, output_final_state=True,
+                                                impl=impl, check_values=False)
+    tol = 1e-14 if dtype == torch.float64 else 1e-6
+    for name, x, r in zip(("o", "S"), outs["triton"], outs["naive"]):
+        assert_close(name, x, r, tol)

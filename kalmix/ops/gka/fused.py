@@ -36,21 +36,19 @@ from kalmix.ops.common.varlen import batch_offsets
 from kalmix.ops.common.delta_triton import (_DT, DOT_FP32, INTERPRET, _chunk_at, _chunk_rows, _chunk_table, _decay,
                                             _dot, _dot32, _dot_acc, _gates, _load_rows, _load_state, _load_tokens,
                                             _raw_rows, _raw_state, _seq_range, _store_rows, _store_state)
+from kalmix.ops.gka.step import gka_step_fused
 
 _OP = "gated_kalmanet"
 MAX_K = 128         # H_c [K, K] is one tile
-# above this K the adjoint solve's tail runs as its own kernel (README.md, "Session 22"): at K = 128 it had made
-# ptxas serialise the solve's tensor-core instructions (solve 1.94 -> 1.07 ms, tail 0.51; H100, B = 16, T = 2048);
-# at K = 64 the split solve was the serialised one
+# above this K the adjoint solve's tail runs as its own kernel: fused, it makes ptxas serialise the solve's tensor-core
+# instructions (at K = 64 the split solve is the serialised one). `python benchmarks/kernel_report.py --ops gka` prints
+# ptxas's warning; gpu_tests/test_ops_gpu.py::test_gka_solves_keep_their_tensor_core_pipeline fails on it
 TAIL_MIN_K = 64
 # per operand width (16-bit activations, or fp32/fp64): the chunk length C, the column block of the states and of
-# V, and each kernel's warps, or (warps, pipeline stages) (else 1 stage) (fp32's 3×TF32 operands need twice the
-# shared memory, hence the smaller tiles). H100, 16-bit: the solves at 4 warps (one warpgroup for the chunk's 64
-# rows; 8 warps took 2.9 ms against 1.76), grads_h at 4 (0.94 ms against 1.17 at 8), dstates at 8 (0.83 against
-# 0.88); states at 8 was slower (0.71 vs 0.47). Stages (B = 16, T = 2048 / B = 4, T = 8192, ms per call): states
-# 0.237 / 0.365 at 1, 0.190 / 0.249 at 2, 0.206 / 0.261 at 3; fwd 1.40 at 1, 1.35 at 2; grads_u 0.666 at 1,
-# 0.616 at 2; solve_bwd 1.96 at 1, 2.04 at 2; dstates 0.82 at 1, 0.95 at 2, 1.07 at 3; grads_h 0.96 at 1 and 2.
-# solve_tail (session 22, its first form): 0.51 ms at 8 warps, 0.84 at 4, 0.70 at 16
+# V, and each kernel's warps, or (warps, pipeline stages) (else 1 stage). fp32's 3×TF32 operands need twice the
+# shared memory, hence the smaller tiles; the solves run one warpgroup for the chunk's 64 rows. Each value measured
+# the fastest of those tried at B = 16, T = 2048 and B = 4, T = 8192 on an H100; `python benchmarks/gka_triton.py
+# --configs fwd=8 ...` times other warps against them
 CONFIGS = {16: dict(C=64, BV=64, states=(4, 2), fwd=(4, 2), solve_bwd=4, solve_tail=8, dstates=8, grads_u=(8, 2),
                     grads_h=4),
            32: dict(C=32, BV=32, states=4, fwd=8, solve_bwd=8, solve_tail=8, dstates=4, grads_u=8, grads_h=8)}
@@ -115,8 +113,8 @@ def _chebyshev(R, Hc, Kc, M, Gam, hnorm, coef_ptr, n_iters, DT: tl.constexpr):
     for i in range(n_iters):
         omega = tl.load(coef_ptr + 2 + 2 * i)
         keep = tl.load(coef_ptr + 3 + 2 * i)
-        # the residual H_t x_t − r_t of every row in one accumulator: −R, + (M ⊙ X Kᵀ) K, + (Γ X) H_c (H100: one
-        # [C, K] tile fewer live, the forward 1.76 -> 1.38 ms)
+        # the residual H_t x_t − r_t of every row in one accumulator: −R, + (M ⊙ X Kᵀ) K, + (Γ X) H_c (one [C, K]
+        # fp32 tile fewer live in a kernel at its register limit)
         E = _dot_acc(M * _dot(X, tl.trans(Kc), DT), Kc, -R.to(X.dtype), DT)
         E = _dot_acc(Gam[:, None] * X, Hc, E, DT)
         X, X_prev = keep * X + (1. - omega) * X_prev - (omega * step)[:, None] * E, X
@@ -531,6 +529,10 @@ def gka_fused(q, k, v, g, beta, alpha, *, state, scale, ridge, num_iters, cu_seq
     packed, ridge, num_iters = cu_seqlens is not None, float(ridge), int(num_iters)
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta, alpha, h0, u0)):
         o, hT, uT = GKAFunction.apply(q, k, v, g, beta, alpha, h0, u0, cu, packed, scale, ridge, num_iters)
+    elif T == 1 and not packed:                             # decoding: one launch (step.py)
+        o, hT, uT = gka_step_fused(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], alpha[:, 0], h0, u0,
+                                   scale=scale, ridge=ridge, num_iters=num_iters)
+        o = o[:, None]
     else:                                                   # inference: nothing kept for a backward
         flat, (coff, chunks) = _flatten(q, k, v, g, beta, alpha, cu, packed)
         o, hT, uT, _, _ = _forward(*flat, h0, u0, cu, coff, chunks, scale, ridge, num_iters, store=False)

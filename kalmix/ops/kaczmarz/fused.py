@@ -14,6 +14,7 @@ Two engines run it:
   with or without gradients, for fp64 inputs (fla takes none), and on CPU under TRITON_INTERPRET (how CI runs
   them).
 A log line on the ``kalmix`` logger names the engine the first time kalmix's kernels stand in for fla on a GPU.
+A one-token call without gradients (decoding) runs ``step.py``'s single kernel instead.
 """
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ from typing import Sequence
 import torch
 import triton
 
-from kalmix.ops.common.checks import Range, defer_check, no_check
+from kalmix.ops.common.checks import Range, compute_dtype, defer_check, no_check
 from kalmix.ops.common.delta_triton import chunk_delta_rule_triton, kaczmarz_step, step_extrema
+from kalmix.ops.kaczmarz.step import kaczmarz_step_fused
 
 _OP = "kaczmarz_attention"
 log = logging.getLogger("kalmix")
@@ -76,6 +78,12 @@ def kaczmarz_fused(q, k, v, g, eta, *, state, eps, scale, cu_seqlens=None, check
     (zeros); packed sequences are handed to the kernels. ``check``: the op's ranges of g and eta, checked by
     the pass that computes the step. Returns o [B, T, H, V] (q's dtype), the final state [N, H, K, V] and the
     check's ``finish()`` (checks.defer_check), to call before the outputs are used."""
+    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, eta, state))
+    if q.shape[1] == 1 and cu_seqlens is None and not check and not grad:     # decoding: one launch (step.py)
+        S = state if state is not None else q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3],
+                                                       dtype=compute_dtype(q))
+        o, S = kaczmarz_step_fused(q[:, 0], k[:, 0], v[:, 0], g[:, 0], eta[:, 0], S, eps=eps, scale=scale)
+        return o[:, None], S, no_check
     if engine(q.device, q.dtype) == "fla":
         ext = step_extrema(eta.numel(), q.device) if check else None
         beta = kaczmarz_step(k, eta, eps, g, ext)     # fla's kernels take β with its gradient

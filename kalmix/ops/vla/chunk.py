@@ -60,14 +60,14 @@ def normaliser(fq: torch.Tensor, fk: torch.Tensor, n: torch.Tensor, chunk_size: 
     return den.transpose(2, 3).reshape(B, NC * chunk_size, H)[:, :T], start[:, -1] + sums[:, -1]
 
 
-def vla_chunk(q, k, v, u, *, state, eps):
-    """The op on one sequence or a batch, in the state's dtype."""
+def vla_chunk(q, k, v, u, *, state, eps, feature_key=False):
+    """The op on one sequence or a batch, in the state's dtype; ``feature_key`` writes along φ(k)/‖φ(k)‖."""
     S, A, n = state
     q, k, u = (x.to(S.dtype) for x in (q, k, u))
-    kh = F.normalize(k, dim=-1)
+    fq, fk = feature_map(q), feature_map(k)
+    kh = F.normalize(fk if feature_key else k, dim=-1)
     alpha, A = write_directions(kh, F.normalize(u, dim=-1), A)
-    fq = feature_map(q)
     # S_t = (I − α̂_t k̂_tᵀ) S_{t-1} + α̂_t v_tᵀ: the delta rule with write key α̂ and erase key k̂
     o, S = chunk_delta_rule(fq, alpha, kh, v, scale=1.0, state=S)
-    den, n = normaliser(fq, feature_map(k), n)
+    den, n = normaliser(fq, fk, n)
     return (o / den.clamp_min(eps)[..., None],), (S, A, n)

@@ -9,11 +9,11 @@ from kalmix.ops.vla.apath_triton import write_directions_triton
 from kalmix.ops.vla.io_triton import prologue, readout
 
 
-def vla_fused(q, k, v, u, *, state, eps):
+def vla_fused(q, k, v, u, *, state, eps, feature_key=False):
     """The op on one sequence or a batch (chunk.vla_chunk's signature); activations keep their dtype, the A path
     and the normaliser run in the state's dtype."""
     S, A, n = state
-    kh32, uh32, fq, kh = prologue(q, k, u)
+    kh32, uh32, fq, kh = prologue(q, k, u, feature_key)
     alpha, A = write_directions_triton(kh32, uh32, A)
     no_decay, unit_step = fq.new_zeros(fq.shape[:3]), fq.new_ones(fq.shape[:3])
     o, S = chunk_delta_rule_triton(fq, alpha.to(v.dtype), kh, v, no_decay, unit_step, scale=1.0, state=S)

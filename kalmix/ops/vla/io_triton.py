@@ -2,8 +2,9 @@
 per direction each:
 
 - ``prologue``: q, k, u → the A path's unit rows k̂, û in fp32 and the S path's φ(q), k̂ in the activations'
-  dtype (φ = elu + 1, k̂ = k / max(‖k‖, 1e-12) as ``F.normalize``); its backward sums the two paths' gradients
-  of k̂ and takes all three through the normalisation and φ.
+  dtype (φ = elu + 1, k̂ = k / max(‖k‖, 1e-12) as ``F.normalize``, or φ(k) / max(‖φ(k)‖, 1e-12) with
+  ``feature_key``); its backward sums the two paths' gradients of k̂ and takes all three through the
+  normalisation and φ.
 - ``readout``: o_t = (S's output)_t / max(φ(q_t)·n_t, eps) with n_t = n_0 + Σ_{s≤t} φ(k_s), and the final n, by
   chunks of C tokens in parallel: each chunk's Σ φ(k), a walk over those [K] sums for n before every chunk, then
   each chunk from there (Σ inside a chunk as a masked product); the backward the same way round, its walk going
@@ -17,6 +18,7 @@ import triton.language as tl
 
 from kalmix.ops.common.checks import compute_dtype
 from kalmix.ops.common.delta_triton import _DT, _dot, _load_rows, _load_tokens, _store_rows, _store_tokens
+from kalmix.ops.common.precision import no_autocast
 from kalmix.ops.vla.apath_triton import _sub_chunk, _unit_grad
 
 ROWS = 16       # token rows (of one head) per program of the prologue kernels
@@ -56,12 +58,27 @@ def _unit_back(x, g):
 
 
 @triton.jit
-def _prologue_fwd_kernel(q_ptr, k_ptr, u_ptr, kh32_ptr, uh32_ptr, fq_ptr, kh_ptr, n_rows, K, ROWS: tl.constexpr,
-                         BK: tl.constexpr):
+def _phi_in(x, L, K, BK: tl.constexpr, C: tl.constexpr):
+    """φ(x) for a [C, BK] block of L rows and K columns, zero outside them."""
+    valid = (tl.arange(0, C)[:, None] < L) & (tl.arange(0, BK)[None, :] < K)
+    return tl.where(valid, _phi(x), 0.)
+
+
+@triton.jit
+def _key_in(k, L, K, FEATURE_KEY: tl.constexpr, BK: tl.constexpr, C: tl.constexpr):
+    """What k̂ normalises: k, or φ(k) with FEATURE_KEY."""
+    if FEATURE_KEY:
+        k = _phi_in(k, L, K, BK, C)
+    return k
+
+
+@triton.jit
+def _prologue_fwd_kernel(q_ptr, k_ptr, u_ptr, kh32_ptr, uh32_ptr, fq_ptr, kh_ptr, n_rows, K,
+                         FEATURE_KEY: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr):
     """ROWS rows of the [rows, K] views of the tensors per program (rows as tokens of one head: H = 1)."""
     r0 = tl.program_id(0) * ROWS
     L = n_rows - r0
-    k, _ = _unit(_load_rows(k_ptr, r0, L, 0, 1, K, 0, BK, ROWS))
+    k, _ = _unit(_key_in(_load_rows(k_ptr, r0, L, 0, 1, K, 0, BK, ROWS), L, K, FEATURE_KEY, BK, ROWS))
     u, _ = _unit(_load_rows(u_ptr, r0, L, 0, 1, K, 0, BK, ROWS))
     _store_rows(kh32_ptr, k, r0, L, 0, 1, K, 0, BK, ROWS)
     _store_rows(kh_ptr, k, r0, L, 0, 1, K, 0, BK, ROWS)
@@ -72,7 +89,7 @@ def _prologue_fwd_kernel(q_ptr, k_ptr, u_ptr, kh32_ptr, uh32_ptr, fq_ptr, kh_ptr
 @triton.jit
 def _prologue_bwd_kernel(q_ptr, k_ptr, u_ptr, dkh32_ptr, duh32_ptr, dfq_ptr, dkh_ptr, dq_ptr, dk_ptr, du_ptr, n_rows,
                          K, HAS_DKH32: tl.constexpr, HAS_DUH32: tl.constexpr, HAS_DFQ: tl.constexpr,
-                         HAS_DKH: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr):
+                         HAS_DKH: tl.constexpr, FEATURE_KEY: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr):
     r0 = tl.program_id(0) * ROWS
     L = n_rows - r0
     q = _load_rows(q_ptr, r0, L, 0, 1, K, 0, BK, ROWS)
@@ -85,7 +102,11 @@ def _prologue_bwd_kernel(q_ptr, k_ptr, u_ptr, dkh32_ptr, duh32_ptr, dfq_ptr, dkh
         g += _load_rows(dkh32_ptr, r0, L, 0, 1, K, 0, BK, ROWS)
     if HAS_DKH:
         g += _load_rows(dkh_ptr, r0, L, 0, 1, K, 0, BK, ROWS)
-    _store_rows(dk_ptr, _unit_back(_load_rows(k_ptr, r0, L, 0, 1, K, 0, BK, ROWS), g), r0, L, 0, 1, K, 0, BK, ROWS)
+    k = _load_rows(k_ptr, r0, L, 0, 1, K, 0, BK, ROWS)
+    dk = _unit_back(_key_in(k, L, K, FEATURE_KEY, BK, ROWS), g)
+    if FEATURE_KEY:
+        dk *= _dphi(k)
+    _store_rows(dk_ptr, dk, r0, L, 0, 1, K, 0, BK, ROWS)
     g = tl.zeros_like(q)
     if HAS_DUH32:
         g = _load_rows(duh32_ptr, r0, L, 0, 1, K, 0, BK, ROWS)
@@ -96,8 +117,7 @@ def _prologue_bwd_kernel(q_ptr, k_ptr, u_ptr, dkh32_ptr, duh32_ptr, dfq_ptr, dkh
 def _phi_rows(ptr, t0, L, i_h, H, K, BK: tl.constexpr, C: tl.constexpr):
     """(x, φ(x)) for rows t0..t0+C of head i_h of a [tokens, H, K] tensor, φ zero outside the rows and columns."""
     x = _load_rows(ptr, t0, L, i_h, H, K, 0, BK, C)
-    valid = (tl.arange(0, C)[:, None] < L) & (tl.arange(0, BK)[None, :] < K)
-    return x, tl.where(valid, _phi(x), 0.)
+    return x, _phi_in(x, L, K, BK, C)
 
 
 @triton.jit
@@ -203,18 +223,21 @@ def _readout_dk_kernel(q_ptr, k_ptr, dden_ptr, gst_ptr, dk_ptr, T, H, K, NC, C: 
 
 class PrologueFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, u):
+    def forward(ctx, q, k, u, feature_key: bool):
         q, k, u = (x.contiguous() for x in (q, k, u))
         K, n_rows = q.shape[-1], q.numel() // q.shape[-1]
         kh32, uh32 = (torch.empty(q.shape, dtype=compute_dtype(q), device=q.device) for _ in range(2))
         fq, kh = torch.empty_like(q), torch.empty_like(k)
-        _prologue_fwd_kernel[(triton.cdiv(n_rows, ROWS),)](q, k, u, kh32, uh32, fq, kh, n_rows, K, ROWS=ROWS,
+        _prologue_fwd_kernel[(triton.cdiv(n_rows, ROWS),)](q, k, u, kh32, uh32, fq, kh, n_rows, K,
+                                                            FEATURE_KEY=feature_key, ROWS=ROWS,
                                                             BK=triton.next_power_of_2(K))
         ctx.save_for_backward(q, k, u)
+        ctx.feature_key = feature_key
         ctx.set_materialize_grads(False)
         return kh32, uh32, fq, kh
 
     @staticmethod
+    @no_autocast
     def backward(ctx, dkh32, duh32, dfq, dkh):
         q, k, u = ctx.saved_tensors
         K, n_rows = q.shape[-1], q.numel() // q.shape[-1]
@@ -222,8 +245,8 @@ class PrologueFunction(torch.autograd.Function):
         grads = [None if g is None else g.contiguous() for g in (dkh32, duh32, dfq, dkh)]
         _prologue_bwd_kernel[(triton.cdiv(n_rows, ROWS),)](
             q, k, u, *[q if g is None else g for g in grads], dq, dk, du, n_rows, K,
-            *[g is not None for g in grads], ROWS=ROWS, BK=triton.next_power_of_2(K))
-        return dq, dk, du
+            *[g is not None for g in grads], FEATURE_KEY=ctx.feature_key, ROWS=ROWS, BK=triton.next_power_of_2(K))
+        return dq, dk, du, None
 
 
 class ReadoutFunction(torch.autograd.Function):
@@ -247,6 +270,7 @@ class ReadoutFunction(torch.autograd.Function):
         return o, nT
 
     @staticmethod
+    @no_autocast
     def backward(ctx, do, dnT):
         o_s, q, k, n_start, den = ctx.saved_tensors
         B, T, H, K = q.shape
@@ -277,15 +301,15 @@ def _stages(x: torch.Tensor) -> int:
     return 3 if x.element_size() == 2 else 1
 
 
-def prologue(q: torch.Tensor, k: torch.Tensor, u: torch.Tensor):
+def prologue(q: torch.Tensor, k: torch.Tensor, u: torch.Tensor, feature_key: bool = False):
     """k̂, û in the state dtype (fp32; fp64 for fp64 inputs) and φ(q), k̂ in the activations' dtype.
 
     Args:
-        q, k, u: [B, T, H, K].
+        q, k, u: [B, T, H, K]; feature_key: k̂ = φ(k)/‖φ(k)‖ instead of k/‖k‖.
     Returns:
         kh32, uh32, fq, kh, each [B, T, H, K].
     """
-    return PrologueFunction.apply(q, k, u)
+    return PrologueFunction.apply(q, k, u, feature_key)
 
 
 def readout(o_s: torch.Tensor, q: torch.Tensor, k: torch.Tensor, n0: torch.Tensor, eps: float):

@@ -10,15 +10,17 @@ def feature_map(x: torch.Tensor) -> torch.Tensor:
     return F.elu(x) + 1.0
 
 
-def vla_step(q, k, v, u, S, A, n, *, eps: float):
+def vla_step(q, k, v, u, S, A, n, *, eps: float, feature_key: bool = False):
     """One token; also the decoding step.
 
     Args:
         q, k, u: [B, H, K]; v: [B, H, V]; S: [B, H, K, V]; A: [B, H, K, K] (symmetric); n: [B, H, K].
+        feature_key: write along φ(k)/‖φ(k)‖ instead of k/‖k‖.
     Returns:
         o [B, H, V], S, A, n.
     """
-    kh, uh = F.normalize(k, dim=-1), F.normalize(u, dim=-1)
+    kh = F.normalize(feature_map(k) if feature_key else k, dim=-1)
+    uh = F.normalize(u, dim=-1)
     z = (A @ uh[..., None])[..., 0]
     delta = 1.0 + (uh * z).sum(-1)
     A = A - z[..., :, None] * z[..., None, :] / delta[..., None, None]       # Sherman–Morrison
@@ -31,10 +33,10 @@ def vla_step(q, k, v, u, S, A, n, *, eps: float):
     return o, S, A, n
 
 
-def vla_naive(q, k, v, u, *, state, eps):
+def vla_naive(q, k, v, u, *, state, eps, feature_key=False):
     S, A, n = state
     os = []
     for t in range(q.shape[1]):
-        o, S, A, n = vla_step(q[:, t], k[:, t], v[:, t], u[:, t], S, A, n, eps=eps)
+        o, S, A, n = vla_step(q[:, t], k[:, t], v[:, t], u[:, t], S, A, n, eps=eps, feature_key=feature_key)
         os.append(o)
     return (torch.stack(os, dim=1),), (S, A, n)
