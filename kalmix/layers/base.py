@@ -51,6 +51,7 @@ class MixerLayer(nn.Module):
         attention_mask = context_mask(name, attention_mask, hidden_states, past_key_values is not None)
         check_hidden(name, hidden_states, self.d_model, attention_mask)
         last = past_key_values.get(self.layer_idx, B) if past_key_values is not None else None
+        last = last if last and last["seen"] else None          # a reset cache keeps its buffers, not its states
         conv_state = last["conv_state"] if last else None
         rec_state = last["recurrent_state"] if last else None
         x = hidden_states

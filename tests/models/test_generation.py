@@ -108,6 +108,9 @@ def test_static_cache_decoder_equals_generate(mixers):
             mask[0, :3] = 0
         ref = m.generate(prompt, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
         torch.testing.assert_close(dec.generate(prompt, 6, attention_mask=mask), ref, rtol=0, atol=0)
+    first = dec.prefill(prompt).clone()
+    dec.step(prompt[:, 0])
+    torch.testing.assert_close(dec.prefill(prompt), first, rtol=0, atol=0)   # a new prompt starts afresh
     with pytest.raises(ValueError, match="exceed max_length = 20"):
         dec.generate(prompt, 14)
     with pytest.raises(ValueError, match="built for batch size 2"):
