@@ -97,7 +97,8 @@ class KalmixCache:
             entry["seen"] += n
 
     def __len__(self) -> int:
-        return len(self.layers)
+        """1 + the highest layer index stored (fla's layers read ``len(cache) > layer_idx`` as "has state")."""
+        return max(self.layers, default=-1) + 1
 
     def __contains__(self, layer_idx: int) -> bool:
         return layer_idx in self.layers
@@ -118,8 +119,9 @@ class KalmixCache:
             if self.batch_size is None:
                 self.batch_size = t.shape[0]
 
-    def update(self, layer_idx: int, seen: int, **states) -> None:
-        """Store the layer's states after it consumed ``seen`` more tokens."""
+    def update(self, layer_idx: int, seen: int | None = None, *, offset: int | None = None, **states) -> None:
+        """Store the layer's states after it consumed ``seen`` more tokens (``offset``: fla's layers' name)."""
+        seen = offset if seen is None else seen
         self._check_batch(layer_idx, states)
         entry = self.layers.setdefault(layer_idx, {"seen": 0})
         for name, value in states.items():

@@ -1,7 +1,8 @@
 """``KalmixModel`` / ``KalmixForCausalLM``: transformers causal LMs over any per-layer mix of kalmix mixers.
 
 Blocks are pre-norm: ``x + mixer(RMSNorm(x))`` then ``x + SwiGLU(RMSNorm(x))``. Initialisation: every linear
-weight ~ N(0, σ²) with σ = 1/√fan_in (or ``initializer_range`` when set), the embedding ~ N(0, 1/hidden_size)
+weight ~ N(0, σ²) with σ = 1/√(3·fan_in), the variance of torch's default ``nn.Linear`` init (or σ =
+``initializer_range`` when set), the embedding ~ N(0, 1/hidden_size)
 (or ``initializer_range``), biases zero, norm weights one; the projections that write into the residual stream
 (each mixer's output projection and the MLP's down projection) have σ / √(2 · num_hidden_layers) (GPT-2's
 scaling); each mixer's own parameters (decays, Δ, process noise, short convolutions, skip, gate biases) keep the
@@ -18,7 +19,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from kalmix.layers import MIXERS
+from kalmix.layers import ALL_MIXERS as MIXERS
 from kalmix.layers.cache import KalmixCache
 from kalmix.layers.common import upcast
 from kalmix.models.configuration import KalmixConfig
@@ -82,7 +83,7 @@ class KalmixPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module: nn.Module):
         fixed = self.config.initializer_range
         if isinstance(module, nn.Linear):
-            std = fixed if fixed is not None else module.in_features ** -0.5
+            std = fixed if fixed is not None else (3 * module.in_features) ** -0.5
             if getattr(module, "_residual_out", False):
                 std = std / math.sqrt(2 * self.config.num_hidden_layers)
             init.normal_(module.weight, mean=0.0, std=std)

@@ -81,8 +81,8 @@ def test_initialisation_scheme(fixed):
     m = KalmixForCausalLM(config(["gka", "attention"] * 4, initializer_range=fixed, hidden_size=64,
                                  intermediate_size=256))
     std = lambda t: t.float().std().item()                                 # noqa: E731
-    fan_in = lambda n: fixed if fixed is not None else n ** -0.5          # noqa: E731
-    assert abs(std(m.model.embed_tokens.weight) / fan_in(64) - 1) < 0.1
+    fan_in = lambda n: fixed if fixed is not None else (3 * n) ** -0.5    # noqa: E731
+    assert abs(std(m.model.embed_tokens.weight) / (fixed or 64 ** -0.5) - 1) < 0.1
     assert abs(std(m.model.layers[0].mixer.in_proj.weight) / fan_in(64) - 1) < 0.1
     assert abs(std(m.model.layers[1].mixer.o_proj.weight) / (fan_in(64) / 4) - 1) < 0.1    # 1 / sqrt(2 * 8)
     assert abs(std(m.model.layers[0].mlp.down.weight) / (fan_in(256) / 4) - 1) < 0.1
@@ -139,3 +139,11 @@ def test_mixed_precision_forward_and_backward(mixer, precision):
     assert abs(out.loss.item() - ref_loss.item()) < (1e-5 if precision == "fp32" else 0.05)
     for n, p in m.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), n
+
+
+def test_fla_deltanet_mixes_in_and_refuses_cpu_tensors_clearly():
+    m = KalmixForCausalLM(KalmixConfig(vocab_size=37, hidden_size=16, num_hidden_layers=2,
+                                       mixers=["deltanet", "attention"], mixer_kwargs={"deltanet": {"num_heads": 2}}))
+    assert m.model.layers[0].mixer.state_size() == 2 * 8 * 8
+    with pytest.raises(ValueError, match="FlaDeltaNet runs fla's Triton kernels, which need CUDA"):
+        m(torch.randint(0, 37, (1, 5)))
