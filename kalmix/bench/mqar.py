@@ -25,25 +25,25 @@ class MQARBenchConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mixers: list[Literal[MIXER_NAMES]] = list(MIXER_NAMES)
-    vocab_size: int = 64
-    seq_len: int = 32
-    num_kv_pairs: int = 4
-    train_examples: int = 20_000
-    test_examples: int = 1_000
-    d_model: int = 64
-    n_layers: int = 2
-    num_heads: int = 2
-    d_state: int = 16
-    steps: int = 500
-    batch_size: int = 64
-    lr: float = 3e-3
-    weight_decay: float = 0.1
+    mixers: list[Literal[MIXER_NAMES]] = Field(list(MIXER_NAMES), min_length=1)
+    vocab_size: int = Field(64, ge=1)
+    seq_len: int = Field(32, ge=1)
+    num_kv_pairs: int = Field(4, ge=1)
+    train_examples: int = Field(20_000, ge=1)
+    test_examples: int = Field(1_000, ge=1)
+    d_model: int = Field(64, ge=1)
+    n_layers: int = Field(2, ge=1)
+    num_heads: int = Field(2, ge=1)
+    d_state: int = Field(16, ge=1)
+    steps: int = Field(500, ge=1)
+    batch_size: int = Field(64, ge=1)
+    lr: float = Field(3e-3, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
     warmup: float = Field(0.1, ge=0, lt=1)
     seed: int = 0
     device: str = "cpu"
     impl: Literal["naive", "torch", "triton"] | None = None
-    threads: int | None = None
+    threads: int | None = Field(None, ge=1)
 
     def lm_config(self, mixer: str) -> KalmixConfig:
         """``n_layers`` blocks of ``mixer`` without MLPs (Zoology's MQAR models), untied embeddings."""

@@ -9,6 +9,7 @@ cores).
 from __future__ import annotations
 
 import csv
+import importlib.util
 import inspect
 import math
 import os
@@ -20,11 +21,10 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from kalmix import ops
 from kalmix.bench.models import Shape, op_bytes, op_flops
+from kalmix.ops.common.checks import triton_module
 from kalmix.ops.common.testing import CASES
 from kalmix.layers import MIXERS
 
@@ -182,9 +182,8 @@ def targets(ops_filter, impls_filter, d_model, heads, head_dim, d_state, device,
 def time_call(fn: Callable, leaves, device: torch.device, warmup: int, rep: int) -> tuple[float, float, float]:
     """(p20, p50, p80) milliseconds of fn()."""
     if device.type == "cuda":
-        import triton.testing
-        return tuple(triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=leaves,
-                                             quantiles=[0.2, 0.5, 0.8]))
+        do_bench = triton_module("triton.testing").do_bench
+        return tuple(do_bench(fn, warmup=warmup, rep=rep, grad_to_none=leaves, quantiles=[0.2, 0.5, 0.8]))
     fn()
     times = []
     for _ in range(max(3, rep // 100)):
@@ -210,18 +209,6 @@ def peak_mib(fn: Callable, device: torch.device) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
 
 
-@triton.jit
-def _fma_chains(x_ptr, a, b, n_iters, BLOCK: tl.constexpr, UNROLL: tl.constexpr):
-    """Four independent chains x <- a·x + b per element, ``n_iters`` × UNROLL steps each: fp32 FMAs only."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    x0 = tl.load(x_ptr + offs)
-    x1, x2, x3 = x0 + 1.0, x0 + 2.0, x0 + 3.0
-    for _ in range(n_iters):
-        for _u in tl.static_range(UNROLL):
-            x0, x1, x2, x3 = x0 * a + b, x1 * a + b, x2 * a + b, x3 * a + b
-    tl.store(x_ptr + offs, x0 + x1 + x2 + x3)
-
-
 def ceilings(device: torch.device, warmup: int, rep: int) -> dict:
     """Copy bandwidth (GB/s, read + write), bf16 (CPU: fp32) matmul rate and, on CUDA, the fp32 FMA rate of the
     CUDA cores (TFLOP/s, 2 per FMA; NaN off CUDA) measured now."""
@@ -237,8 +224,9 @@ def ceilings(device: torch.device, warmup: int, rep: int) -> dict:
     if device.type == "cuda":
         x = torch.rand(1 << 22, device=device)
         n_iters, unroll = 128, 8
-        _, fma_ms, _ = time_call(lambda: _fma_chains[(x.numel() // 1024,)](x, 0.999, 1e-3, n_iters, BLOCK=1024,
-                                                                            UNROLL=unroll, num_warps=4),
+        fma_chains = triton_module("kalmix.bench.fma").fma_chains
+        _, fma_ms, _ = time_call(lambda: fma_chains[(x.numel() // 1024,)](x, 0.999, 1e-3, n_iters, BLOCK=1024,
+                                                                           UNROLL=unroll, num_warps=4),
                                  [], device, warmup, rep)
         fp32 = 2 * 4 * n_iters * unroll * x.numel() / fma_ms / 1e9
     return {"copy_GBps": 2 * 4 * n / copy_ms / 1e6, "matmul_TFLOPs": 2 * m ** 3 / mm_ms / 1e9, "fp32_TFLOPs": fp32}
@@ -374,6 +362,10 @@ def _decode_rows(cfg, device, dtype_name, ceil, meta) -> list[dict]:
 def run(cfg: SpeedConfig, progress: bool = True) -> list[dict]:
     """Time everything ``cfg`` selects; write CSV (and plots) under ``cfg.out``; return the rows."""
     from tqdm.auto import tqdm
+
+    if cfg.plots and importlib.util.find_spec("matplotlib") is None:
+        raise ImportError("kalmix speed draws its plots with matplotlib, which is not installed: "
+                          "pip install 'kalmix[plots]' (or matplotlib), or pass --no-plots")
 
     device = torch.device(cfg.device)
     meta = versions()

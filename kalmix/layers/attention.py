@@ -25,7 +25,8 @@ class SoftmaxAttention(nn.Module):
 
     ``attention_mask`` [B, T] (1 = token, 0 = padding) masks padded keys; positions count real tokens only.
     With ``use_cache`` the rotated keys and the values go into a ``KalmixCache`` (one row per token written into
-    buffers that grow by doubling); the mask then covers the whole context [B, S].
+    buffers that grow by doubling); the mask then covers the whole context [B, S]. T = 0 gives an empty output
+    [B, 0, d_model] and leaves the cache unchanged.
     """
 
     def __init__(self, d_model: int, num_heads: int = 4, rope_theta: float = 10000.0, layer_idx: int = 0,
@@ -41,6 +42,10 @@ class SoftmaxAttention(nn.Module):
     def forward(self, hidden_states, attention_mask=None, past_key_values=None, use_cache=False, **kwargs):
         check_hidden(type(self).__name__, hidden_states, self.d_model, None)
         B, T, _ = hidden_states.shape
+        if T == 0:                                          # no tokens: an empty output, the cache unchanged
+            if use_cache and past_key_values is None:
+                past_key_values = KalmixCache()
+            return hidden_states.new_zeros(B, 0, self.d_model), None, past_key_values
         q, k, v = self.qkv_proj(hidden_states).view(B, T, 3, self.num_heads, self.head_dim).unbind(2)
         if (past_key_values is not None and past_key_values.static and T == 1 and use_cache
                 and "kv" in (past_key_values.get(self.layer_idx) or {})):

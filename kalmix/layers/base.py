@@ -12,7 +12,8 @@ class MixerLayer(nn.Module):
     """Subclasses implement ``project`` (hidden -> op inputs), ``mix`` (the op) and ``readout`` (op output -> hidden).
 
     ``forward(hidden_states, attention_mask=None, past_key_values=None, use_cache=False)`` returns
-    ``(o [B, T, d_model], None, past_key_values)`` like fla's layers. ``attention_mask`` [B, T] (1 = token,
+    ``(o [B, T, d_model], None, past_key_values)`` like fla's layers; T = 0 gives an empty o [B, 0, d_model] and
+    leaves the cache unchanged. ``attention_mask`` [B, T] (1 = token,
     0 = padding; left or right padding) runs the padded batch as packed sequences, so padding never touches
     a state; with a cache it may cover the whole context [B, S] (its last T columns are this call's). With
     ``use_cache`` the final recurrent and convolution states go into a ``KalmixCache`` (created when None is
@@ -50,6 +51,10 @@ class MixerLayer(nn.Module):
         B, T = hidden_states.shape[:2]
         attention_mask = context_mask(name, attention_mask, hidden_states, past_key_values is not None)
         check_hidden(name, hidden_states, self.d_model, attention_mask)
+        if T == 0:                                          # no tokens: nothing to mix, the cache stays as it is
+            if use_cache and past_key_values is None:
+                past_key_values = KalmixCache()
+            return hidden_states.new_zeros(B, 0, self.d_model), None, past_key_values
         last = past_key_values.get(self.layer_idx, B) if past_key_values is not None else None
         last = last if last and last["seen"] else None          # a reset cache keeps its buffers, not its states
         conv_state = last["conv_state"] if last else None

@@ -8,7 +8,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kalmix.layers.fused import short_conv
+from kalmix.ops.common.checks import triton_module
+
+P_MIN = 1e-7        # the floor the released Kalman layer puts on p where its noise is linear in p
+
+
+def fused_kernels():
+    """``kalmix.layers.fused``, the layers' Triton kernels (run on CUDA), imported at first use: kalmix imports
+    without triton, and a layer on CUDA without it raises an ImportError saying so."""
+    return triton_module("kalmix.layers.fused")
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
@@ -38,7 +46,7 @@ class ShortConv(nn.Module):
         keep = self.kernel_size - 1
         xt = x.transpose(1, 2)                                           # [B, C, T]
         if state is None and x.is_cuda:
-            y = short_conv(x, self.weight, self.bias, self.activation)
+            y = fused_kernels().short_conv(x, self.weight, self.bias, self.activation)
             return y, F.pad(xt[..., T - min(T, keep):], (keep - min(T, keep), 0))
         if state is None:
             state = xt.new_zeros(B, C, keep)
@@ -108,7 +116,7 @@ def context_mask(name: str, attention_mask: torch.Tensor | None, x: torch.Tensor
         raise ValueError(f"{name}: `attention_mask` must be a 2-D [B, T] padding mask (1 = token, 0 = padding), got "
                          f"shape {list(attention_mask.shape)}")
     if cached and attention_mask.shape[1] > T:
-        return attention_mask[:, -T:]
+        return attention_mask[:, attention_mask.shape[1] - T:]          # not [:, -T:], which is all of it at T = 0
     return attention_mask
 
 

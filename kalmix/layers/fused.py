@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kalmix.layers.common import P_MIN
 from kalmix.ops.common.precision import no_autocast
 
 _ROWS = 16          # rows (tokens) per program
@@ -203,7 +204,6 @@ def sensor_split(p: torch.Tensor, num_heads: int, d_state: int):
 
 # ---------------------------------------------------------------------------------------------- OU dynamics
 _BLOCK = 1024
-P_MIN = 1e-7        # the floor the released code puts on p where its noise is linear in p
 _P_MIN = tl.constexpr(P_MIN)
 
 

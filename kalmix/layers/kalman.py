@@ -8,8 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kalmix.layers.base import MixerLayer
-from kalmix.layers.common import ShortConv, upcast
-from kalmix.layers.fused import P_MIN, gated_skip, ou_dynamics, sensor_split
+from kalmix.layers.common import P_MIN, ShortConv, fused_kernels, upcast
 from kalmix.ops import kalman_attention
 
 
@@ -78,7 +77,7 @@ class KalmanAttention(MixerLayer):
         """(decay ā, process noise p̄), both [H, N, D] fp32, from the OU discretisation."""
         linear_p = self.noise_param == "p"
         if self.fused(self.A_log.device):
-            return ou_dynamics(self.A_log, self.dt_raw, self.p, linear_p)
+            return fused_kernels().ou_dynamics(self.A_log, self.dt_raw, self.p, linear_p)
         a = upcast(self.A_log).exp()
         dt = F.softplus(upcast(self.dt_raw))
         decay = torch.exp(-a * dt)
@@ -97,7 +96,7 @@ class KalmanAttention(MixerLayer):
         z, gate = self.in_proj(x).chunk(2, dim=-1)
         z, conv_state = self.conv(z, conv_state)
         if self.fused(x.device):
-            v, w, k, q = sensor_split(self.sensor_proj(z), H, N)
+            v, w, k, q = fused_kernels().sensor_split(self.sensor_proj(z), H, N)
             return [q, k, v.view(B, T, H, D), w.view(B, T, H, D)], (z, gate), conv_state
         v, s, k, q = self.sensor_proj(z).split([self.d_inner, self.d_inner, H * N, H * N], dim=-1)
         k = F.normalize(k.view(B, T, H, N), dim=-1)
@@ -120,7 +119,7 @@ class KalmanAttention(MixerLayer):
         z, gate = ctx
         B, T = z.shape[:2]
         if self.fused(z.device):
-            y = gated_skip(o.reshape(B, T, self.d_inner), z, gate, self.skip)
+            y = fused_kernels().gated_skip(o.reshape(B, T, self.d_inner), z, gate, self.skip)
         else:
             y = (o.reshape(B, T, self.d_inner) + self.skip * z) * F.silu(gate)  # in the activations' dtype
         out = self.out_proj(y)

@@ -154,7 +154,7 @@ def test_the_step_pass_checks_the_values_like_the_other_impls(monkeypatch, engin
 
     def put(x, t, value):
         return x.clone().index_put_((torch.tensor(1), torch.tensor(t), torch.tensor(1)), torch.tensor(value))
-    bad = {"g > 0": ("g", put(g, T - 1, 0.5), r"`g` must lie in \[-inf, 0.0\]"),
+    bad = {"g > 0": ("g", put(g, T - 1, 0.5), r"`g` must lie in \(-inf, 0.0\]"),
            "eta = 0": ("eta", put(eta, T - 1, 0.), r"`eta` must lie in \(0.0, 1.0\]"),
            "eta > 1": ("eta", eta * 1.5 + 0.5, r"`eta` must lie in \(0.0, 1.0\]"),
            "NaN g": ("g", put(g, T - 1, float("nan")), r"`g` contains NaN"),

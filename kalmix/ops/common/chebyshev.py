@@ -17,12 +17,14 @@ def chebyshev_solve(matvec: Callable[[torch.Tensor], torch.Tensor], b: torch.Ten
 
     Args:
         matvec: x [..., K] -> H x [..., K] (H symmetric positive semi-definite).
-        b: [..., K] right-hand sides; hnorm: [...] ‖H‖_F per system (> 0).
+        b: [..., K] right-hand sides; hnorm: [...] ‖H‖_F per system (>= 0).
     Returns:
-        ξ [..., K], with ‖ξ − x*‖_A ≤ 2 r^n ‖x*‖_A, r = (√κ − 1)/(√κ + 1), κ = (1 + ridge)/ridge.
+        ξ [..., K] (0 where H = 0: no data to solve with), with ‖ξ − x*‖_A ≤ 2 r^n ‖x*‖_A,
+        r = (√κ − 1)/(√κ + 1), κ = (1 + ridge)/ridge.
     """
     rho2 = (1.0 / (1.0 + 2.0 * ridge)) ** 2
-    c = (2.0 / ((1.0 + 2.0 * ridge) * hnorm))[..., None]     # 2/(L + μ)
+    some = hnorm > 0                                          # 2/(L + μ), and 0 where H = 0 (x stays 0)
+    c = torch.where(some, 2.0 / ((1.0 + 2.0 * ridge) * torch.where(some, hnorm, 1.0)), 0.0)[..., None]
     x_prev, x = torch.zeros_like(b), c * b
     omega = 2.0
     for _ in range(num_iters):

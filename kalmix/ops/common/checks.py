@@ -4,8 +4,11 @@ Every failure is a ``ValueError`` naming the op, the argument, what was expected
 """
 from __future__ import annotations
 
+import functools
+import importlib
 import math
 import os
+import re
 from typing import Callable, Mapping, NamedTuple, Sequence
 
 import torch
@@ -63,40 +66,71 @@ class Range(NamedTuple):
     hi: float | None
     lo_open: bool = False
     hi_open: bool = False
+    note: str = ""               # appended to the message, e.g. which impls take what this one refuses
 
 
-def check_ranges(op: str, ranges: Sequence[Range]) -> Callable[[], None]:
-    """Check that every ``Range`` holds; returns ``finish()``, which raises with the offending min/max.
+def reset_range(g: torch.Tensor | None, triton: bool) -> Range:
+    """The range of a log-decay g (<= 0). A reset g = -inf is allowed except on the chunked Triton kernels, whose
+    in-chunk cumulative sums of g would form -inf - (-inf); there the message names the impls that take it."""
+    if not triton:
+        return Range("g", g, None, 0.0)
+    return Range("g", g, float("-inf"), 0.0, lo_open=True,
+                 note="impl='triton' takes no reset g = -inf; impl='torch' and 'naive' do")
 
-    One min/max pass per tensor and one read back to the host for all of them (``defer_check``). An op must call
+
+def check_ranges(op: str, ranges: Sequence[Range],
+                 finite: Mapping[str, torch.Tensor | None] | None = None) -> Callable[[], None]:
+    """Check that every ``Range`` holds and every tensor of ``finite`` (name -> tensor or None) has no NaN or Inf;
+    returns ``finish()``, which raises with the offending name (and min/max).
+
+    One pass per tensor and one read back to the host for all of them (``defer_check``). An op must call
     ``finish()`` before it returns its outputs."""
     ranges = [r for r in ranges if r.x.numel()]
-    if not ranges:
+    if not ranges and not finite:
         return no_check
-    return defer_check(op, ranges, torch.stack([v for r in ranges for v in torch.aminmax(r.x.detach())]))
+    ext = torch.stack([v for r in ranges for v in torch.aminmax(r.x.detach())]) if ranges else None
+    return defer_check(op, ranges, ext, finite)
 
 
-def defer_check(op: str, ranges: Sequence[Range], ext: torch.Tensor) -> Callable[[], None]:
+def defer_check(op: str, ranges: Sequence[Range], ext: torch.Tensor | None,
+                finite: Mapping[str, torch.Tensor | None] | None = None) -> Callable[[], None]:
     """``finish()`` for ``ranges`` from their extremes ``ext`` computed on the device by kernels already queued:
     flat (min, max) per range (NaN propagated), or [P, n, 3] rows of (min, max, NaN count) per range from each of
-    P programs, folded on the host.
+    P programs, folded on the host; and for ``finite`` (name -> tensor or None: no NaN or Inf allowed), one
+    ``isfinite().all()`` flag per tensor, read back together with ``ext`` (one synchronisation for both).
 
     On CPU it checks now. On CUDA the extremes are copied to pinned memory behind an event: the op enqueues its
     kernels and then calls ``finish()``, so the host waits for the check alone while the GPU still has the op's
     work queued (reading them back up front drained the queue and left the GPU idle while the host launched the
     op)."""
-    if ext.is_cuda:
-        host = torch.empty(ext.shape, dtype=ext.dtype, pin_memory=True)     # same dtype: no conversion kernel
-        host.copy_(ext, non_blocking=True)
+    named = [(name, x) for name, x in (finite or {}).items() if x is not None and x.numel()]
+    flags = torch.stack([torch.isfinite(x.detach()).all() for _, x in named]) if named else None
+    dev = [x for x in (ext, flags) if x is not None]
+    if not dev:
+        return no_check
+    if dev[0].is_cuda:
+        host = [torch.empty(x.shape, dtype=x.dtype, pin_memory=True) for x in dev]  # same dtype: no conversion
+        for h, x in zip(host, dev):
+            h.copy_(x, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
 
         def finish():
             ready.synchronize()
-            _raise_outside(op, ranges, _fold(host, len(ranges)))
+            _raise_checked(op, ranges, ext is not None and host[0], named, flags is not None and host[-1])
         return finish
-    _raise_outside(op, ranges, _fold(ext, len(ranges)))
+    _raise_checked(op, ranges, ext, named, flags)
     return no_check
+
+
+def _raise_checked(op: str, ranges: Sequence[Range], ext, named: Sequence, flags) -> None:
+    """Raise for the first non-finite tensor of ``named`` (``flags``: isfinite().all() per tensor), then for the
+    first range that does not hold (``ext``: ``defer_check``'s extremes)."""
+    for (name, _), ok in zip(named, flags.tolist() if named else ()):
+        if not ok:
+            fail(op, f"`{name}` contains NaN or Inf; it must be finite")
+    if ranges:
+        _raise_outside(op, ranges, _fold(ext, len(ranges)))
 
 
 def _fold(ext: torch.Tensor, n: int) -> list:
@@ -119,7 +153,8 @@ def _raise_outside(op: str, ranges: Sequence[Range], ext: list) -> None:
                 r.hi is not None and (mx >= r.hi if r.hi_open else mx > r.hi)):
             interval = ("(" if r.lo_open else "[") + f"{'-inf' if r.lo is None else r.lo}, " + (
                 f"{'inf' if r.hi is None else r.hi}" + (")" if r.hi_open or r.hi is None else "]"))
-            fail(op, f"`{r.name}` must lie in {interval}, got values in [{mn:.4g}, {mx:.4g}]")
+            fail(op, f"`{r.name}` must lie in {interval}, got values in [{mn:.4g}, {mx:.4g}]"
+                     + (f" ({r.note})" if r.note else ""))
 
 
 def check_cu_seqlens(op: str, cu_seqlens, batch: int, seq_len: int, device: torch.device) -> int:
@@ -159,12 +194,64 @@ def resolve_impl(op: str, impl: str | None, device: torch.device, available: Map
 
 
 def device_refusal(impl: str, device: torch.device) -> str | None:
-    """Why ``impl`` cannot run on ``device`` (None when it can): off CUDA, "triton" needs the interpreter."""
-    if device.type == "cuda":
+    """Why ``impl`` cannot run on ``device`` (None when it can): "triton" needs the triton package (and a Triton
+    interpreter that runs kalmix's kernels under TRITON_INTERPRET=1), and off CUDA the interpreter."""
+    if impl != "triton":
         return None
-    if impl == "triton" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        return f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got tensors on {device}"
+    why = triton_refusal()
+    if why is None and device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        why = f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got tensors on {device}"
+    return why
+
+
+INTERPRETER_MIN_TRITON = (3, 9)     # 3.6, 3.7 fail on kalmix's kernels; 3.8 loses fp64 accuracy in one
+
+
+@functools.cache
+def _triton_version() -> tuple[int, int] | None:
+    """(major, minor) of the installed triton; None where it cannot be imported."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    return tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", triton.__version__).groups())
+
+
+def triton_refusal() -> str | None:
+    """Why kalmix's Triton kernels cannot run here (None when they can): triton is not installed, or
+    TRITON_INTERPRET=1 asks for an interpreter older than ``INTERPRETER_MIN_TRITON``."""
+    version = _triton_version()
+    if version is None:
+        return ("impl='triton' and kalmix's fused kernels need the `triton` package, which is not installed "
+                "(pip install triton; Linux with a CUDA GPU); impl='torch' and impl='naive' run without it")
+    if os.environ.get("TRITON_INTERPRET", "0") == "1" and version < INTERPRETER_MIN_TRITON:
+        want = ".".join(map(str, INTERPRETER_MIN_TRITON))
+        return (f"TRITON_INTERPRET=1: the interpreter of triton {'.'.join(map(str, version))} cannot run kalmix's "
+                f"kernels (triton >= {want} can: pip install 'triton>={want}'); impl='torch' and impl='naive' run "
+                "without it, and compiled kernels on a GPU run with any supported triton")
     return None
+
+
+def triton_module(name: str):
+    """The module ``name`` (kalmix's Triton kernels, or triton's own), imported now; ImportError saying why
+    where ``triton_refusal`` refuses."""
+    why = triton_refusal()
+    if why is not None:
+        raise ImportError(why)
+    return importlib.import_module(name)
+
+
+class TritonImpl:
+    """An op's ``impl="triton"``: ``module.name``, imported at its first call, so that kalmix imports without
+    triton (``resolve_impl`` refuses this impl where triton cannot run)."""
+
+    def __init__(self, module: str, name: str):
+        self.module, self.name, self.fn = module, name, None
+
+    def __call__(self, *args, **kwargs):
+        if self.fn is None:
+            self.fn = getattr(triton_module(self.module), self.name)
+        return self.fn(*args, **kwargs)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -16,11 +16,32 @@ import torch
 CHUNK = 64
 
 
+def chunk_decays(g: torch.Tensor):
+    """Decay factors of one chunk from its log-decays g [..., C], where g = -inf is a reset (γ = 0).
+
+    Returns ratio [..., C, C] = Γ_t/Γ_s on s <= t (0 above the diagonal), start [..., C] = Γ_t (decay since the
+    chunk start) and to_end [..., C] = Γ_C/Γ_s. The cumulative sum skips resets and a factor spanning one is set
+    to 0, so no -inf - (-inf) = NaN is formed and the segments keep the precision of their own sums.
+    """
+    reset = torch.isneginf(g)
+    G = torch.where(reset, torch.zeros_like(g), g).cumsum(-1)
+    seg = reset.cumsum(-1)                                                 # resets up to and including t
+    C = g.shape[-1]
+    lower = torch.ones(C, C, dtype=torch.bool, device=g.device).tril()
+    same = lower & (seg[..., :, None] == seg[..., None, :])
+    # masks go in before exp, so no inf is formed
+    ratio = torch.exp((G[..., :, None] - G[..., None, :]).masked_fill(~same, float("-inf")))
+    start = torch.exp(G.masked_fill(seg > 0, float("-inf")))
+    to_end = torch.exp((G[..., -1:] - G).masked_fill(seg != seg[..., -1:], float("-inf")))
+    return ratio, start, to_end
+
+
 def chunk_delta_rule(q, w, e, v, g=None, beta=None, *, scale: float, state: torch.Tensor, chunk_size: int = CHUNK):
     """Run the rule over [B, T, H, *] inputs chunk by chunk (a loop over chunks, none over tokens).
 
     Args:
-        q, w, e: [B, T, H, K]; v: [B, T, H, V]; g (log γ): [B, T, H] or None; beta: [B, T, H] or None.
+        q, w, e: [B, T, H, K]; v: [B, T, H, V]; g (log γ, -inf = reset): [B, T, H] or None; beta: [B, T, H] or
+            None.
         state: [B, H, K, V] initial state.
     Returns:
         o [B, T, H, V], final state [B, H, K, V].
@@ -32,20 +53,14 @@ def chunk_delta_rule(q, w, e, v, g=None, beta=None, *, scale: float, state: torc
         sl = slice(c0, min(c0 + chunk_size, T))
         qc, wc, ec, vc = (x[:, sl].transpose(1, 2) for x in (q, w, e, v))  # [B, H, C, *]
         C = qc.shape[2]
-        lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-        if g is None:
-            G = torch.zeros(B, H, C, dtype=q.dtype, device=q.device)
-        else:
-            G = g[:, sl].transpose(1, 2).cumsum(-1)                       # [B, H, C] log Γ_t
-        # Γ_t/Γ_s for s <= t; the mask goes in before exp so no inf is formed
-        ratio = torch.exp((G[..., :, None] - G[..., None, :]).masked_fill(~lower, float("-inf")))
-        bc = torch.ones_like(G) if beta is None else beta[:, sl].transpose(1, 2)
+        gc = q.new_zeros(B, H, C) if g is None else g[:, sl].transpose(1, 2)   # [B, H, C] log γ_t
+        ratio, gam, decay_to_end = chunk_decays(gc)                      # Γ_t/Γ_s, Γ_t, Γ_C/Γ_s
+        bc = torch.ones_like(gam) if beta is None else beta[:, sl].transpose(1, 2)
         A = (ec @ wc.transpose(-1, -2)) * ratio * bc[..., None]
         A = A.tril(-1) + torch.eye(C, dtype=q.dtype, device=q.device)
-        rhs = bc[..., None] * (vc - G.exp()[..., None] * (ec @ S))
+        rhs = bc[..., None] * (vc - gam[..., None] * (ec @ S))
         U = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)  # [B, H, C, V]
-        o = G.exp()[..., None] * (qc @ S) + ((qc @ wc.transpose(-1, -2)) * ratio) @ U
+        o = gam[..., None] * (qc @ S) + ((qc @ wc.transpose(-1, -2)) * ratio) @ U
         outs.append(scale * o)
-        decay_to_end = torch.exp(G[..., -1:] - G)                          # Γ_C/Γ_s
-        S = G[..., -1].exp()[..., None, None] * S + (wc * decay_to_end[..., None]).transpose(-1, -2) @ U
+        S = gam[..., -1, None, None] * S + (wc * decay_to_end[..., None]).transpose(-1, -2) @ U
     return torch.cat(outs, dim=2).transpose(1, 2), S

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kalmix.ops.common.chebyshev import chebyshev_solve
+from kalmix.ops.common.delta import chunk_decays
 
 CHUNK = 64
 
@@ -19,12 +20,9 @@ def gka_chunk(q, k, v, g, beta, alpha, *, state, scale, ridge, num_iters, initia
         sl = slice(c0, min(c0 + chunk_size, T))
         qc, kc, vc = (x[:, sl].transpose(1, 2) for x in (q, k, v))      # [B, H, C, *]
         gc, bc, ac = (x[:, sl].transpose(1, 2) for x in (g, beta, alpha))  # [B, H, C]
-        C = qc.shape[2]
-        lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-        G = gc.cumsum(-1)
-        gam = G.exp()                                                  # Γ_t: decay since the chunk start
+        ratio, gam, to_end = chunk_decays(gc)                          # Γ_t/Γ_s, Γ_t since the chunk start, Γ_C/Γ_s
         # M[t, s] = β_s Γ_t/Γ_s for s <= t: H_t = Γ_t H_c + Σ_s M[t, s] k_s k_sᵀ (likewise U_t)
-        M = torch.exp((G[..., :, None] - G[..., None, :]).masked_fill(~lower, float("-inf"))) * bc[..., None, :]
+        M = ratio * bc[..., None, :]
         if num_iters == 0:
             qt = qc
         else:
@@ -37,7 +35,9 @@ def gka_chunk(q, k, v, g, beta, alpha, *, state, scale, ridge, num_iters, initia
             if num_iters is None:
                 Ht = gam[..., None, None] * Hc[:, :, None] + torch.einsum("bhts,bhsi,bhsj->bhtij", M, kc, kc)
                 eye = torch.eye(K, dtype=q.dtype, device=q.device)
-                x = torch.linalg.solve(Ht + (ridge * hnorm)[..., None, None] * eye, qc)
+                some = hnorm > 0                                       # x = 0 where H_t = 0 (no data)
+                x = torch.linalg.solve(Ht + torch.where(some, ridge * hnorm, 1.0)[..., None, None] * eye, qc)
+                x = x * some[..., None]
             else:
                 def matvec(X):                                         # H_t x_t for every t at once
                     within = (M * (X @ kc.transpose(-1, -2))) @ kc
@@ -45,7 +45,7 @@ def gka_chunk(q, k, v, g, beta, alpha, *, state, scale, ridge, num_iters, initia
                 x = chebyshev_solve(matvec, qc, hnorm, ridge, num_iters)
             qt = qc + ac[..., None] * (x - qc)
         outs.append(scale * (gam[..., None] * (qt @ Uc) + (M * (qt @ kc.transpose(-1, -2))) @ vc))
-        w_end = (torch.exp(G[..., -1:] - G) * bc)[..., None] * kc         # β_s Γ_C/Γ_s k_s
+        w_end = (to_end * bc)[..., None] * kc                          # β_s Γ_C/Γ_s k_s
         Hc = gam[..., -1, None, None] * Hc + w_end.transpose(-1, -2) @ kc
         start_is_zero = False
         Uc = gam[..., -1, None, None] * Uc + w_end.transpose(-1, -2) @ vc

@@ -107,7 +107,7 @@ def _hnorm(Kc, Hc, M, Gam, DT: tl.constexpr):
 def _chebyshev(R, Hc, Kc, M, Gam, hnorm, coef_ptr, n_iters, DT: tl.constexpr):
     """X ≈ (H_t + ridge‖H_t‖ I)⁻¹ r_t for every row t of R [C, K]; coef holds 2/(1 + 2 ridge), ridge, then per
     step (ω_i, the weight of ξ_{i−1}) as in kalmix/ops/common/chebyshev.py."""
-    step = tl.load(coef_ptr) / hnorm                            # 2/(L + μ) per row
+    step = tl.where(hnorm > 0, tl.load(coef_ptr) / hnorm, 0.)  # 2/(L + μ) per row; 0 keeps x = 0 where H_t = 0
     X = step[:, None] * R
     X_prev = tl.zeros_like(X)
     for i in range(n_iters):
@@ -207,7 +207,7 @@ def _tail(q_ptr, x_ptr, coef_ptr, dq_ptr, dalpha_ptr, c_ptr, m_ptr, khk_ptr, dga
     _store_rows(dq_ptr, (1. - alpha)[:, None] * dQt + Y, bos, L, i_h, H, K, 0, BK, C)
     X = _load_rows(x_ptr, bos, L, i_h, H, K, 0, BK, C)
     tl.store(dalpha_ptr + tok, tl.sum(dQt * (X - _load_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C)), axis=1), mask=valid)
-    cvec = tl.where(valid, -tl.load(coef_ptr + 1) * tl.sum(X * Y, axis=1) / hnorm, 0.)
+    cvec = tl.where(valid & (hnorm > 0), -tl.load(coef_ptr + 1) * tl.sum(X * Y, axis=1) / hnorm, 0.)
     dgam = -tl.sum(_dot(Y, Hc, DT) * X, axis=1)
     mvec = tl.sum(M * (cvec * Gam)[:, None], axis=0)
     KH = _dot(Kc, Hc, DT)

@@ -7,11 +7,13 @@ from kalmix.ops.common.chebyshev import chebyshev_solve
 
 
 def ridge_solve(Hs: torch.Tensor, q: torch.Tensor, ridge: float, num_iters: int | None) -> torch.Tensor:
-    """x = (H + ridge·‖H‖_F I)^{-1} q for H [..., K, K], q [..., K]: exact (None) or Chebyshev."""
+    """x = (H + ridge·‖H‖_F I)^{-1} q for H [..., K, K], q [..., K]: exact (None) or Chebyshev; x = 0 where H = 0."""
     hnorm = torch.linalg.matrix_norm(Hs)
     if num_iters is None:
         eye = torch.eye(Hs.shape[-1], dtype=Hs.dtype, device=Hs.device)
-        return torch.linalg.solve(Hs + (ridge * hnorm)[..., None, None] * eye, q)
+        some = hnorm > 0
+        x = torch.linalg.solve(Hs + torch.where(some, ridge * hnorm, 1.0)[..., None, None] * eye, q)
+        return x * some[..., None]
     return chebyshev_solve(lambda x: (Hs @ x[..., None])[..., 0], q, hnorm, ridge, num_iters)
 
 

@@ -37,7 +37,8 @@ def _gka_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, a_ptr, h_ptr, u_ptr, coe
     # coef = [scale, 1 + 2·ridge, ω_1..ω_n, keep_1..keep_n]: the reference's Python scalars, in the state's dtype
     qt = q
     if N_ITERS > 0:
-        c = 2.0 / (tl.load(coef_ptr + 1) * tl.sqrt(tl.sum(tl.sum(hs * hs, axis=1), axis=0)))   # 2/(L + μ)
+        hnorm = tl.sqrt(tl.sum(tl.sum(hs * hs, axis=1), axis=0))
+        c = tl.where(hnorm > 0, 2.0 / (tl.load(coef_ptr + 1) * hnorm), 0.0)   # 2/(L + μ); x = 0 where H = 0
         x_prev = tl.zeros([BK], dtype=dt)
         x = c * q
         for i in tl.static_range(N_ITERS):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 import triton
@@ -72,12 +72,13 @@ def announce(dtype: torch.dtype) -> None:
 
 
 def kaczmarz_fused(q, k, v, g, eta, *, state, eps, scale, cu_seqlens=None, check: Sequence[Range] = (),
-                   final_state: bool = True):
+                   finite: Mapping[str, torch.Tensor | None] | None = None, final_state: bool = True):
     """Kaczmarz attention on fla's or kalmix's chunk kernels (module docstring). q, k [B, T, H, K],
     v [B, T, H, V] of one dtype; g, eta [B, T, H]; ``state`` [N, H, K, V] fp32 (fp64 for fp64 inputs) or None
     (zeros); packed sequences are handed to the kernels. ``check``: the op's ranges of g and eta, checked by
-    the pass that computes the step. Returns o [B, T, H, V] (q's dtype), the final state [N, H, K, V] and the
-    check's ``finish()`` (checks.defer_check), to call before the outputs are used."""
+    the pass that computes the step; ``finite`` (given with ``check``): name -> tensor that must have no NaN or
+    Inf, read back with them. Returns o [B, T, H, V] (q's dtype), the final state [N, H, K, V] and the check's
+    ``finish()`` (checks.defer_check), to call before the outputs are used."""
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, eta, state))
     if q.shape[1] == 1 and cu_seqlens is None and not check and not grad:     # decoding: one launch (step.py)
         S = state if state is not None else q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3],
@@ -87,7 +88,7 @@ def kaczmarz_fused(q, k, v, g, eta, *, state, eps, scale, cu_seqlens=None, check
     if engine(q.device, q.dtype) == "fla":
         ext = step_extrema(eta.numel(), q.device) if check else None
         beta = kaczmarz_step(k, eta, eps, g, ext)     # fla's kernels take β with its gradient
-        finish = defer_check(_OP, check, ext) if check else no_check
+        finish = defer_check(_OP, check, ext, finite) if check else no_check
         return (*_fla_gdn(q, k, v, g, beta, scale=scale, state=state, cu_seqlens=cu_seqlens,
                           final_state=final_state), finish)
     if q.device.type == "cuda":
@@ -96,4 +97,4 @@ def kaczmarz_fused(q, k, v, g, eta, *, state, eps, scale, cu_seqlens=None, check
     # g and η on the way
     out = chunk_delta_rule_triton(q, k, k, v, g, eta, scale=scale, state=state, cu_seqlens=cu_seqlens,
                                   step_eps=eps, check=bool(check))
-    return out[0], out[1], defer_check(_OP, check, out[2]) if check else no_check
+    return out[0], out[1], defer_check(_OP, check, out[2], finite) if check else no_check

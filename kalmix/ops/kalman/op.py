@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import torch
 
-from kalmix.ops.common.checks import (Range, check_cu_seqlens, check_ranges, check_same, check_tensor, compute_dtype,
-                                      fail, no_check, resolve_impl)
+from kalmix.ops.common.checks import (Range, TritonImpl, check_cu_seqlens, check_ranges, check_same, check_tensor,
+                                      compute_dtype, fail, no_check, resolve_impl)
 from kalmix.ops.common.precision import no_autocast
 from kalmix.ops.common.varlen import run_packed
 from kalmix.ops.kalman.chunk import kalman_chunk
-from kalmix.ops.kalman.fused import kalman_fused
 from kalmix.ops.kalman.naive import kalman_naive
+
+kalman_fused = TritonImpl("kalmix.ops.kalman.fused", "kalman_fused")
 
 _OP = "kalman_attention"
 _IMPLS = {"naive": kalman_naive, "torch": kalman_chunk, "triton": kalman_fused}
@@ -34,7 +35,8 @@ def kalman_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_precis
         output_variance: also return the posterior variance of the readout, Σ_n q_n² / λ_n.
         cu_seqlens: [N + 1] offsets of packed sequences (B must be 1).
         impl: "naive" | "torch" | "triton" | None (triton on CUDA, torch otherwise).
-        check_values: check the values (no NaN; the ranges above); False skips that check and its one host
+        check_values: check the values (no NaN or Inf in q, k, v and the mean; no NaN elsewhere; the ranges
+            above), raising a ValueError naming the argument; False skips that check and its one host
             synchronisation, for callers whose inputs are in range by construction (the layers).
     Returns:
         o [B, T, H, D], variance [B, T, H, D] or None, (precision, mean) or None.
@@ -63,7 +65,8 @@ def kalman_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_precis
             check_tensor(_OP, name, s, (n_seq, H, N, D), "[B, H, N, D] (B = number of sequences)")
             check_same(_OP, "q", q, {name: s}, dtype=False)
         ranges.append(Range("initial_state[0] (precision)", initial_state[0], 0.0, None, lo_open=True))
-    finish = check_ranges(_OP, ranges) if check_values else no_check    # raises once the kernels are queued
+    finite = {"q": q, "k": k, "v": v, "initial_state[1] (mean)": initial_state[1]}
+    finish = check_ranges(_OP, ranges, finite) if check_values else no_check    # raises once the kernels are queued
     state = tuple(s.to(dt) for s in initial_state)
     if fn is kalman_fused:      # loads any activation dtype and packs sequences itself
         (o, var), final = fn(q, k, v, v_precision, decay, process_noise, state=state,

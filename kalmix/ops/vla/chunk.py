@@ -20,7 +20,8 @@ def write_directions(kh: torch.Tensor, uh: torch.Tensor, A: torch.Tensor, chunk_
     Args:
         kh, uh: [B, T, H, K] unit keys and penalty directions; A: [B, H, K, K] symmetric positive definite.
     Returns:
-        alpha [B, T, H, K], A [B, H, K, K].
+        alpha [B, T, H, K], A [B, H, K, K]; NaN from the chunk on for a (sequence, head) whose G has no Cholesky
+        factor (NaN inputs, or an A that is not positive definite), the other sequences unaffected.
     """
     T = kh.shape[1]
     alphas = []
@@ -33,7 +34,8 @@ def write_directions(kh: torch.Tensor, uh: torch.Tensor, A: torch.Tensor, chunk_
         # the token loop only ever reads û_tᵀ A_0 û_s with s <= t, so G is built from that triangle
         # (identical for symmetric A_0; exact in value and gradient for any A_0)
         G = torch.eye(C, dtype=kh.dtype, device=kh.device) + M.tril() + M.tril(-1).transpose(-1, -2)
-        R = torch.linalg.cholesky(G)
+        R, info = torch.linalg.cholesky_ex(G)                                  # no host sync, no raise
+        R = R.masked_fill((info != 0)[..., None, None], float("nan"))          # a failed factor poisons its own head
         W = torch.linalg.solve_triangular(R, UA, upper=False)                 # [B, H, C, K]
         P = (kc @ W.transpose(-1, -2)).tril()                                  # k̂_t·w_s, s <= t
         alphas.append(F.normalize(kc @ At - P @ W, dim=-1))

@@ -3,15 +3,17 @@ from __future__ import annotations
 
 import torch
 
-from kalmix.ops.common.checks import (check_cu_seqlens, check_same, check_tensor, compute_dtype, fail,
-                                      resolve_impl)
+from kalmix.ops.common.checks import (Range, TritonImpl, check_cu_seqlens, check_ranges, check_same, check_tensor,
+                                      compute_dtype, fail, no_check, resolve_impl)
 from kalmix.ops.common.precision import no_autocast
 from kalmix.ops.common.varlen import run_packed
 from kalmix.ops.vla.chunk import vla_chunk
-from kalmix.ops.vla.fused import vla_fused
 from kalmix.ops.vla.naive import vla_naive
 
+vla_fused = TritonImpl("kalmix.ops.vla.fused", "vla_fused")
+
 _OP = "variational_linear_attention"
+SYM_TOL = 1e-5        # relative tolerance of the initial A's symmetry
 _IMPLS = {"naive": vla_naive, "torch": vla_chunk, "triton": vla_fused}
 WRITE_KEYS = ("raw", "feature")
 
@@ -34,8 +36,11 @@ def variational_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             default (0, I / lambda0, 0). The op reads A as (A + Aᵀ)/2, so A's gradient is symmetric.
         cu_seqlens: [N + 1] offsets of packed sequences (B must be 1).
         impl: "naive" | "torch" | "triton" | None (triton on CUDA, torch otherwise).
-        check_values: check that the initial A is symmetric (one host synchronisation); False skips it, for
-            callers whose state comes from the op itself (the layers, decoding).
+        check_values: check that q, k, v, u and the state have no NaN or Inf and that the initial A is symmetric
+            (within SYM_TOL · max|A|) and positive definite (a Cholesky factorisation), raising a ValueError
+            naming the argument (one host synchronisation); False skips it, for callers whose inputs come from
+            the op itself or are finite by construction (the layers, decoding). Unchecked NaN inputs give NaN
+            outputs for the affected sequences only; the others are computed as usual (no error is raised).
     Returns:
         o [B, T, H, V], (S, A, n) final state (fp32, fp64 for fp64 inputs) or None.
     """
@@ -55,6 +60,7 @@ def variational_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     n_seq = check_cu_seqlens(_OP, cu_seqlens, B, T, q.device)
     fn = resolve_impl(_OP, impl, q.device, _IMPLS)
     dt = compute_dtype(q)
+    ranges, finite = [], {"q": q, "k": k, "v": v, "u": u}
     if initial_state is None:
         eye = torch.eye(K, dtype=dt, device=q.device)
         initial_state = (q.new_zeros(n_seq, H, K, V, dtype=dt), (eye / lambda0).expand(n_seq, H, K, K),
@@ -67,13 +73,26 @@ def variational_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                         ("[B, H, K, V]", "[B, H, K, K]", "[B, H, K]")):
             check_tensor(_OP, name, s, shape, desc)
             check_same(_OP, "q", q, {name: s}, dtype=False)
-        A = initial_state[1].detach()
-        if check_values and not torch.allclose(A, A.transpose(-1, -2), rtol=1e-5, atol=1e-6 * float(A.abs().max())):
-            fail(_OP, "`initial_state[1]` (A) must be symmetric positive definite")
+        finite.update(zip(names, initial_state))
+        if check_values:
+            ranges += spd_ranges(initial_state[1], dt)
+    finish = check_ranges(_OP, ranges, finite) if check_values else no_check    # raises once the kernels are queued
     # the triton impl takes 16-bit activations as they are (its S path multiplies 16-bit operands, the rest is fp32)
     acts = [x if fn is vla_fused else x.to(dt) for x in (q, k, v, u)]
     S, A, n = (s.to(dt) for s in initial_state)
     # A is symmetric: every impl runs on (A + Aᵀ)/2, so dA is symmetric and the same whatever an impl's formulas
     (o,), final = run_packed(fn, cu_seqlens, acts, (S, 0.5 * (A + A.mT), n), eps=eps,
                              feature_key=write_key == "feature")
+    finish()
     return o.to(q.dtype), (final if output_final_state else None)
+
+
+def spd_ranges(A: torch.Tensor, dt: torch.dtype) -> list[Range]:
+    """Ranges that hold iff A [B, H, K, K] is symmetric within SYM_TOL · max|A| and (A + Aᵀ)/2 has a Cholesky
+    factor (positive definite)."""
+    A = A.detach().to(dt).nan_to_num(0.0, 0.0, 0.0)                   # non-finite A fails its finiteness check
+    asym = (A - A.mT).abs().amax((-2, -1)) / A.abs().amax((-2, -1)).clamp_min(torch.finfo(dt).tiny)
+    info = torch.linalg.cholesky_ex(0.5 * (A + A.mT)).info.to(dt)
+    return [Range("initial_state[1] (A): max|A − Aᵀ| / max|A| (A must be symmetric)", asym, None, SYM_TOL),
+            Range("initial_state[1] (A): failed Cholesky factorisations (A must be positive definite)", info,
+                  None, 0.0)]
