@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from kalmix.layers.cache import KalmixCache
 from kalmix.layers.common import check_hidden
+from kalmix.layers.documents import Documents
 
 
 def rotary(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
@@ -26,7 +27,9 @@ class SoftmaxAttention(nn.Module):
     ``attention_mask`` [B, T] (1 = token, 0 = padding) masks padded keys; positions count real tokens only.
     With ``use_cache`` the rotated keys and the values go into a ``KalmixCache`` (one row per token written into
     buffers that grow by doubling); the mask then covers the whole context [B, S]. T = 0 gives an empty output
-    [B, 0, d_model] and leaves the cache unchanged.
+    [B, 0, d_model] and leaves the cache unchanged. Packed documents (``cu_seqlens`` over the flattened B·T
+    tokens, every row start among them; no cache): each token attends within its own document (a block-diagonal
+    causal mask) and its rotary position counts from its document's start.
     """
 
     def __init__(self, d_model: int, num_heads: int = 4, rope_theta: float = 10000.0, layer_idx: int = 0,
@@ -47,6 +50,14 @@ class SoftmaxAttention(nn.Module):
                 past_key_values = KalmixCache()
             return hidden_states.new_zeros(B, 0, self.d_model), None, past_key_values
         q, k, v = self.qkv_proj(hidden_states).view(B, T, 3, self.num_heads, self.head_dim).unbind(2)
+        docs = kwargs.get("documents")
+        if docs is None and kwargs.get("cu_seqlens") is not None:
+            docs = Documents(type(self).__name__, kwargs["cu_seqlens"], B, T)
+        if docs is not None:
+            if attention_mask is not None or past_key_values is not None or use_cache:
+                raise ValueError(f"{type(self).__name__}: packed documents (`cu_seqlens`) are for calls without a "
+                                 f"cache or padding mask; pad rows with whole documents instead")
+            return self._documents(q, k, v, docs), None, None
         if (past_key_values is not None and past_key_values.static and T == 1 and use_cache
                 and "kv" in (past_key_values.get(self.layer_idx) or {})):
             return self._static_step(q, k, v, past_key_values), None, past_key_values
@@ -77,6 +88,15 @@ class SoftmaxAttention(nn.Module):
                 mask = (mask & attention_mask.bool()[:, None, None, :]) | own
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.d_model)), None, past_key_values
+
+    def _documents(self, q, k, v, docs: Documents) -> torch.Tensor:
+        """Attention within each packed document: rotary positions from ``docs.doc_pos``, a block-diagonal
+        causal mask [B, 1, T, T]."""
+        B, T = q.shape[:2]
+        q, k = rotary(q, docs.doc_pos, self.rope_theta), rotary(k, docs.doc_pos, self.rope_theta)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=docs.attention_mask())
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.d_model))
 
     def _static_step(self, q, k, v, cache: KalmixCache) -> torch.Tensor:
         """One token against a static cache, with no host value: the row, the rotary position and the visible

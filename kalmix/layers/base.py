@@ -6,6 +6,7 @@ import torch.nn as nn
 
 from kalmix.layers.cache import KalmixCache
 from kalmix.layers.common import Packer, activation_dtype, check_hidden, context_mask, keep_where
+from kalmix.layers.documents import Documents
 
 
 class MixerLayer(nn.Module):
@@ -20,6 +21,11 @@ class MixerLayer(nn.Module):
     given); a following call continues from them, and single-token calls run ``step_impl``: the op's recurrent
     step (impl="naive", the function the reference loops over) unless a subclass has a fused one.
 
+    Packed documents: ``cu_seqlens`` [N + 1] (fla's keyword) gives document offsets into the flattened B·T
+    tokens, every row start among them (B = 1 is fla's packed layout); each document starts from a zero state
+    and a zero convolution history, exactly as if it were its own sequence. For calls without a cache or
+    padding mask (training, scoring).
+
     Mixed precision: the op's activations (its [B, T, H, *] inputs) enter in one dtype, the autocast dtype
     inside an autocast region and the hidden states' dtype otherwise; gates stay fp32; the op keeps its state
     math in fp32 with autocast off.
@@ -33,8 +39,9 @@ class MixerLayer(nn.Module):
         """The impl of single-token (decoding) calls."""
         return "naive"
 
-    def project(self, x: torch.Tensor, conv_state):
-        """x [B, T, d_model] -> (list of op inputs [B, T, ...], readout context, new conv state)."""
+    def project(self, x: torch.Tensor, conv_state, doc_pos: torch.Tensor | None = None):
+        """x [B, T, d_model] -> (list of op inputs [B, T, ...], readout context, new conv state); ``doc_pos``
+        [B, T] (packed documents: each token's position in its document) restarts the short convolution."""
         raise NotImplementedError
 
     def mix(self, inputs, initial_state, output_final_state, cu_seqlens, impl, **kwargs):
@@ -51,6 +58,13 @@ class MixerLayer(nn.Module):
         B, T = hidden_states.shape[:2]
         attention_mask = context_mask(name, attention_mask, hidden_states, past_key_values is not None)
         check_hidden(name, hidden_states, self.d_model, attention_mask)
+        docs = kwargs.pop("documents", None)
+        cu_seqlens = kwargs.pop("cu_seqlens", None)
+        if cu_seqlens is not None and docs is None and T > 0:
+            docs = Documents(name, cu_seqlens, B, T)
+        if docs is not None and (attention_mask is not None or past_key_values is not None or use_cache):
+            raise ValueError(f"{name}: packed documents (`cu_seqlens`) are for calls without a cache or padding "
+                             f"mask; pad rows with whole documents instead")
         if T == 0:                                          # no tokens: nothing to mix, the cache stays as it is
             if use_cache and past_key_values is None:
                 past_key_values = KalmixCache()
@@ -67,10 +81,12 @@ class MixerLayer(nn.Module):
         elif attention_mask is not None and not bool(attention_mask.all()):
             x = x * attention_mask[..., None].to(x.dtype)             # padding enters the convolutions as zeros
             packer = Packer(attention_mask)
-        inputs, ctx, conv_state = self.project(x, conv_state)
+        inputs, ctx, conv_state = self.project(x, conv_state, docs.doc_pos if docs is not None else None)
         act = activation_dtype(hidden_states)
         inputs = [a.to(act) if a.dim() == 4 else a for a in inputs]
         cu_seqlens = None
+        if docs is not None:
+            packer = docs
         if packer is not None:
             inputs = [packer.pack(a) if a.dim() >= 3 else a for a in inputs]
             cu_seqlens = packer.cu_seqlens

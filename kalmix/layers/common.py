@@ -27,7 +27,9 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
 class ShortConv(nn.Module):
     """Causal depthwise 1-D convolution over time (+ SiLU), with the last ``kernel - 1`` inputs as decode state.
 
-    Input and output [B, T, C]; ``state`` [B, C, kernel - 1] holds the inputs that precede ``x``.
+    Input and output [B, T, C]; ``state`` [B, C, kernel - 1] holds the inputs that precede ``x``; ``doc_pos``
+    [B, T] (int32 or int64) marks documents packed in one row: each token's position in its document (0 at the
+    document's first token, then 1, 2, ...).
     """
 
     def __init__(self, channels: int, kernel_size: int = 4, bias: bool = False, activation: bool = True):
@@ -39,15 +41,29 @@ class ShortConv(nn.Module):
         bound = 1.0 / math.sqrt(kernel_size)
         nn.init.uniform_(self.weight, -bound, bound)
 
-    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None, doc_pos: torch.Tensor | None = None):
         """Returns (y [B, T, C], new state [B, C, kernel - 1]). On CUDA a call without a state (training,
-        a first prefill) runs kalmix's fused kernel (``layers/fused.py``) in the [B, T, C] layout."""
+        a first prefill) runs kalmix's fused kernel (``layers/fused.py``) in the [B, T, C] layout.
+
+        With ``doc_pos`` [B, T], y at token t uses x[t − s] only for s <= doc_pos[t]: every document is convolved
+        as if it started a sequence from a zero state, so no ``state`` may be given. The new state is still the
+        row's last kernel − 1 inputs, which continue only the row's last document."""
         B, T, C = x.shape
         keep = self.kernel_size - 1
         xt = x.transpose(1, 2)                                           # [B, C, T]
-        if state is None and x.is_cuda:
-            y = fused_kernels().short_conv(x, self.weight, self.bias, self.activation)
-            return y, F.pad(xt[..., T - min(T, keep):], (keep - min(T, keep), 0))
+        if doc_pos is not None:
+            if state is not None:
+                raise ValueError("ShortConv: `doc_pos` and `state` cannot be given together: documents packed in "
+                                 "a row each start from a zero state, a decode state continues one sequence")
+            if doc_pos.shape != (B, T) or doc_pos.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"ShortConv: `doc_pos` must be an int32 or int64 [B, T] = {[B, T]} tensor, got "
+                                 f"{doc_pos.dtype} of shape {list(doc_pos.shape)}")
+        if state is None and (x.is_cuda or doc_pos is not None):
+            last = F.pad(xt[..., T - min(T, keep):], (keep - min(T, keep), 0))
+            if x.is_cuda:
+                return fused_kernels().short_conv(x, self.weight, self.bias, self.activation, doc_pos), last
+            y = self._conv_documents(xt, doc_pos)
+            return (F.silu(y) if self.activation else y), last
         if state is None:
             state = xt.new_zeros(B, C, keep)
         full = torch.cat([state.to(xt.dtype), xt], dim=-1)              # [B, C, K - 1 + T]
@@ -56,6 +72,21 @@ class ShortConv(nn.Module):
         if self.activation:
             y = F.silu(y)
         return y, full[..., T:]                                         # the last K - 1 (none for K = 1)
+
+    def _conv_documents(self, xt: torch.Tensor, doc_pos: torch.Tensor) -> torch.Tensor:
+        """The convolution before the activation, xt [B, C, T] -> [B, T, C], of the documents that start where
+        doc_pos [B, T] is 0 (and at t = 0). Each document goes behind kernel − 1 zeros of its own in a wider row,
+        so one conv1d computes every document exactly as the zero-state path computes it alone (bit for bit with
+        one document per row, in every dtype). The width is read on the host."""
+        B, C, T = xt.shape
+        keep = self.kernel_size - 1
+        starts = doc_pos == 0
+        starts[:, :1] = True
+        at = torch.arange(T, device=xt.device) + keep * starts.cumsum(1)  # [B, T]: each token's wide column
+        width = T + keep * max([1, *starts.sum(1).tolist()])
+        wide = xt.new_zeros(B, C, width).scatter_(2, at[:, None].expand(B, C, T), xt)
+        y = F.conv1d(wide, self.weight[:, None, :], self.bias, groups=C)  # column j: the window ending at j + keep
+        return y.gather(2, (at - keep)[:, None].expand(B, C, T)).transpose(1, 2)
 
 
 def gated_norm_out(o: torch.Tensor, gate: torch.Tensor, norm: nn.Module, o_proj: nn.Linear) -> torch.Tensor:

@@ -381,12 +381,35 @@ _CONV_BWD = 4, 128, 4, 16        # the same and the token blocks one program wal
 
 
 @triton.jit
-def _conv_pre(x_ptr, w_ptr, b_ptr, b, t, c, T, C, W: tl.constexpr, HAS_B: tl.constexpr, ACC: tl.constexpr):
-    """Pre-activation Σ_j w[c, j] x[t − (W − 1) + j, c] + bias at tokens t [BT, 1], channels c [1, BC]."""
+def _doc_pos(pos_ptr, b, t, T, HAS_POS: tl.constexpr):
+    """doc_pos at tokens t [BT, 1] of row b (0 past T) in int32; unread zeros without documents (both branches
+    return one type, which the compiler checks)."""
+    if HAS_POS:
+        return tl.load(pos_ptr + b * T + t, mask=t < T, other=0).to(tl.int32)
+    return tl.zeros(t.shape, tl.int32)
+
+
+@triton.jit
+def _tap(x, shift, pos, HAS_POS: tl.constexpr):
+    """x where a tap that reaches ``shift`` tokens back stays in the document (shift <= doc_pos), else 0."""
+    if HAS_POS:
+        return tl.where(shift <= pos, x, 0.)
+    return x
+
+
+@triton.jit
+def _conv_pre(x_ptr, w_ptr, b_ptr, pos_ptr, b, t, c, T, C, W: tl.constexpr, HAS_B: tl.constexpr,
+              HAS_POS: tl.constexpr, ACC: tl.constexpr):
+    """Pre-activation Σ_j w[c, j] x[t − (W − 1) + j, c] + bias at tokens t [BT, 1], channels c [1, BC], with
+    HAS_POS only the taps j whose shift W − 1 − j is at most doc_pos[t]."""
     acc = tl.zeros((t.shape[0], c.shape[1]), ACC)
+    pos = _doc_pos(pos_ptr, b, t, T, HAS_POS)
     for j in tl.static_range(W):
         ts = t - (W - 1) + j
-        xs = tl.load(x_ptr + (b * T + ts) * C + c, mask=(ts >= 0) & (ts < T) & (c < C), other=0.).to(ACC)
+        m = (ts >= 0) & (ts < T) & (c < C)
+        if HAS_POS:
+            m = m & (W - 1 - j <= pos)
+        xs = tl.load(x_ptr + (b * T + ts) * C + c, mask=m, other=0.).to(ACC)
         acc += xs * tl.load(w_ptr + c * W + j, mask=c < C, other=0.).to(ACC)
     if HAS_B:
         acc += tl.load(b_ptr + c, mask=c < C, other=0.).to(ACC)
@@ -394,24 +417,27 @@ def _conv_pre(x_ptr, w_ptr, b_ptr, b, t, c, T, C, W: tl.constexpr, HAS_B: tl.con
 
 
 @triton.jit
-def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                     HAS_B: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr):
+def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, pos_ptr, y_ptr, T, C, W: tl.constexpr, BT: tl.constexpr,
+                     BC: tl.constexpr, HAS_B: tl.constexpr, HAS_POS: tl.constexpr, SILU: tl.constexpr,
+                     ACC: tl.constexpr):
     t = tl.program_id(0) * BT + tl.arange(0, BT)[:, None]
     c = tl.program_id(1) * BC + tl.arange(0, BC)[None, :]
     b = tl.program_id(2).to(tl.int64)
-    a = _conv_pre(x_ptr, w_ptr, b_ptr, b, t, c, T, C, W, HAS_B, ACC)
+    a = _conv_pre(x_ptr, w_ptr, b_ptr, pos_ptr, b, t, c, T, C, W, HAS_B, HAS_POS, ACC)
     if SILU:
         a = a * _sigmoid(a)
     tl.store(y_ptr + (b * T + t) * C + c, a.to(y_ptr.dtype.element_ty), mask=(t < T) & (c < C))
 
 
 @triton.jit
-def _conv_bwd_kernel(x_ptr, w_ptr, b_ptr, dy_ptr, dx_ptr, part_ptr, T, C, n_sub, W: tl.constexpr,
-                     BT: tl.constexpr, BC: tl.constexpr, HAS_B: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr):
+def _conv_bwd_kernel(x_ptr, w_ptr, b_ptr, pos_ptr, dy_ptr, dx_ptr, part_ptr, T, C, n_sub, W: tl.constexpr,
+                     BT: tl.constexpr, BC: tl.constexpr, HAS_B: tl.constexpr, HAS_POS: tl.constexpr,
+                     SILU: tl.constexpr, ACC: tl.constexpr):
     """With da the gradient of the pre-activation: dx[t] = Σ_s w[W − 1 − s] da[t + s], the later tokens' da
     recomputed here from the 2W − 1 shifted x tiles around t (loaded once each). A program walks n_sub blocks of
     BT tokens (small tiles, many warps in flight) and writes its share of dw[c, j] = Σ_t da[t] x[t − (W − 1) + j]
-    and db[c] = Σ_t da[t] to part[program]."""
+    and db[c] = Σ_t da[t] to part[program]. With HAS_POS a tap of shift s at token u counts only where
+    s <= doc_pos[u], in the recomputed pre-activation at u = t + s, in dx and in dw."""
     c = tl.program_id(1) * BC + tl.arange(0, BC)[None, :]
     b = tl.program_id(2).to(tl.int64)
     cm = c < C
@@ -432,19 +458,20 @@ def _conv_bwd_kernel(x_ptr, w_ptr, b_ptr, dy_ptr, dx_ptr, part_ptr, T, C, n_sub,
         dx = tl.zeros((BT, BC), ACC)
         for s in tl.static_range(W):                   # da at t + s
             da = tl.load(dy_ptr + (b * T + t + s) * C + c, mask=(t + s < T) & cm, other=0.).to(ACC)
+            pos = _doc_pos(pos_ptr, b, t + s, T, HAS_POS)
             if SILU:
-                a = xs[s] * ws[0]
+                a = _tap(xs[s], W - 1, pos, HAS_POS) * ws[0]
                 for j in tl.static_range(1, W):
-                    a += xs[s + j] * ws[j]
+                    a += _tap(xs[s + j], W - 1 - j, pos, HAS_POS) * ws[j]
                 if HAS_B:
                     a += bias
                 sg = _sigmoid(a)
                 da = da * sg * (1. + a * (1. - sg))
-            dx += ws[W - 1 - s] * da
+            dx += ws[W - 1 - s] * _tap(da, s, pos, HAS_POS)
             if s == 0:
                 new = ()
                 for j in tl.static_range(W):
-                    new = new + (sums[j] + da * xs[j],)
+                    new = new + (sums[j] + da * _tap(xs[j], W - 1 - j, pos, HAS_POS),)
                 sums = new + (sums[W] + da,)
         tl.store(dx_ptr + (b * T + t) * C + c, dx.to(dx_ptr.dtype.element_ty), mask=(t < T) & cm)
     prog = (tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)).to(tl.int64)
@@ -455,23 +482,24 @@ def _conv_bwd_kernel(x_ptr, w_ptr, b_ptr, dy_ptr, dx_ptr, part_ptr, T, C, n_sub,
 class _ShortConv(torch.autograd.Function):
     @staticmethod
     @no_autocast
-    def forward(ctx, x, weight, bias, silu):
+    def forward(ctx, x, weight, bias, silu, doc_pos):
         B, T, C = x.shape
         W = weight.shape[1]
         x, weight = x.contiguous(), weight.contiguous()
+        pos = doc_pos.contiguous() if doc_pos is not None else weight       # weight: an unread placeholder
         y = torch.empty_like(x)
         BT, BC, warps = _CONV_FWD
-        meta = dict(W=W, HAS_B=bias is not None, SILU=silu, ACC=_acc(x))
+        meta = dict(W=W, HAS_B=bias is not None, HAS_POS=doc_pos is not None, SILU=silu, ACC=_acc(x))
         _conv_fwd_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC), B)](
-            x, weight, bias if bias is not None else weight, y, T, C, BT=BT, BC=BC, num_warps=warps, **meta)
-        ctx.save_for_backward(x, weight, bias)
+            x, weight, bias if bias is not None else weight, pos, y, T, C, BT=BT, BC=BC, num_warps=warps, **meta)
+        ctx.save_for_backward(x, weight, bias, pos)
         ctx.meta = meta
         return y
 
     @staticmethod
     @no_autocast
     def backward(ctx, dy):
-        x, weight, bias = ctx.saved_tensors
+        x, weight, bias, pos = ctx.saved_tensors
         B, T, C = x.shape
         W = weight.shape[1]
         BT, BC, warps, nsub = _CONV_BWD
@@ -480,14 +508,21 @@ class _ShortConv(torch.autograd.Function):
         dx = torch.empty_like(x)
         part = torch.empty(B * grid[0], W + 1, C, dtype=torch.promote_types(x.dtype, torch.float32),
                            device=x.device)
-        _conv_bwd_kernel[grid](x, weight, bias if bias is not None else weight, dy.contiguous(), dx, part, T, C,
-                               nsub, BT=BT, BC=BC, num_warps=warps, **ctx.meta)
+        _conv_bwd_kernel[grid](x, weight, bias if bias is not None else weight, pos, dy.contiguous(), dx, part, T,
+                               C, nsub, BT=BT, BC=BC, num_warps=warps, **ctx.meta)
         part = part.sum(0)
         dw = part[:W].t().to(weight.dtype)
-        return dx, dw, part[W].to(bias.dtype) if bias is not None else None, None
+        return dx, dw, part[W].to(bias.dtype) if bias is not None else None, None, None
 
 
-def short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
+def short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool,
+               doc_pos: torch.Tensor | None = None) -> torch.Tensor:
     """Causal depthwise convolution from a zero state: y[t, c] = Σ_j weight[c, j] x[t − (W − 1) + j, c]
-    (+ bias[c]), then SiLU if ``silu``. x [B, T, C]; weight [C, W]; returns y [B, T, C] in x's dtype."""
-    return _ShortConv.apply(x, weight, bias, silu)
+    (+ bias[c]), then SiLU if ``silu``. x [B, T, C]; weight [C, W]; returns y [B, T, C] in x's dtype.
+    ``doc_pos`` [B, T] (int32 or int64, not differentiated): each token's position in its document, for rows
+    that pack documents; then only the taps with W − 1 − j <= doc_pos[t] count, as if every document started
+    from a zero state."""
+    if doc_pos is not None and (doc_pos.shape != x.shape[:2] or doc_pos.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"short_conv: `doc_pos` must be an int32 or int64 [B, T] = {list(x.shape[:2])} tensor, "
+                         f"got {doc_pos.dtype} of shape {list(doc_pos.shape)}")
+    return _ShortConv.apply(x, weight, bias, silu, doc_pos)

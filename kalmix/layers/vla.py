@@ -53,11 +53,11 @@ class VariationalLinearAttention(MixerLayer):
         self.u_proj = nn.Linear(self.head_dim, self.head_dim, bias=False)
         self.o_proj = nn.Linear(width, d_model, bias=False)
 
-    def project(self, x, conv_state):
+    def project(self, x, conv_state, doc_pos=None):
         B, T, _ = x.shape
         qkv = self.qkv_proj(x)
         if self.conv is not None:
-            qkv, conv_state = self.conv(qkv, conv_state)
+            qkv, conv_state = self.conv(qkv, conv_state, doc_pos=doc_pos)
         q, k, v = qkv.view(B, T, 3, self.num_heads, self.head_dim).unbind(2)
         return [q, k, v, self.u_proj(k)], None, conv_state
 

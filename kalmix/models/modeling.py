@@ -22,6 +22,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from kalmix.layers import ALL_MIXERS as MIXERS
 from kalmix.layers.cache import KalmixCache
 from kalmix.layers.common import upcast
+from kalmix.layers.documents import Documents
 from kalmix.models.configuration import KalmixConfig
 
 _RESIDUAL_OUT = ("o_proj", "out_proj", "down")
@@ -58,9 +59,10 @@ class KalmixBlock(nn.Module):
                 if isinstance(getattr(owner, name, None), nn.Linear):
                     getattr(owner, name)._residual_out = True
 
-    def forward(self, x, attention_mask=None, cache=None, use_cache=False):
+    def forward(self, x, attention_mask=None, cache=None, use_cache=False, documents=None):
+        extra = {} if documents is None else {"documents": documents}
         h, _, cache = self.mixer(self.mixer_norm(x), attention_mask=attention_mask, past_key_values=cache,
-                                 use_cache=use_cache)
+                                 use_cache=use_cache, **extra)
         x = x + h
         if self.mlp is not None:
             x = x + self.mlp(self.mlp_norm(x))
@@ -116,11 +118,18 @@ class KalmixModel(KalmixPreTrainedModel):
                 cache: KalmixCache | None = None, past_key_values: KalmixCache | None = None,
                 inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
                 output_hidden_states: bool | None = None, return_dict: bool | None = None,
-                **kwargs) -> BaseModelOutputWithPast | tuple:
+                position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                documents: Documents | None = None, **kwargs) -> BaseModelOutputWithPast | tuple:
         """input_ids [B, T] (or inputs_embeds [B, T, d]); attention_mask [B, T] or, with a cache, [B, S] over the
         whole context (1 = token, 0 = padding); cache: a ``KalmixCache`` to continue from (``past_key_values``
-        is the same argument under transformers' older name)."""
-        unknown = set(kwargs) - {"position_ids", "cache_position", "output_attentions"}
+        is the same argument under transformers' older name).
+
+        Packed documents (training on rows that hold several documents; no cache, no padding mask): either
+        ``cu_seqlens`` [N + 1], document offsets into the flattened B·T tokens with every row start among them
+        (fla's keyword; B = 1 is its packed layout), or ``position_ids`` [B, T], each token's position in its
+        document with 0 starting one (transformers' padding-free convention). No recurrent state, convolution
+        input or attention crosses a document boundary, and attention's rotary positions restart at each."""
+        unknown = set(kwargs) - {"cache_position", "output_attentions"}
         if unknown:
             raise TypeError(f"KalmixModel.forward got unexpected argument(s) {sorted(unknown)}")
         if kwargs.get("output_attentions"):
@@ -132,12 +141,16 @@ class KalmixModel(KalmixPreTrainedModel):
         cache = cache if cache is not None else past_key_values
         if cache is not None and not isinstance(cache, KalmixCache):
             raise TypeError(f"KalmixModel: the cache must be a KalmixCache, got {type(cache).__name__}")
+        packed = position_ids is not None or cu_seqlens is not None or documents is not None
+        if use_cache is None and packed:
+            use_cache = False                               # packed documents are scored, not continued
         use_cache = self.config.use_cache if use_cache is None and not self.training else bool(use_cache)
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             use_cache = False
         if use_cache and cache is None:
             cache = KalmixCache()
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        docs = self._documents(x, position_ids, cu_seqlens, documents, attention_mask, cache, use_cache)
         attn_mask, rec_mask = self._layer_masks(attention_mask, x, cache)
         static = cache is not None and cache.static and use_cache
         if static:
@@ -150,9 +163,9 @@ class KalmixModel(KalmixPreTrainedModel):
                 hidden.append(x)
             mask = attn_mask if block.mixer_type == "attention" else rec_mask
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                x, _ = self._gradient_checkpointing_func(block.__call__, x, mask, None, False)
+                x, _ = self._gradient_checkpointing_func(block.__call__, x, mask, None, False, docs)
             else:
-                x, cache = block(x, mask, cache, use_cache)
+                x, cache = block(x, mask, cache, use_cache, docs)
         if static:
             cache.advance(x.shape[1], x.device, x.shape[0])
         x = self.norm(x)
@@ -163,6 +176,29 @@ class KalmixModel(KalmixPreTrainedModel):
         if return_dict is False:
             return tuple(v for v in (x, out_cache, hidden) if v is not None)
         return BaseModelOutputWithPast(last_hidden_state=x, hidden_states=hidden, **{_CACHE_FIELD: out_cache})
+
+    @staticmethod
+    def _documents(x, position_ids, cu_seqlens, documents, attention_mask, cache, use_cache) -> Documents | None:
+        given = [a for a in (position_ids, cu_seqlens, documents) if a is not None]
+        if not given:
+            return None
+        if len(given) > 1:
+            raise ValueError("KalmixModel: pass packed documents as one of `position_ids`, `cu_seqlens` and "
+                             "`documents`")
+        if attention_mask is not None or cache is not None or use_cache:
+            raise ValueError("KalmixModel: packed documents (`position_ids`, `cu_seqlens`) are for forward passes "
+                             "without a cache or padding mask (use_cache=False)")
+        if documents is not None:
+            if (documents.B, documents.T) != tuple(x.shape[:2]):
+                raise ValueError(f"KalmixModel: `documents` are of a [{documents.B}, {documents.T}] batch, the "
+                                 f"input is {list(x.shape[:2])}")
+            return documents
+        if cu_seqlens is not None:
+            return Documents("KalmixModel", cu_seqlens, *x.shape[:2])
+        if position_ids.shape != x.shape[:2]:
+            raise ValueError(f"KalmixModel: `position_ids` must be [B, T] = {list(x.shape[:2])}, got "
+                             f"{list(position_ids.shape)}")
+        return Documents.from_position_ids("KalmixModel", position_ids)
 
     @staticmethod
     def _layer_masks(attention_mask, x, cache):
@@ -214,7 +250,16 @@ class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
                 **kwargs) -> CausalLMOutputWithPast | tuple:
         """As ``KalmixModel.forward``, plus: labels [B, T] (−100 = not scored) give the mean cross-entropy of
         position t's logits against labels[t + 1]; ``logits_to_keep`` = n > 0 projects only the last n positions
-        onto the vocabulary (a 1-D tensor: those positions); 0 keeps all."""
+        onto the vocabulary (a 1-D tensor: those positions); 0 keeps all. With packed documents (``cu_seqlens`` or
+        ``position_ids``) the prediction of each document's first token from the previous document is not
+        scored."""
+        if labels is not None and (kwargs.get("cu_seqlens") is not None or kwargs.get("position_ids") is not None):
+            x = input_ids if input_ids is not None else inputs_embeds
+            kwargs["documents"] = self.model._documents(x, kwargs.pop("position_ids", None),
+                                                        kwargs.pop("cu_seqlens", None), kwargs.get("documents"),
+                                                        attention_mask, cache if cache is not None else
+                                                        past_key_values, use_cache)
+        docs = kwargs.get("documents")
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, cache=cache,
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
                          output_hidden_states=output_hidden_states, return_dict=True, **kwargs)
@@ -231,7 +276,10 @@ class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
             if labels.shape != logits.shape[:2]:
                 raise ValueError(f"KalmixForCausalLM: `labels` must be [B, T] = {list(logits.shape[:2])}, got "
                                  f"{list(labels.shape)}")
-            loss = F.cross_entropy(upcast(logits[:, :-1].flatten(0, 1)), labels[:, 1:].flatten(), ignore_index=-100)
+            targets = labels[:, 1:]
+            if docs is not None:                            # a document's first token is not predicted across
+                targets = targets.masked_fill(docs.doc_pos[:, 1:] == 0, -100)
+            loss = F.cross_entropy(upcast(logits[:, :-1].flatten(0, 1)), targets.flatten(), ignore_index=-100)
         if return_dict is False:
             return tuple(v for v in (loss, logits, getattr(out, _CACHE_FIELD), out.hidden_states) if v is not None)
         return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states,

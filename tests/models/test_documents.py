@@ -1,0 +1,115 @@
+"""Packed documents: a model over rows that hold several documents equals the model run on each document alone
+(outputs and gradients), for every mixer and a hybrid; the boundaries' errors."""
+import pytest
+import torch
+
+import kalmix  # noqa: F401
+from kalmix.layers import MIXERS
+from kalmix.layers.documents import Documents
+from kalmix.models import KalmixConfig, KalmixForCausalLM
+
+KW = {"attention": {"num_heads": 2}, "gdn": {"num_heads": 2}, "kaczmarz": {"num_heads": 2}, "gka": {"num_heads": 2},
+      "vla": {"num_heads": 2}, "kalman": {"d_state": 4, "expand": 1}}
+
+
+def _model(mixers, seed=0):
+    torch.manual_seed(seed)
+    cfg = KalmixConfig(vocab_size=48, hidden_size=16, num_hidden_layers=len(mixers), mixers=mixers,
+                       mixer_kwargs={m: KW[m] for m in set(mixers)}, intermediate_size=32)
+    return KalmixForCausalLM(cfg).double()
+
+
+def _split(cu, B, T):
+    """(row, start, stop) of every document of cu_seqlens over a [B, T] batch."""
+    bounds = cu.tolist()
+    return [(a // T, a % T, a % T + b - a) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def _packed_case(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    B, T = 3, 19
+    cuts = sorted(set(torch.randint(1, B * T, (9,), generator=g).tolist()) | set(range(0, B * T + 1, T)))
+    cu = torch.tensor(cuts)
+    ids = torch.randint(0, 48, (B, T), generator=g)
+    return ids, cu, B, T
+
+
+@pytest.mark.parametrize("mixers", [[m, m] for m in MIXERS] + [["kaczmarz", "attention", "kalman"]],
+                         ids=lambda m: "+".join(m))
+def test_packed_equals_each_document_alone(mixers):
+    ids, cu, B, T = _packed_case()
+    model = _model(mixers)
+    out = model(ids, cu_seqlens=cu).logits
+    (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    ref = torch.zeros_like(out)
+    for row, a, b in _split(cu, B, T):
+        ref[row, a:b] = model(ids[row, a:b][None]).logits[0]
+    (ref * torch.linspace(-1, 1, ref.numel(), dtype=ref.dtype).view_as(ref)).sum().backward()
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-9, atol=1e-10, msg=n)
+
+
+def test_position_ids_name_the_same_documents():
+    ids, cu, B, T = _packed_case(seed=2)
+    pos = torch.cat([torch.arange(b - a) for _, a, b in _split(cu, B, T)]).view(B, T)
+    model = _model(["gka", "attention"])
+    torch.testing.assert_close(model(ids, position_ids=pos).logits, model(ids, cu_seqlens=cu).logits, rtol=0, atol=0)
+    docs = Documents.from_position_ids("t", pos)
+    assert docs.cu_seqlens.tolist() == cu.tolist()
+    assert torch.equal(docs.doc_pos, pos.int())
+
+
+def test_loss_skips_predictions_across_a_boundary():
+    ids, cu, B, T = _packed_case(seed=3)
+    model = _model(["kaczmarz"])
+    loss = model(ids, cu_seqlens=cu, labels=ids).loss
+    logits = model(ids, cu_seqlens=cu).logits
+    docs = Documents("t", cu, B, T)
+    targets = ids[:, 1:].masked_fill(docs.doc_pos[:, 1:] == 0, -100)
+    ref = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten(), ignore_index=-100)
+    torch.testing.assert_close(loss, ref)
+    assert (targets == -100).sum() == len(cu) - 1 - B        # every document start but the rows' first tokens
+
+
+def test_layer_takes_fla_packed_layout():
+    """A layer called the fla way, [1, total] with cu_seqlens, equals each document alone."""
+    from kalmix.layers import KaczmarzAttention
+    torch.manual_seed(0)
+    layer = KaczmarzAttention(16, num_heads=2).double()
+    x = torch.randn(1, 30, 16, dtype=torch.double)
+    cu = torch.tensor([0, 7, 8, 30])
+    o, _, _ = layer(x, cu_seqlens=cu)
+    ref = torch.cat([layer(x[:, a:b])[0] for a, b in [(0, 7), (7, 8), (8, 30)]], dim=1)
+    torch.testing.assert_close(o, ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("cu, match", [
+    ([0, 5, 38], "row start"),
+    ([0, 19, 19, 38], "strictly increasing"),
+    ([0, 19, 30], "end at B·T"),
+    ([1, 19, 38], "start at 0"),
+])
+def test_bad_cu_seqlens(cu, match):
+    model = _model(["gdn"])
+    with pytest.raises(ValueError, match=match):
+        model(torch.zeros(2, 19, dtype=torch.long), cu_seqlens=torch.tensor(cu))
+
+
+def test_packed_documents_refuse_cache_and_padding():
+    model = _model(["gdn", "attention"])
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    cu = torch.tensor([0, 8, 16])
+    with pytest.raises(ValueError, match="without a cache"):
+        model(ids, cu_seqlens=cu, use_cache=True)
+    with pytest.raises(ValueError, match="without a cache"):
+        model(ids, cu_seqlens=cu, attention_mask=torch.ones(2, 8))
+    with pytest.raises(ValueError, match="one of"):
+        model(ids, cu_seqlens=cu, position_ids=torch.arange(8).expand(2, 8))
+    with pytest.raises(ValueError, match="count 0, 1, 2"):
+        model(ids, position_ids=torch.tensor([[0, 1, 2, 4, 5, 6, 7, 8]] * 2))
+    model.eval()                                         # use_cache defaults to on in eval; packed calls turn it off
+    assert model(ids, cu_seqlens=cu).logits.shape == (2, 8, 48)
