@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import typing
 
@@ -45,11 +46,18 @@ def main(argv: list[str] | None = None) -> int:
     _add_decode_flags(decode)
     _add_speed_parser(sub)
     _add_generate_parser(sub)
+    _add_train_parsers(sub)
     args = parser.parse_args(argv)
     if args.command == "speed":
         return _run_speed(args)
     if args.command == "generate":
         return _run_generate(args)
+    if args.command == "train":
+        return _run_train(args, parser)
+    if args.command == "tokenizer":
+        return _run_tokenizer(args, parser)
+    if args.command == "plot":
+        return _run_plot(args, parser)
     if args.task == "decode":
         return _run_decode(args, parser)
     values = {k: v for k, v in vars(args).items() if k in MQARBenchConfig.model_fields}
@@ -179,6 +187,79 @@ def _run_speed(args) -> int:
                       warmup=args.warmup, rep=args.rep, plots=not args.no_plots, check_values=args.check_values,
                       gka_iters=tuple(args.gka_iters))
     run_speed(cfg)
+    return 0
+
+
+def _add_train_parsers(sub) -> None:
+    from kalmix.train.config import add_flags, presets
+    t = sub.add_parser("train", help="pretrain a language model on local text (one process, or torchrun for "
+                       "several: DDP or FSDP2)", description="Pretrain a KalmixForCausalLM. CONFIG is a YAML file or "
+                       f"a preset name ({', '.join(presets())}); every key can be overridden by its dotted flag, "
+                       "e.g. --optim.lr 1e-3 --model.mixer kalman. Under torchrun --nproc_per_node=N the same "
+                       "command trains with N processes.")
+    t.add_argument("config", nargs="?", default=None, help="YAML config file or preset name (default: the defaults)")
+    t.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    add_flags(t)
+    tok = sub.add_parser("tokenizer", help="tokenizer tools")
+    tsub = tok.add_subparsers(dest="tokenizer_command", required=True)
+    tt = tsub.add_parser("train", help="train a byte-level BPE on local documents and save it as a Hugging Face "
+                         "tokenizer folder", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    tt.add_argument("--source", default="stdlib", help="'stdlib' (the Python standard library's source), a text "
+                    "file or folder, JSONL, parquet or a saved datasets folder")
+    tt.add_argument("--format", default="auto", help="auto, text, jsonl, parquet or datasets")
+    tt.add_argument("--text-field", default="text", help="JSONL field / parquet or datasets column of the text")
+    tt.add_argument("--vocab-size", type=int, default=8192, help="vocabulary size")
+    tt.add_argument("--out", required=True, help="output folder")
+    pl = sub.add_parser("plot", help="loss curves of training runs on one PNG",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    pl.add_argument("runs", nargs="+", help="run directories (or their metrics.jsonl)")
+    pl.add_argument("--out", default="runs/loss.png", help="PNG file")
+    pl.add_argument("--x", default="step", choices=["step", "tokens"], help="x axis")
+    pl.add_argument("--log-y", action="store_true", help="logarithmic loss axis")
+
+
+def _run_train(args, parser) -> int:
+    from kalmix.train.config import load_config, presets
+    overrides = {k[4:]: v for k, v in vars(args).items() if k.startswith("cfg:")}
+    path, preset = args.config, None
+    if path is not None and path in presets() and not os.path.exists(path):
+        path, preset = None, args.config
+    try:
+        cfg = load_config(path, overrides, preset=preset)
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
+    if args.print_config:
+        print(cfg.dump(), end="")
+        return 0
+    from kalmix.train.checkpoint import CheckpointError
+    from kalmix.train.loop import train
+    try:
+        train(cfg)
+    except (ValueError, FileNotFoundError, CheckpointError) as e:   # bad input, found before any step
+        print(f"kalmix train: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _run_tokenizer(args, parser) -> int:
+    from kalmix.train.data import DataConfig, iter_documents
+    from kalmix.train.tokenizer import train_tokenizer
+    try:
+        data = DataConfig(source=args.source, format=args.format, text_field=args.text_field)
+    except ValidationError as e:
+        parser.error(str(e))
+    train_tokenizer(iter_documents(data), args.vocab_size, args.out)
+    print(f"tokenizer written to {args.out}")
+    return 0
+
+
+def _run_plot(args, parser) -> int:
+    from kalmix.train.plot import plot_runs
+    try:
+        out = plot_runs(args.runs, args.out, x=args.x, log_y=args.log_y)
+    except (FileNotFoundError, ValueError) as e:
+        parser.error(str(e))
+    print(f"wrote {out}")
     return 0
 
 

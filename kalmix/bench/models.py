@@ -79,3 +79,34 @@ def op_flops(op: str, s: Shape, mode: str, num_iters: int = 30) -> float:
         "vla": delta + 2.0 * bht * (2 * C * K + 2 * K * K + C * C / 3),
     }[op]
     return fwd if mode == "fwd" else 3 * fwd
+
+
+_MIXER_OPS = {"gdn": "gated_delta", "kaczmarz": "kaczmarz", "gka": "gka", "vla": "vla", "kalman": "kalman",
+              "deltanet": "delta", "attention": "sdpa"}
+
+
+def lm_flops_per_token(model, seq_len: int) -> float:
+    """Training FLOPs (forward + backward) per token of a ``KalmixForCausalLM`` on rows of ``seq_len`` tokens:
+    6 per weight of every linear layer (the LM head included, the embedding lookup not) plus each mixer's op
+    from ``op_flops`` at (B = 1, T = seq_len) divided by seq_len. Attention counts the whole causal triangle of
+    a row, as if it held one document."""
+    import torch.nn as nn
+
+    flops = 6.0 * sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    for block in model.model.layers:
+        mixer, name = block.mixer, block.mixer_type
+        op = _MIXER_OPS[name]
+        if name == "kalman":
+            s = Shape(1, seq_len, mixer.num_heads, mixer.d_state, mixer.head_dim)
+        elif name == "attention":
+            s = Shape(1, seq_len, mixer.num_heads, mixer.head_dim, mixer.head_dim)
+        elif name in ("gka", "vla"):
+            s = Shape(1, seq_len, mixer.num_heads, mixer.head_dim, mixer.head_dim)
+        elif name == "deltanet":
+            k = mixer.d_model // mixer.num_heads
+            s = Shape(1, seq_len, mixer.num_heads, k, k)
+        else:
+            s = Shape(1, seq_len, mixer.num_heads, mixer.head_k_dim, mixer.head_v_dim)
+        iters = (mixer.num_iters or 0) if name == "gka" else 30
+        flops += op_flops(op, s, "fwdbwd", num_iters=iters) / seq_len
+    return flops

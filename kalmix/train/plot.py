@@ -1,0 +1,75 @@
+"""`kalmix plot RUN...`: the loss curves of several training runs on one PNG, read from their metrics.jsonl."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def read_metrics(run: str | Path) -> list[dict]:
+    """The rows of ``RUN/metrics.jsonl`` (or of the file itself); a clear error if there is none."""
+    path = Path(run)
+    path = path / "metrics.jsonl" if path.is_dir() else path
+    if not path.is_file():
+        raise FileNotFoundError(f"{run}: no metrics.jsonl (a kalmix train run directory or its metrics file)")
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: not a JSON line ({e})") from None
+    return rows
+
+
+def _label(run: str | Path, rows: list[dict]) -> str:
+    start = next((r for r in rows if r.get("kind") == "start"), {})
+    mixers = start.get("mixers")
+    if mixers:
+        names = sorted(set(mixers), key=mixers.index)
+        return f"{Path(run).name} ({'+'.join(names)}, {start.get('params', 0) / 1e6:.0f}M)"
+    return Path(run).name
+
+
+def plot_runs(runs: list[str], out: str, x: str = "step", log_y: bool = False) -> str:
+    """Draw train loss (lines), validation loss (markers) and the last validation's loss by position of each
+    run; returns the PNG's path. ``x``: "step" or "tokens" (the tokens seen)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if x not in ("step", "tokens"):
+        raise ValueError(f"x must be 'step' or 'tokens', got {x!r}")
+    fig, (ax, axp) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for i, run in enumerate(runs):
+        rows = read_metrics(run)
+        color = f"C{i % 10}"
+        label = _label(run, rows)
+        train = [r for r in rows if r.get("kind") == "train"]
+        evals = [r for r in rows if r.get("kind") == "eval"]
+        per_step = next((r["tokens_per_step"] for r in rows if r.get("kind") == "start" and
+                         "tokens_per_step" in r), None)
+        scale = per_step if (x == "tokens" and per_step) else 1
+        if train:
+            ax.plot([r["step"] * scale for r in train], [r["loss"] for r in train], color=color, lw=1.2, label=label)
+        if evals:
+            ax.plot([r["step"] * scale for r in evals], [r["val_loss"] for r in evals], "o", color=color, ms=4)
+            buckets = [b for b in evals[-1]["loss_by_position"] if b["loss"] is not None]
+            axp.plot([(b["from"] + b["to"]) / 2 for b in buckets], [b["loss"] for b in buckets], "o-",
+                     color=color, label=f"{label}, step {evals[-1]['step']}")
+    ax.set_xlabel("tokens" if x == "tokens" else "optimizer step")
+    ax.set_ylabel("loss (nats/token); dots: validation")
+    ax.set_title("training loss")
+    axp.set_xlabel("position of the predicted token in its document")
+    axp.set_ylabel("validation loss")
+    axp.set_title("validation loss by position")
+    for a in (ax, axp):
+        a.grid(alpha=0.3)
+        if log_y:
+            a.set_yscale("log")
+    ax.legend(fontsize=8)
+    axp.legend(fontsize=8)
+    fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
