@@ -19,6 +19,7 @@ import itertools
 import json
 import logging
 import os
+import site
 import sysconfig
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -36,6 +37,8 @@ from kalmix.train.tokenizer import tokenizer_fingerprint
 log = logging.getLogger(__name__)
 
 STDLIB = "stdlib"
+PYTHON = "python"       # the standard library and every installed package's sources: a larger local corpus
+_BUILTIN = (STDLIB, PYTHON)
 SPLITS = ("train", "val")
 FORMAT_VERSION = 1
 _SUFFIXES = {"text": ".txt", "jsonl": ".jsonl", "parquet": ".parquet"}
@@ -47,7 +50,8 @@ class DataConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    source: str = Field(STDLIB, description="'stdlib' (the Python standard library's *.py files) or a path: a file "
+    source: str = Field(STDLIB, description="'stdlib' (the Python standard library's *.py files), 'python' (those "
+                                            "and every installed package's *.py files) or a path: a file "
                                             "or a directory of *.txt / *.jsonl / *.parquet files, or a "
                                             "datasets.save_to_disk directory")
     format: Literal["auto", "text", "jsonl", "parquet", "datasets"] = Field(
@@ -69,9 +73,9 @@ class DataConfig(BaseModel):
 
     @model_validator(mode="after")
     def _stdlib_is_auto(self):
-        if self.source == STDLIB and self.format != "auto":
-            raise ValueError(f"source 'stdlib' is read as Python files; leave format 'auto' (got {self.format!r}), "
-                             f"or write './stdlib' for a path of that name")
+        if self.source in _BUILTIN and self.format != "auto":
+            raise ValueError(f"source {self.source!r} is read as Python files; leave format 'auto' (got "
+                             f"{self.format!r}), or write './{self.source}' for a path of that name")
         return self
 
 
@@ -79,9 +83,9 @@ class DataConfig(BaseModel):
 
 
 def resolve_format(cfg: DataConfig) -> str:
-    """'stdlib', or the format ``cfg.source`` is read as ('auto' inferred from the path)."""
-    if cfg.source == STDLIB:
-        return STDLIB
+    """'stdlib' / 'python', or the format ``cfg.source`` is read as ('auto' inferred from the path)."""
+    if cfg.source in _BUILTIN:
+        return cfg.source
     path = _source_path(cfg)
     if cfg.format != "auto":
         return cfg.format
@@ -107,7 +111,8 @@ def iter_documents(cfg: DataConfig, split: Literal["train", "val"] | None = None
     column or split); a source without a single document raises ValueError once exhausted.
 
     'stdlib': one document per ``*.py`` file under the standard library (site-packages skipped; the few files that
-    are not UTF-8 skipped), in sorted path order. text: one per file (UTF-8), or per block with text_docs='blocks'
+    are not UTF-8 skipped), in sorted path order. 'python': those, then every ``*.py`` file of the site-packages
+    folders, in sorted path order (what is installed decides the corpus). text: one per file (UTF-8), or per block with text_docs='blocks'
     (blocks are separated by lines holding only whitespace; their surrounding newlines are removed). jsonl: one per
     line, the string in ``text_field`` (blank lines skipped). parquet / datasets: one per row of ``text_field``.
     Directories are read in sorted path order, recursively, skipping hidden files and directories.
@@ -124,8 +129,8 @@ def iter_documents(cfg: DataConfig, split: Literal["train", "val"] | None = None
 def source_fingerprint(cfg: DataConfig) -> str:
     """A hash of the paths, sizes and modification times of every file ``cfg.source`` reads."""
     fmt = resolve_format(cfg)
-    if fmt == STDLIB:
-        files = _stdlib_files()
+    if fmt in _BUILTIN:
+        files = _python_files(fmt)
     elif fmt == "datasets":
         files = _files_under(_source_path(cfg), "")
     else:
@@ -139,8 +144,8 @@ def source_fingerprint(cfg: DataConfig) -> str:
 
 def _documents(cfg: DataConfig) -> Iterator[str]:
     fmt = resolve_format(cfg)
-    if fmt == STDLIB:
-        docs = _read_stdlib(_stdlib_files())
+    if fmt in _BUILTIN:
+        docs = _read_stdlib(_python_files(fmt))
     elif fmt == "datasets":
         docs = _read_saved_dataset(_source_path(cfg), cfg.text_field, cfg.split)
     else:
@@ -184,6 +189,20 @@ def _stdlib_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     return sorted(p for p in root.rglob("*.py")
                   if p.is_file() and not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts))
+
+
+def _python_files(which: str) -> list[Path]:
+    files = _stdlib_files()
+    if which == PYTHON:
+        roots = sorted({Path(p) for key in ("purelib", "platlib") for p in [sysconfig.get_paths()[key]]} |
+                       {Path(p) for p in site.getsitepackages()})
+        seen = set(files)
+        for root in roots:
+            if root.is_dir():
+                extra = sorted(p for p in root.rglob("*.py") if p.is_file() and p not in seen)
+                seen.update(extra)
+                files += extra
+    return files
 
 
 def _non_empty(docs: Iterable[str], cfg: DataConfig) -> Iterator[str]:
@@ -356,7 +375,7 @@ def prepare(cfg: DataConfig, tokenizer, out_dir: str | os.PathLike, *, batch_siz
 def _config_fingerprint(cfg: DataConfig) -> str:
     # the resolved format and path, so 'auto' and the format it means (or two spellings of a path) agree
     fmt = resolve_format(cfg)
-    source = cfg.source if fmt == STDLIB else str(Path(cfg.source).expanduser().resolve())
+    source = cfg.source if fmt in _BUILTIN else str(Path(cfg.source).expanduser().resolve())
     spec = cfg.model_dump() | {"source": source, "format": fmt}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 

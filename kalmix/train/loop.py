@@ -348,10 +348,13 @@ class Trainer:
             loss_sum += s.detach().double()
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        grad_norm = None
-        if self.cfg.optim.grad_clip is not None:
-            gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
-            grad_norm = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
+        clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip is not None else math.inf
+        gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        grad_norm = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
+        if not self.scaler and not math.isfinite(grad_norm):    # fp16's scaler skips such steps itself
+            raise FloatingPointError(f"non-finite gradient norm at step {self.step + 1} (loss "
+                                     f"{env.sum(loss_sum)[0] / total_count:.4g}); the weights were not updated, "
+                                     f"and the newest checkpoint is the one to resume from")
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -362,8 +365,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         (loss_total,) = env.sum(loss_sum)
-        return {"loss": loss_total / total_count, "lr": lr, "tokens": total_count,
-                "grad_norm": None if grad_norm is None else float(grad_norm)}
+        return {"loss": loss_total / total_count, "lr": lr, "tokens": total_count, "grad_norm": grad_norm}
 
     def _sync(self, last: bool):
         """Gradient synchronisation only on the last micro-batch of a step."""

@@ -64,6 +64,17 @@ def test_packed_sequences_around_the_chunk_length():
     _compare(_inputs(1, int(cu[-1]), 1, 16, 16, len(lens), seed=1), torch.float64, 1e-12, cu=cu)
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
+def test_strong_decays_in_partial_chunks(dtype, tol):
+    """Decays of trained layers reach g ~ −5 per token: |G| within a chunk then exceeds exp's fp32 range (88), and
+    the rows past a partial chunk's end must not overflow (they once gave inf · 0 = NaN in every gradient)."""
+    lens = [5, 70, 33]
+    cu = torch.tensor([0] + lens).cumsum(0)
+    xs = _inputs(1, int(cu[-1]), 2, 16, 16, len(lens), seed=4)
+    xs[4] = xs[4] * 20                                   # g in (−10, 0]
+    _compare(xs, dtype, tol, cu=cu)
+
+
 @pytest.mark.parametrize("wrt_o,wrt_S", [(True, False), (False, True)])
 def test_each_gradient_source_alone(wrt_o, wrt_S):
     _compare(_inputs(1, 70, 1, 16, 16, 1, seed=2), torch.float64, 1e-12, wrt_o=wrt_o, wrt_S=wrt_S)

@@ -547,3 +547,12 @@ def test_package_exports_lazily():
     assert train.Loader is Loader and train.EOS_TOKEN == EOS_TOKEN and "prepare" in train.__all__
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         getattr(train, "nothing")  # noqa: B009
+
+
+def test_python_source_is_the_stdlib_then_installed_packages():
+    stdlib = DataConfig(source="stdlib", max_docs=3)
+    python = DataConfig(source="python", max_docs=3)
+    assert list(iter_documents(python)) == list(iter_documents(stdlib))
+    assert data.source_fingerprint(python) != data.source_fingerprint(stdlib)
+    with pytest.raises(ValueError, match="leave format 'auto'"):
+        DataConfig(source="python", format="text")

@@ -227,6 +227,19 @@ def test_corrupt_foreign_and_mismatched_checkpoints(corpus, tmp_path):
         train(_cfg(corpus, run, resume="never"))
 
 
+def test_non_finite_gradients_stop_the_run(corpus, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    real = Trainer._loss_sums
+
+    def nan_at_step_5(self, batch):
+        s, losses, mask = real(self, batch)
+        return (s * float("nan") if self.step == 4 and self.model.training else s), losses, mask
+    monkeypatch.setattr(Trainer, "_loss_sums", nan_at_step_5)
+    with pytest.raises(FloatingPointError, match="step 5"):
+        train(_cfg(corpus, run))
+    assert [p.name for p in ckpt.checkpoints(run)] == ["step_0000003"]
+
+
 def test_plot_draws_several_runs(corpus, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     train(_cfg(corpus, a, **{"train.steps": 3}))

@@ -424,9 +424,12 @@ def _chunk_at(bos, eos, j, C: tl.constexpr):
 
 @triton.jit
 def _chunk_gate(Gc_ptr, t0, L, i_h, H, valid, C: tl.constexpr):
-    """The stored G of the chunk at t0 as [C] and its value at the last token."""
+    """The stored G of the chunk at t0 as [C] and its value at the last token. Rows past the chunk's end hold
+    G_end, as a cumulative sum over zero gates would: with 0 there, D = exp(G_t − G_s) of a padded row t
+    overflowed once |G| > 88 (inf · 0 = NaN in the products over rows)."""
     G = tl.load(Gc_ptr + (t0 + tl.arange(0, C)) * H + i_h, mask=valid, other=0.)
-    return G, _last(G, L, C)
+    G_end = _last(G, L, C)
+    return tl.where(valid, G, G_end), G_end
 
 
 @triton.jit
