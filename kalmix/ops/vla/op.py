@@ -34,7 +34,8 @@ def variational_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             either way.
         initial_state: (S [B, H, K, V], A [B, H, K, K] symmetric positive definite, n [B, H, K]);
             default (0, I / lambda0, 0). The op reads A as (A + Aᵀ)/2, so A's gradient is symmetric.
-        cu_seqlens: [N + 1] offsets of packed sequences (B must be 1).
+        cu_seqlens: [N + 1] offsets of packed sequences (B must be 1; the states' leading dimension is then N).
+            "naive" and "torch" run them one at a time, "triton" in a bounded number of kernel calls (README.md).
         impl: "naive" | "torch" | "triton" | None (triton on CUDA, torch otherwise).
         check_values: check that q, k, v, u and the state have no NaN or Inf and that the initial A is symmetric
             (within SYM_TOL · max|A|) and positive definite (a Cholesky factorisation), raising a ValueError
@@ -81,8 +82,11 @@ def variational_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     acts = [x if fn is vla_fused else x.to(dt) for x in (q, k, v, u)]
     S, A, n = (s.to(dt) for s in initial_state)
     # A is symmetric: every impl runs on (A + Aᵀ)/2, so dA is symmetric and the same whatever an impl's formulas
-    (o,), final = run_packed(fn, cu_seqlens, acts, (S, 0.5 * (A + A.mT), n), eps=eps,
-                             feature_key=write_key == "feature")
+    state, kw = (S, 0.5 * (A + A.mT), n), dict(eps=eps, feature_key=write_key == "feature")
+    if fn is vla_fused:     # packs sequences itself: a few kernel calls per length bucket (README.md)
+        (o,), final = fn(*acts, state=state, cu_seqlens=cu_seqlens, **kw)
+    else:
+        (o,), final = run_packed(fn, cu_seqlens, acts, state, **kw)
     finish()
     return o.to(q.dtype), (final if output_final_state else None)
 
