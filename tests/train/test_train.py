@@ -134,6 +134,15 @@ def test_run_writes_metrics_checkpoints_and_a_loadable_model(corpus, tmp_path):
     assert model(ids).logits.shape[-1] == model.config.vocab_size >= len(tok)
 
 
+def test_activation_checkpointing_trains_the_same(corpus, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    train(_cfg(corpus, a, **{"train.steps": 3}))
+    train(_cfg(corpus, b, **{"train.steps": 3, "train.activation_checkpointing": True}))
+    la, lb = _losses(a), _losses(b)
+    for s in la:
+        assert lb[s] == pytest.approx(la[s], rel=1e-6), (s, la[s], lb[s])
+
+
 def test_killed_run_resumes_exactly(corpus, tmp_path, monkeypatch):
     full = tmp_path / "full"
     train(_cfg(corpus, full))
@@ -274,8 +283,8 @@ def test_two_processes_follow_one_process_curve(corpus, tmp_path, parallel):
               "model.hidden_size": 32, "model.num_hidden_layers": 2,
               "model.mixer_kwargs": {"kaczmarz": {"num_heads": 2}}, "train.steps": 4, "train.seq_len": 32,
               "train.global_batch_size": 8, "train.device": "cpu", "train.dtype": "fp32", "train.threads": 1,
-              "optim.warmup_steps": 1, "eval.every": 4, "eval.rows": 8, "checkpoint.every": 4, "log.every": 1,
-              "log.progress": False}
+              "optim.warmup_steps": 1, "eval.every": 4, "eval.rows": 8, "checkpoint.every": 2, "log.every": 1,
+              "log.progress": False, "checkpoint.keep": 3}
     one = tmp_path / "one"
     train(load_config(None, {**common, "run_dir": str(one), "train.micro_batch_size": 4}))
     two = tmp_path / "two"
@@ -285,3 +294,11 @@ def test_two_processes_follow_one_process_curve(corpus, tmp_path, parallel):
     for s in a:
         assert b[s] == pytest.approx(a[s], rel=2e-5, abs=1e-6), (s, a[s], b[s])
     assert (two / "model" / "model.safetensors").is_file()
+    if parallel == "fsdp":       # resume from FSDP2's sharded checkpoint of step 2: steps 3-4 again, the same
+        import shutil
+        shutil.rmtree(two / "checkpoints" / "step_0000004")
+        _torchrun(2, _flags({**common, "run_dir": str(two), "train.micro_batch_size": 2, "train.parallel": parallel}))
+        rows = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
+        again = [r for r in rows if r["kind"] == "train"][4:]
+        assert [r["step"] for r in again] == [3, 4]
+        assert [r["loss"] for r in again] == [b[3], b[4]]
