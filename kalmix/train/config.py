@@ -70,7 +70,8 @@ class TrainSection(_Section):
                                                    "weights and optimizer state stay fp32")
     parallel: Literal["ddp", "fsdp"] = Field("ddp", description="data parallelism under torchrun: DDP or FSDP2 "
                                                                "(fully_shard)")
-    compile: bool = Field(False, description="torch.compile each block")
+    compile: bool = Field(False, description="torch.compile each block's MLP (the mixers run "
+                                                          "their own fused kernels)")
     activation_checkpointing: bool = Field(False, description="recompute each block in the backward")
     threads: int | None = Field(None, ge=1, description="torch CPU threads per process")
 

@@ -213,9 +213,10 @@ class Trainer:
         self.n_params = sum(p.numel() for p in self.raw.parameters())
         if cfg.train.activation_checkpointing:
             self.raw.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if cfg.train.compile:
-            for block in self.raw.model.layers:
-                block.compile()
+        if cfg.train.compile:       # the MLPs: the mixers run their own fused kernels, and a compiled mixer
+            for block in self.raw.model.layers:     # would recompile for every packed-document layout
+                if block.mlp is not None:
+                    block.mlp.compile()
         self.sharded = env.world > 1 and cfg.train.parallel == "fsdp"
         self.model = self._wrap(self.raw)
         fused = env.device.type == "cuda" and not self.sharded

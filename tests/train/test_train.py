@@ -143,6 +143,15 @@ def test_activation_checkpointing_trains_the_same(corpus, tmp_path):
         assert lb[s] == pytest.approx(la[s], rel=1e-6), (s, la[s], lb[s])
 
 
+def test_compiled_mlps_train_the_same(corpus, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    train(_cfg(corpus, a, **{"train.steps": 2}))
+    train(_cfg(corpus, b, **{"train.steps": 2, "train.compile": True}))
+    la, lb = _losses(a), _losses(b)
+    for s in la:
+        assert lb[s] == pytest.approx(la[s], rel=1e-5), (s, la[s], lb[s])
+
+
 def test_killed_run_resumes_exactly(corpus, tmp_path, monkeypatch):
     full = tmp_path / "full"
     train(_cfg(corpus, full))
