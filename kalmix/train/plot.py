@@ -44,8 +44,9 @@ def plot_runs(runs: list[str], out: str, x: str = "step", log_y: bool = False) -
         rows = read_metrics(run)
         color = f"C{i % 10}"
         label = _label(run, rows)
-        train = [r for r in rows if r.get("kind") == "train"]
-        evals = [r for r in rows if r.get("kind") == "eval"]
+        # a resumed run logs the steps after its checkpoint again: the later row of a step wins
+        train = sorted({r["step"]: r for r in rows if r.get("kind") == "train"}.values(), key=lambda r: r["step"])
+        evals = sorted({r["step"]: r for r in rows if r.get("kind") == "eval"}.values(), key=lambda r: r["step"])
         per_step = next((r["tokens_per_step"] for r in rows if r.get("kind") == "start" and
                          "tokens_per_step" in r), None)
         scale = per_step if (x == "tokens" and per_step) else 1
