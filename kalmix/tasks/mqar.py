@@ -37,23 +37,34 @@ class MQARConfig(BaseModel):
 
     def build(self, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns inputs, labels: LongTensors [num_examples, seq_len]; labels −100 where not scored."""
-        gen = torch.Generator().manual_seed(seed)
-        n, T, D, V = self.num_examples, self.seq_len, self.num_kv_pairs, self.vocab_size
-        half = V // 2
-        keys = torch.rand(n, half - 1, generator=gen).argsort(1)[:, :D] + 1          # distinct keys per example
-        values = torch.rand(n, V - half, generator=gen).argsort(1)[:, :D] + half     # distinct values
-        context = 2 * D
-        kvs = torch.stack([keys, values], dim=2).reshape(n, context)
-        space = (T - context) // 2
-        p = self.power_a * torch.arange(1, space + 1, dtype=torch.float64) ** (self.power_a - 1)
-        gaps = torch.multinomial((p / p.sum()).expand(n, space), D, replacement=False, generator=gen)
-        queries = torch.zeros(n, T - context + 1, dtype=torch.long)
-        queries.scatter_(1, 2 * gaps, keys)
-        seqs = torch.cat([kvs, queries], dim=1)                                       # [n, T + 1]
-        labels = torch.full((n, T + 1), -100, dtype=torch.long)
-        labels.scatter_(1, 2 * gaps + context + 1, values)
-        inputs, labels = seqs[:, :-1].clone(), labels[:, 1:].clone()
-        if self.random_non_queries:
-            filler = inputs == 0
-            inputs[filler] = torch.randint(V, (int(filler.sum()),), generator=gen)
-        return inputs, labels
+        return mqar_examples(self.num_examples, self.seq_len, self.num_kv_pairs, self.vocab_size, self.num_kv_pairs,
+                             self.power_a, self.random_non_queries, torch.Generator().manual_seed(seed))
+
+
+def mqar_examples(n: int, T: int, D: int, V: int, Q: int, power_a: float, random_non_queries: bool,
+                  gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """MQAR's sampling: per example D distinct keys from [1, V/2) and D distinct values from [V/2, V) laid out as
+    ``k1 v1 …``, then Q queries (every key once, then Q − D keys drawn again) at even offsets of the remaining
+    T + 1 − 2D slots, slot i drawn ∝ (i + 1)^(power_a − 1) without replacement; filler 0, or uniform over [0, V)
+    with ``random_non_queries``. Returns inputs, labels [n, T] (the sequence of T + 1 shifted by one)."""
+    half = V // 2
+    keys = torch.rand(n, half - 1, generator=gen).argsort(1)[:, :D] + 1          # distinct keys per example
+    values = torch.rand(n, V - half, generator=gen).argsort(1)[:, :D] + half     # distinct values
+    context = 2 * D
+    kvs = torch.stack([keys, values], dim=2).reshape(n, context)
+    space = (T - context) // 2
+    p = power_a * torch.arange(1, space + 1, dtype=torch.float64) ** (power_a - 1)
+    gaps = torch.multinomial((p / p.sum()).expand(n, space), Q, replacement=False, generator=gen)
+    which = torch.arange(D).expand(n, D)
+    if Q > D:
+        which = torch.cat([which, torch.randint(D, (n, Q - D), generator=gen)], dim=1)
+    queries = torch.zeros(n, T - context + 1, dtype=torch.long)
+    queries.scatter_(1, 2 * gaps, keys.gather(1, which))
+    seqs = torch.cat([kvs, queries], dim=1)                                       # [n, T + 1]
+    labels = torch.full((n, T + 1), -100, dtype=torch.long)
+    labels.scatter_(1, 2 * gaps + context + 1, values.gather(1, which))
+    inputs, labels = seqs[:, :-1].clone(), labels[:, 1:].clone()
+    if random_non_queries:
+        filler = inputs == 0
+        inputs[filler] = torch.randint(V, (int(filler.sum()),), generator=gen)
+    return inputs, labels

@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kalmix.tasks.mqar import MQARConfig
+from kalmix.tasks.mqar import MQARConfig, mqar_examples
 
 # the VLA paper's capacity grid (T = 3n + 1) and its long-context variant (n = 8)
 CAPACITY_NUM_KV_PAIRS: tuple[int, ...] = (4, 8, 16, 24, 32, 48, 64, 96)
@@ -270,29 +270,8 @@ class HardMQARConfig(BaseModel):
 
     def build(self, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns inputs, labels: LongTensors [num_examples, seq_len]; labels −100 where not scored."""
-        gen = torch.Generator().manual_seed(seed)
-        n, T, D, V, Q = self.num_examples, self.seq_len, self.num_kv_pairs, self.vocab_size, self.queries
-        half = V // 2
-        keys = torch.rand(n, half - 1, generator=gen).argsort(1)[:, :D] + 1          # distinct keys per example
-        values = torch.rand(n, V - half, generator=gen).argsort(1)[:, :D] + half     # distinct values
-        context = 2 * D
-        kvs = torch.stack([keys, values], dim=2).reshape(n, context)
-        space = (T - context) // 2
-        p = self.power_a * torch.arange(1, space + 1, dtype=torch.float64) ** (self.power_a - 1)
-        gaps = torch.multinomial((p / p.sum()).expand(n, space), Q, replacement=False, generator=gen)
-        which = torch.arange(D).expand(n, D)
-        if Q > D:
-            which = torch.cat([which, torch.randint(D, (n, Q - D), generator=gen)], dim=1)
-        queries = torch.zeros(n, T - context + 1, dtype=torch.long)
-        queries.scatter_(1, 2 * gaps, keys.gather(1, which))
-        seq = torch.cat([kvs, queries], dim=1)                                        # [n, T + 1]
-        answers = torch.full((n, T + 1), -100, dtype=torch.long)
-        answers.scatter_(1, 2 * gaps + context + 1, values.gather(1, which))
-        inputs, labels = _shift(seq, answers)
-        if self.random_non_queries:
-            filler = inputs == 0
-            inputs[filler] = torch.randint(V, (int(filler.sum()),), generator=gen)
-        return inputs, labels
+        return mqar_examples(self.num_examples, self.seq_len, self.num_kv_pairs, self.vocab_size, self.queries,
+                             self.power_a, self.random_non_queries, torch.Generator().manual_seed(seed))
 
     def as_mqar(self) -> MQARConfig:
         """The equivalent ``MQARConfig`` (only valid where Zoology's constraints hold: V > T, num_queries = D)."""
