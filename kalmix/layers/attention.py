@@ -50,13 +50,8 @@ class SoftmaxAttention(nn.Module):
                 past_key_values = KalmixCache()
             return hidden_states.new_zeros(B, 0, self.d_model), None, past_key_values
         q, k, v = self.qkv_proj(hidden_states).view(B, T, 3, self.num_heads, self.head_dim).unbind(2)
-        docs = kwargs.get("documents")
-        if docs is None and kwargs.get("cu_seqlens") is not None:
-            docs = Documents(type(self).__name__, kwargs["cu_seqlens"], B, T)
+        docs = Documents.of_layer_call(type(self).__name__, kwargs, B, T, attention_mask, past_key_values, use_cache)
         if docs is not None:
-            if attention_mask is not None or past_key_values is not None or use_cache:
-                raise ValueError(f"{type(self).__name__}: packed documents (`cu_seqlens`) are for calls without a "
-                                 f"cache or padding mask; pad rows with whole documents instead")
             return self._documents(q, k, v, docs), None, None
         if (past_key_values is not None and past_key_values.static and T == 1 and use_cache
                 and "kv" in (past_key_values.get(self.layer_idx) or {})):

@@ -58,13 +58,7 @@ class MixerLayer(nn.Module):
         B, T = hidden_states.shape[:2]
         attention_mask = context_mask(name, attention_mask, hidden_states, past_key_values is not None)
         check_hidden(name, hidden_states, self.d_model, attention_mask)
-        docs = kwargs.pop("documents", None)
-        cu_seqlens = kwargs.pop("cu_seqlens", None)
-        if cu_seqlens is not None and docs is None and T > 0:
-            docs = Documents(name, cu_seqlens, B, T)
-        if docs is not None and (attention_mask is not None or past_key_values is not None or use_cache):
-            raise ValueError(f"{name}: packed documents (`cu_seqlens`) are for calls without a cache or padding "
-                             f"mask; pad rows with whole documents instead")
+        docs = Documents.of_layer_call(name, kwargs, B, T, attention_mask, past_key_values, use_cache)
         if T == 0:                                          # no tokens: nothing to mix, the cache stays as it is
             if use_cache and past_key_values is None:
                 past_key_values = KalmixCache()

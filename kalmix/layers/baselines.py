@@ -36,13 +36,9 @@ class FlaDeltaNet(nn.Module):
         if not hidden_states.is_cuda:
             raise ValueError(f"FlaDeltaNet runs fla's Triton kernels, which need CUDA tensors; got "
                              f"{hidden_states.device}. On CPU use kalmix's mixers (e.g. 'gdn', 'kaczmarz')")
-        docs = kwargs.get("documents")
-        if docs is None and kwargs.get("cu_seqlens") is not None:
-            docs = Documents(type(self).__name__, kwargs["cu_seqlens"], *hidden_states.shape[:2])
+        docs = Documents.of_layer_call(type(self).__name__, kwargs, *hidden_states.shape[:2], attention_mask,
+                                       past_key_values, use_cache)
         if docs is not None:                            # fla's packed layout: [1, total] with cu_seqlens
-            if attention_mask is not None or past_key_values is not None or use_cache:
-                raise ValueError(f"{type(self).__name__}: packed documents (`cu_seqlens`) are for calls without a "
-                                 f"cache or padding mask")
             o, _, _ = self.inner(docs.pack(hidden_states), cu_seqlens=docs.cu_seqlens.long())
             return docs.unpack(o), None, None
         return self.inner(hidden_states, attention_mask=attention_mask, past_key_values=past_key_values,

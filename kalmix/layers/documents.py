@@ -44,16 +44,23 @@ class Documents:
         padding-free convention); every row starts a document whatever its first value."""
         if position_ids.dim() != 2:
             raise ValueError(f"{name}: `position_ids` must be [B, T], got {list(position_ids.shape)}")
-        B, T = position_ids.shape
         pos = position_ids.long()
-        starts = pos == 0
-        starts[:, 0] = True
-        step_ok = starts[:, 1:] | (pos[:, 1:] == pos[:, :-1] + 1)
-        flat = starts.flatten().nonzero()[:, 0]
-        if not bool(step_ok.all()):
+        if not bool(((pos[:, 1:] == 0) | (pos[:, 1:] == pos[:, :-1] + 1)).all()):
             raise ValueError(f"{name}: `position_ids` must count 0, 1, 2, … within each document (0 starts one)")
-        cu = F.pad(flat, (0, 1), value=B * T)
-        return cls(name, cu, B, T)
+        return cls(name, cu_seqlens_from_positions(pos), *pos.shape)
+
+    @classmethod
+    def of_layer_call(cls, name: str, kwargs: dict, B: int, T: int, attention_mask, past_key_values,
+                      use_cache: bool) -> "Documents | None":
+        """A layer's packed documents: ``kwargs``'s ``documents`` (built by the model) or ``cu_seqlens`` (both
+        popped), None without them or for T = 0; an error with a cache or padding mask."""
+        docs, cu_seqlens = kwargs.pop("documents", None), kwargs.pop("cu_seqlens", None)
+        if docs is None and cu_seqlens is not None and T > 0:
+            docs = cls(name, cu_seqlens, B, T)
+        if docs is not None and (attention_mask is not None or past_key_values is not None or use_cache):
+            raise ValueError(f"{name}: packed documents (`cu_seqlens`) are for calls without a cache or padding "
+                             f"mask; pad rows with whole documents instead")
+        return docs
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, ...] -> [1, B·T, ...], the layout the ops take with ``cu_seqlens``."""
@@ -68,3 +75,11 @@ class Documents:
         same = self.doc_id[:, :, None] == self.doc_id[:, None, :]
         causal = torch.ones(self.T, self.T, dtype=torch.bool, device=same.device).tril()
         return (same & causal)[:, None]
+
+
+def cu_seqlens_from_positions(positions: torch.Tensor) -> torch.Tensor:
+    """positions [B, T] (each token's position in its document, 0 starting one) -> cu_seqlens int32 [N + 1] over
+    the flattened B·T tokens: a document starts at every 0 and at every row start."""
+    starts = positions == 0
+    starts[:, :1] = True
+    return F.pad(starts.flatten().nonzero()[:, 0], (0, 1), value=positions.numel()).to(torch.int32)

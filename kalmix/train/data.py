@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
+from kalmix.layers.documents import cu_seqlens_from_positions
 from kalmix.train.tokenizer import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -368,7 +369,7 @@ def prepare(cfg: DataConfig, tokenizer, out_dir: str | os.PathLike, *, batch_siz
     finally:
         all_tokens.unlink(missing_ok=True)
     meta = {**common, "splits": splits}
-    _atomic_write(out / "meta.json", lambda f: f.write(json.dumps(meta, indent=2).encode()))
+    atomic_write(out / "meta.json", lambda f: f.write(json.dumps(meta, indent=2).encode()))
     return meta
 
 
@@ -461,15 +462,15 @@ def _write_split(split_dir: Path, tokens: np.ndarray, offsets: np.ndarray, mask:
                 f.write(chunk.tobytes())
             a = b
 
-    _atomic_write(split_dir / "tokens.bin", write_tokens)
-    _atomic_write(split_dir / "offsets.bin", lambda f: f.write(split_offsets.tobytes()))
+    atomic_write(split_dir / "tokens.bin", write_tokens)
+    atomic_write(split_dir / "offsets.bin", lambda f: f.write(split_offsets.tobytes()))
     counts = {"num_docs": len(split_offsets) - 1, "num_tokens": int(split_offsets[-1]), "max_token_id": max_id}
     meta = {**common, "split": split_dir.name, **counts}
-    _atomic_write(split_dir / "meta.json", lambda f: f.write(json.dumps(meta, indent=2).encode()))
+    atomic_write(split_dir / "meta.json", lambda f: f.write(json.dumps(meta, indent=2).encode()))
     return counts
 
 
-def _atomic_write(path: Path, write: Callable[[BinaryIO], Any]) -> None:
+def atomic_write(path: Path, write: Callable[[BinaryIO], Any]) -> None:
     """Write ``path`` through a temporary file in its directory, synced, then renamed over it: a reader sees the
     old file or the whole new one, never a partial one."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
@@ -574,10 +575,7 @@ def cu_seqlens_from_doc_pos(doc_pos: torch.Tensor) -> torch.Tensor:
     segment starts at every doc_pos 0 and at every row start; strictly increasing from 0 to B·T."""
     if doc_pos.dim() != 2:
         raise ValueError(f"doc_pos must be [B, T], got shape {tuple(doc_pos.shape)}")
-    start = doc_pos == 0
-    start[:, :1] = True
-    idx = start.flatten().nonzero().squeeze(1)
-    return torch.cat([idx, idx.new_tensor([doc_pos.numel()])]).to(torch.int32)
+    return cu_seqlens_from_positions(doc_pos)
 
 
 def collate(rows: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -19,10 +19,11 @@ from kalmix.bench.models import lm_flops_per_token
 from kalmix.models import KalmixConfig, KalmixForCausalLM
 from kalmix.train import checkpoint as ckpt
 from kalmix.train.config import TrainConfig
+from kalmix.train.data import atomic_write
 
 # dense bf16 tensor-core peaks (TFLOP/s) of the GPUs MFU is reported for; others: log.peak_tflops
 _PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
-# the ``resume`` setting's words, and which config keys a resumed run must share with its checkpoint
+# the config keys a resumed run must share with its checkpoint
 _SAME_ON_RESUME = ("seed", "model", "tokenizer", "data", "train.seq_len", "train.global_batch_size")
 
 
@@ -164,12 +165,6 @@ def _differences(a: dict, b: dict, keys) -> list[str]:
         if va != vb:
             out.append(f"{key}: checkpoint {va!r}, now {vb!r}")
     return out
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 class Trainer:
@@ -327,16 +322,19 @@ class Trainer:
                    "tokens": int(counts[i])} for i in range(nb)]
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "loss_by_position": by_pos}
 
-    def _micro_batches(self) -> list[dict]:
-        return [self._to_device(next(self.loader)) for _ in range(self.accum)]
+    def _micro_batches(self) -> tuple[list[dict], int]:
+        """This step's micro-batches on the device and their scored targets, counted on the host (the loader's
+        tensors are CPU tensors: no device synchronisation)."""
+        batches = [next(self.loader) for _ in range(self.accum)]
+        count = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+        return [self._to_device(b) for b in batches], count
 
     def train_step(self) -> dict:
         """One optimizer step over ``accum`` micro-batches per process; the loss is the mean over every scored
         token of the global batch (each process's gradient is scaled so that DDP's and FSDP's averaging gives
         exactly that mean)."""
         env = self.env
-        batches = self._micro_batches()
-        local_count = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+        batches, local_count = self._micro_batches()
         (total_count,) = env.sum(local_count)
         total_count = max(total_count, 1.0)
         loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
@@ -347,6 +345,7 @@ class Trainer:
                 loss = s * (env.world / total_count)
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_sum += s.detach().double()
+        (loss_total,) = env.sum(loss_sum)
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip is not None else math.inf
@@ -354,8 +353,8 @@ class Trainer:
         grad_norm = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
         if not self.scaler and not math.isfinite(grad_norm):    # fp16's scaler skips such steps itself
             raise FloatingPointError(f"non-finite gradient norm at step {self.step + 1} (loss "
-                                     f"{env.sum(loss_sum)[0] / total_count:.4g}); the weights were not updated, "
-                                     f"and the newest checkpoint is the one to resume from")
+                                     f"{loss_total / total_count:.4g}); the weights were not updated, and the "
+                                     f"newest checkpoint is the one to resume from")
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -365,7 +364,6 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        (loss_total,) = env.sum(loss_sum)
         return {"loss": loss_total / total_count, "lr": lr, "tokens": total_count, "grad_norm": grad_norm}
 
     def _sync(self, last: bool):
@@ -417,7 +415,7 @@ class Trainer:
         cfg, env = self.cfg, self.env
         if env.main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            _write_atomic(self.run_dir / "config.yaml", cfg.dump())
+            atomic_write(self.run_dir / "config.yaml", lambda f: f.write(cfg.dump().encode()))
             if self.resume_from is None:
                 (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
         env.barrier()

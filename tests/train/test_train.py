@@ -134,22 +134,16 @@ def test_run_writes_metrics_checkpoints_and_a_loadable_model(corpus, tmp_path):
     assert model(ids).logits.shape[-1] == model.config.vocab_size >= len(tok)
 
 
-def test_activation_checkpointing_trains_the_same(corpus, tmp_path):
+@pytest.mark.parametrize("option, steps, rel", [("train.activation_checkpointing", 3, 1e-6),
+                                               ("train.compile", 2, 1e-5)])
+def test_option_trains_the_same(corpus, tmp_path, option, steps, rel):
+    """Activation checkpointing and the compiled MLPs give the losses of the plain run."""
     a, b = tmp_path / "a", tmp_path / "b"
-    train(_cfg(corpus, a, **{"train.steps": 3}))
-    train(_cfg(corpus, b, **{"train.steps": 3, "train.activation_checkpointing": True}))
+    train(_cfg(corpus, a, **{"train.steps": steps}))
+    train(_cfg(corpus, b, **{"train.steps": steps, option: True}))
     la, lb = _losses(a), _losses(b)
     for s in la:
-        assert lb[s] == pytest.approx(la[s], rel=1e-6), (s, la[s], lb[s])
-
-
-def test_compiled_mlps_train_the_same(corpus, tmp_path):
-    a, b = tmp_path / "a", tmp_path / "b"
-    train(_cfg(corpus, a, **{"train.steps": 2}))
-    train(_cfg(corpus, b, **{"train.steps": 2, "train.compile": True}))
-    la, lb = _losses(a), _losses(b)
-    for s in la:
-        assert lb[s] == pytest.approx(la[s], rel=1e-5), (s, la[s], lb[s])
+        assert lb[s] == pytest.approx(la[s], rel=rel), (s, la[s], lb[s])
 
 
 def test_killed_run_resumes_exactly(corpus, tmp_path, monkeypatch):
