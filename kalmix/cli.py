@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     decode = tasks.add_parser("decode", help="ms per generated token of whole models: eager, CUDA-graphed and "
                               "the kernels' GPU time", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_decode_flags(decode)
+    _add_recipe_parsers(tasks)
     _add_speed_parser(sub)
     _add_generate_parser(sub)
     _add_train_parsers(sub)
@@ -60,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         return _run_plot(args, parser)
     if args.task == "decode":
         return _run_decode(args, parser)
+    if args.task == "run":
+        return _run_recipe(args, parser)
+    if args.task == "report":
+        return _run_report(args, parser)
     values = {k: v for k, v in vars(args).items() if k in MQARBenchConfig.model_fields}
     values = {k: (None if v in ("None", "none") else v) for k, v in values.items()}
     try:
@@ -105,6 +110,67 @@ def _run_decode(args, parser) -> int:
     except ValidationError as e:
         parser.error(str(e))
     run_decode(cfg)
+    return 0
+
+
+def _add_recipe_parsers(tasks) -> None:
+    r = tasks.add_parser("run", help="a paper's synthetic experiment from a recipe (recipes/*.yaml): train every "
+                         "grid point, mixer, seed and learning rate; append one JSONL row per run; resumable",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    r.add_argument("recipe", help="recipe YAML file, or the name of one in ./recipes")
+    r.add_argument("--out", default=None, help="JSONL results file (default: runs/bench/RECIPE.jsonl); runs "
+                   "already in it are skipped")
+    r.add_argument("--device", default="cuda" if _cuda() else "cpu", help="torch device")
+    r.add_argument("--impl", default=None, choices=["naive", "torch", "triton"],
+                   help="kalmix ops' backend (default: triton on CUDA, torch otherwise)")
+    r.add_argument("--mixers", nargs="+", default=None, help="only these of the recipe's mixer labels")
+    r.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                   help="override a recipe field, VALUE as YAML, e.g. --set train.steps=200 --set "
+                   "'grid.task.params.num_kv_pairs=[4, 8]' (repeatable)")
+    r.add_argument("--dry-run", action="store_true", help="print the resolved recipe and the number of runs")
+    rp = tasks.add_parser("report", help="markdown tables and PNG plots from `kalmix bench run` results",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    rp.add_argument("results", nargs="+", help="JSONL results files")
+    rp.add_argument("--out", default="runs/bench/report", help="output folder (README.md and PNGs)")
+
+
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def _run_recipe(args, parser) -> int:
+    import yaml
+
+    from kalmix.bench.synthetic import load_recipe, run as run_recipe
+    path = args.recipe
+    if not os.path.exists(path) and os.path.exists(os.path.join("recipes", path + ".yaml")):
+        path = os.path.join("recipes", path + ".yaml")
+    try:
+        recipe = load_recipe(path, args.overrides)
+    except (ValidationError, ValueError, FileNotFoundError, yaml.YAMLError) as e:
+        parser.error(str(e))
+    out = args.out or os.path.join("runs", "bench", recipe.name + ".jsonl")
+    n = recipe.planned_runs() if args.mixers is None else recipe.planned_runs() // len(recipe.mixers) * len(args.mixers)
+    if args.dry_run:
+        print(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False), end="")
+        print(f"# {n} runs ({len(recipe.points())} grid points), results to {out}")
+        return 0
+    try:
+        run_recipe(recipe, out, device=args.device, impl=args.impl, mixers=args.mixers)
+    except ValueError as e:
+        parser.error(str(e))
+    print(f"results in {out}; `kalmix bench report {out}` renders them")
+    return 0
+
+
+def _run_report(args, parser) -> int:
+    from kalmix.bench.report import report
+    try:
+        report(args.results, args.out)
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
+    print(f"wrote {os.path.join(args.out, 'README.md')}")
     return 0
 
 

@@ -1,0 +1,259 @@
+"""`kalmix bench report RESULTS.jsonl ... --out DIR`: markdown tables and PNG plots from ``kalmix bench run`` rows.
+
+Per recipe, per (grid point, mixer, seed) the learning rate with the best validation score is kept (the sweep's
+selection, made on validation data only); its test score is then averaged over seeds (mean ± std, n shown). The
+paper's number, where the recipe gives one, is printed beside ours in parentheses. Runs that could not be made
+here (``unavailable``, ``error``, ``oom``) or diverged are listed with their reason, never silently dropped.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from collections import defaultdict
+
+from kalmix.bench.synthetic import Recipe
+
+
+def load_rows(paths: list[str]) -> list[dict]:
+    rows = []
+    for path in paths:
+        with open(path) as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+    if not rows:
+        raise ValueError(f"no result rows in {paths}")
+    return rows
+
+
+def _key(point: dict) -> str:
+    return json.dumps(point, sort_keys=True, default=str)
+
+
+def summarise(recipe: Recipe, rows: list[dict]) -> dict:
+    """``{"cells": {(mixer, point_key, length): [per-seed values]}, "failures": [...], "meta": ...}`` from the rows
+    of one recipe: per (point, mixer, seed) the run of the best validation score (ties: the smaller lr)."""
+    best: dict[tuple, dict] = {}
+    failures, ran, devices, steps = [], defaultdict(set), set(), defaultdict(list)
+    for row in rows:
+        if row["status"] != "ok" or row.get("val") is None:
+            failures.append(row)
+            continue
+        k = (row["mixer"], _key(row["point"]), row["seed"])
+        if k not in best or (row["val"], -row["lr"]) > (best[k]["val"], -best[k]["lr"]):
+            best[k] = row
+    cells = defaultdict(list)
+    for (mixer, pkey, _), row in best.items():
+        for length, metrics in row["test"].items():
+            cells[(mixer, pkey, int(length))].append(metrics[recipe.metric])
+        ran[mixer].add(row["ran"])
+        devices.add(row["device"])
+        steps[mixer].append(row["steps_run"])
+    return {"cells": cells, "failures": failures, "ran": ran, "devices": devices, "steps": steps,
+            "points": {_key(r["point"]): r["point"] for r in rows}}
+
+
+def _stat(values: list[float]) -> tuple[float, float, int]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0), len(values)
+
+
+def _axis_value(recipe: Recipe, point: dict, length: int, axis: str):
+    return length if axis == "eval_length" else point[axis]
+
+
+def series(recipe: Recipe, summary: dict) -> dict:
+    """{panel: {mixer: {x: (mean, std, n)}}} over the cells; at the training length unless x is eval_length."""
+    out = defaultdict(lambda: defaultdict(dict))
+    rep = recipe.report
+    for (mixer, pkey, length), values in summary["cells"].items():
+        point = summary["points"][pkey]
+        if rep.x != "eval_length" and length != recipe.at(point).task.length():
+            continue
+        panel = _fmt(point[rep.panel]) if rep.panel else ""
+        x = _axis_value(recipe, point, length, rep.x)
+        out[panel][mixer][x] = _stat(values)
+    return out
+
+
+def reference_of(recipe: Recipe, mixer: str, panel: str, x) -> float | None:
+    rep = recipe.report
+    for ref in recipe.references:
+        if ref.mixer != mixer or ref.at.get(rep.x) != x:
+            continue
+        if rep.panel and _fmt(ref.at.get(rep.panel)) != panel:
+            continue
+        return ref.value
+    return None
+
+
+def min_depths(recipe: Recipe, summary: dict) -> dict:
+    """{mixer: {x: smallest depth at which some seed reaches the threshold, or None}} (the Kalman paper's rule:
+    solved if at least one seed reaches it), with the depths tried."""
+    rep = recipe.report
+    solved, tried = defaultdict(dict), defaultdict(lambda: defaultdict(set))
+    for (mixer, pkey, length), values in summary["cells"].items():
+        point = summary["points"][pkey]
+        if length != recipe.at(point).task.length():
+            continue
+        x, depth = point[rep.x], point[rep.depth]
+        tried[mixer][x].add(depth)
+        if max(values) >= rep.threshold:
+            solved[mixer][x] = min(depth, solved[mixer].get(x, math.inf))
+    return {m: {x: (solved[m].get(x), sorted(d)) for x, d in xs.items()} for m, xs in tried.items()}
+
+
+def _fmt(v) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def _cell(stat, ref) -> str:
+    if stat is None:
+        text = "–"
+    else:
+        mean, std, n = stat
+        text = f"{100 * mean:.1f}" + (f" ± {100 * std:.1f}" if n > 1 else "")
+    return text + (f" ({100 * ref:.1f})" if ref is not None else "")
+
+
+def markdown(recipe: Recipe, summary: dict, image: str | None) -> str:
+    rep = recipe.report
+    lines = [f"### {recipe.paper}: {recipe.name}", "", f"**Claim** ({recipe.source}): {recipe.claim}", ""]
+    if recipe.deviations:
+        lines += [f"**Here**: {recipe.deviations}", ""]
+    metric = recipe.metric.replace("_", " ")
+    if rep.kind == "min_depth":
+        depths = min_depths(recipe, summary)
+        xs = sorted({x for d in depths.values() for x in d})
+        lines += [f"Fewest {rep.depth.rsplit('.', 1)[-1]} at which a seed reaches {100 * rep.threshold:.0f}% test "
+                  f"{metric} (— : none of the depths tried)", "",
+                  "| mixer | " + " | ".join(f"{rep.x.rsplit('.', 1)[-1]} = {_fmt(x)}" for x in xs) + " |",
+                  "|---|" + "---|" * len(xs)]
+        for mixer in recipe.mixers:
+            if mixer in depths:
+                cells = []
+                for x in xs:
+                    got, tried = depths[mixer].get(x, (None, []))
+                    cells.append(str(got) if got is not None else f"— (tried {','.join(map(str, tried))})"
+                                 if tried else "")
+                lines.append(f"| {mixer} | " + " | ".join(cells) + " |")
+    else:
+        data = series(recipe, summary)
+        for panel, by_mixer in sorted(data.items()):
+            xs = sorted({x for v in by_mixer.values() for x in v}, key=_sort_key)
+            title = f"{rep.panel.rsplit('.', 1)[-1]} = {panel}: " if rep.panel else ""
+            lines += [f"{title}test {metric} (%), mean ± std over seeds; the paper's number in parentheses", "",
+                      "| mixer | " + " | ".join(f"{rep.x.rsplit('.', 1)[-1]} = {_fmt(x)}" for x in xs) + " |",
+                      "|---|" + "---|" * len(xs)]
+            for mixer in recipe.mixers:
+                if mixer in by_mixer:
+                    lines.append(f"| {mixer} | " + " | ".join(
+                        _cell(by_mixer[mixer].get(x), reference_of(recipe, mixer, panel, x)) for x in xs) + " |")
+            lines.append("")
+    lines.append("")
+    runs = [f"{m} ({'; '.join(sorted(r))}): {_span(summary['steps'][m])} steps" for m, r in summary["ran"].items()]
+    lines += [f"Ran on {', '.join(sorted(summary['devices']))}; seeds {recipe.train.seeds}, learning rates "
+              f"{recipe.train.lrs}, at most {recipe.train.steps} steps of {recipe.train.batch_size}.", ""]
+    lines += [f"- {r}" for r in runs]
+    done = {(m, p) for m, p, _ in summary["cells"]}
+    failures = [r for r in summary["failures"] if (r["mixer"], _key(r["point"])) not in done]
+    if failures:
+        lines += ["", "Without a result:"]
+        seen = set()
+        for row in failures:
+            text = f"{row['mixer']} at {_key(row['point'])}: {row['status']}" + (
+                f" ({row['reason']})" if row.get("reason") else "")
+            if text not in seen:
+                seen.add(text)
+                lines.append(f"- {text}")
+    if image:
+        lines += ["", f"![{recipe.name}]({image})"]
+    return "\n".join(lines) + "\n"
+
+
+def _span(values: list[int]) -> str:
+    return f"{min(values)}" if min(values) == max(values) else f"{min(values)}–{max(values)}"
+
+
+def _sort_key(x):
+    return (0, x) if isinstance(x, (int, float)) else (1, str(x))
+
+
+def plot(recipe: Recipe, summary: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rep = recipe.report
+    if rep.kind == "min_depth":
+        depths = min_depths(recipe, summary)
+        fig, ax = plt.subplots(figsize=(5.5, 3.8))
+        for mixer, by_x in depths.items():
+            xs = sorted(by_x)
+            ys = [by_x[x][0] if by_x[x][0] is not None else max(by_x[x][1]) + 1 for x in xs]
+            ax.plot(xs, ys, marker="o", label=mixer)
+            for x, y in zip(xs, ys):
+                if by_x[x][0] is None:
+                    ax.annotate("unsolved", (x, y), fontsize=7, ha="center", va="bottom")
+        ax.set_xlabel(rep.x.rsplit(".", 1)[-1])
+        ax.set_ylabel(f"fewest {rep.depth.rsplit('.', 1)[-1]} reaching {100 * rep.threshold:.0f}%")
+        ax.yaxis.get_major_locator().set_params(integer=True)
+        ax.legend(fontsize=8)
+        ax.set_title(recipe.name, fontsize=10)
+    else:
+        data = series(recipe, summary)
+        panels = sorted(data)
+        fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels) + 1, 3.8), squeeze=False)
+        for ax, panel in zip(axes[0], panels):
+            for i, mixer in enumerate(m for m in recipe.mixers if m in data[panel]):
+                pts = data[panel][mixer]
+                xs = sorted(pts, key=_sort_key)
+                pos = list(range(len(xs))) if rep.kind == "table" else xs
+                means = [100 * pts[x][0] for x in xs]
+                stds = [100 * pts[x][1] for x in xs]
+                line = ax.errorbar(pos, means, yerr=stds, marker="o", capsize=3, label=mixer)
+                refs = [(p, reference_of(recipe, mixer, panel, x)) for p, x in zip(pos, xs)]
+                refs = [(p, 100 * r) for p, r in refs if r is not None]
+                if refs:
+                    ax.plot(*zip(*refs), linestyle="none", marker="x", markersize=8, color=line[0].get_color())
+                if rep.kind == "table":
+                    ax.set_xticks(pos, [_fmt(x) for x in xs], rotation=30, ha="right", fontsize=8)
+            if rep.log_x and rep.kind != "table":
+                ax.set_xscale("log", base=2)
+                ticks = sorted({x for m in data[panel].values() for x in m})
+                ax.set_xticks(ticks, [_fmt(x) for x in ticks])
+                ax.minorticks_off()
+            ax.set_xlabel(rep.x.rsplit(".", 1)[-1])
+            ax.set_ylabel(f"test {recipe.metric.replace('_', ' ')} (%)")
+            ax.set_ylim(-2, 102)
+            ax.grid(alpha=0.3)
+            ax.set_title(f"{rep.panel.rsplit('.', 1)[-1]} = {panel}" if rep.panel else recipe.name, fontsize=10)
+        axes[0][-1].legend(fontsize=8, title="x: paper", title_fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def report(paths: list[str], out_dir: str) -> str:
+    """Write ``out_dir/README.md`` and one PNG per recipe; returns the markdown."""
+    rows = load_rows(paths)
+    by_recipe = defaultdict(list)
+    for row in rows:
+        by_recipe[row["recipe"]].append(row)
+    os.makedirs(out_dir, exist_ok=True)
+    parts = []
+    for name, rs in by_recipe.items():
+        recipe = Recipe.model_validate(rs[-1]["spec"])
+        summary = summarise(recipe, rs)
+        image = None
+        if summary["cells"]:
+            image = f"{name}.png"
+            plot(recipe, summary, os.path.join(out_dir, image))
+        parts.append(markdown(recipe, summary, image))
+    text = "# kalmix bench results\n\n" + "\n".join(parts)
+    with open(os.path.join(out_dir, "README.md"), "w") as f:
+        f.write(text)
+    return text
