@@ -391,7 +391,7 @@ def run_one(recipe: Recipe, label: str, lr: float, seed: int, data: dict, device
     best, best_step, best_state, bad_evals, history = -1.0, 0, None, 0, []
     status, step, loss_value = "ok", 0, float("nan")
     t0, tokens = time.perf_counter(), 0
-    bar = tqdm(range(train.steps), desc=f"{label} lr={lr:g} seed={seed}", leave=False, disable=not progress,
+    bar = tqdm(range(train.steps), desc=f"{label} lr={lr:g} seed={seed}", leave=False, disable=None if progress else True,
                dynamic_ncols=True)
     for step in bar:
         idx = torch.randint(len(x_tr), (train.batch_size,), generator=gen)
@@ -515,7 +515,7 @@ def run(recipe: Recipe, out_path: str, device: str = "cpu", impl: str | None = N
     except Exception:                                        # noqa: BLE001  (provenance only)
         base["git"] = None
     rows, total = [], len(recipe.points()) * len(labels) * len(recipe.train.seeds) * len(recipe.train.lrs)
-    outer = tqdm(total=total, desc=recipe.name, disable=not progress, dynamic_ncols=True)
+    outer = tqdm(total=total, desc=recipe.name, disable=None if progress else True, dynamic_ncols=True)
     for point in recipe.points():
         r = recipe.at(point)
         data = None
