@@ -62,6 +62,13 @@ class Documents:
                              f"mask; pad rows with whole documents instead")
         return docs
 
+    def repeat(self, n: int) -> "Documents":
+        """The documents of the batch repeated n times along B: [n·B, T], copy i in rows i·B … (i + 1)·B − 1."""
+        total = self.B * self.T
+        shifts = torch.arange(n, device=self.cu_seqlens.device, dtype=torch.int32)[:, None] * total
+        cu_seqlens = torch.cat([(self.cu_seqlens[:-1] + shifts).flatten(), self.cu_seqlens[-1:] * n])
+        return Documents("Documents.repeat", cu_seqlens, n * self.B, self.T)
+
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, ...] -> [1, B·T, ...], the layout the ops take with ``cu_seqlens``."""
         return x.reshape(1, self.B * self.T, *x.shape[2:])

@@ -26,6 +26,10 @@ class KalmanAttention(MixerLayer):
     ``forward(..., output_variance=True)`` returns the posterior variance propagated through the gate and the
     output projection as the second value (channels treated as independent: var · SiLU(gate)², then W_out²).
 
+    ``forward(..., sample_readout=True)`` replaces the μ readout o [B, T, H, D] by one draw from the readout's
+    posterior, o + √var · ε with ε ~ N(0, 1) fresh per element (``readout_noise``), in fp32 (fp64 for fp64
+    activations) and then back to o's dtype: the sampled readout y^(s) of the paper's KLA+ (App. A, Eq. 24).
+
     ``noise_param`` sets how the learned p gives the process noise:
 
     - ``"p2"`` (default): p̄ = p² / (2a) · (1 − exp(−2aΔ)), the paper's OU discretisation (DESIGN §1.1).
@@ -105,19 +109,26 @@ class KalmanAttention(MixerLayer):
         return [q, k, v.view(B, T, H, D), w.view(B, T, H, D).to(v.dtype)], (z, gate), conv_state
 
     def mix(self, inputs, initial_state, output_final_state, cu_seqlens, impl, output_variance: bool = False,
-            **kwargs):
+            sample_readout: bool = False, **kwargs):
         decay, noise = self.dynamics()
         # the filter's state math is fp32 (fp64) whatever the activations are: every impl computes in
         # compute_dtype (precisions reach ~1e6), so the activations go in as they are
         # the values are in range by construction (Λv > 0, ā in (0, 1], p̄ >= 0): no host sync for checking them
         o, var, state = kalman_attention(*inputs, decay, noise, initial_state=initial_state,
-                                         output_final_state=output_final_state, output_variance=output_variance,
+                                         output_final_state=output_final_state,
+                                         output_variance=output_variance or sample_readout,
                                          cu_seqlens=cu_seqlens, impl=impl, check_values=False)
         return o, var, state
 
-    def readout(self, o, var, ctx, output_variance: bool = False, **kwargs):
+    def readout_noise(self, var: torch.Tensor) -> torch.Tensor:
+        """ε ~ N(0, 1) of var's shape [B, T, H, D], fp32 (fp64 for fp64 var): the draw of ``sample_readout``."""
+        return torch.randn(var.shape, dtype=upcast(var).dtype, device=var.device)
+
+    def readout(self, o, var, ctx, output_variance: bool = False, sample_readout: bool = False, **kwargs):
         z, gate = ctx
         B, T = z.shape[:2]
+        if sample_readout:
+            o = (upcast(o) + upcast(var).sqrt() * self.readout_noise(var)).to(o.dtype)
         if self.fused(z.device):
             y = fused_kernels().gated_skip(o.reshape(B, T, self.d_inner), z, gate, self.skip)
         else:

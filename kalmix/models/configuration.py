@@ -52,6 +52,13 @@ class KalmixConfig(PretrainedConfig):
             steps; 1/√fan_in left a width-32 Kaczmarz model at 60% where this reaches 99.8%).
         tie_word_embeddings: share the embedding with the LM head.
         impl: the ops' backend for every kalmix mixer (None: triton on CUDA, torch otherwise).
+        mc_samples: S > 0 turns on KLA+, the Kalman paper's probabilistic decoding (App. A, Eq. 24–25):
+            ``KalmixForCausalLM`` runs the batch S times, each Kalman layer reading out one posterior sample
+            o + √var · ε instead of its mean o, and returns as logits the log of the Monte-Carlo marginal,
+            log (1/S) Σ_s softmax(logits_s) (normalised log-probs), so that the cross-entropy of ``labels`` is
+            the negative log marginal likelihood of Eq. 25. Costs S× the compute and activations of the layers
+            and the LM head; needs a Kalman layer; no cached decoding or ``generate`` (0, the default: the
+            posterior mean, ordinary cross-entropy training and decoding).
     """
 
     model_type = "kalmix"
@@ -61,7 +68,7 @@ class KalmixConfig(PretrainedConfig):
                  attention_layers: list[int] | tuple = (), mixer_kwargs: dict | None = None,
                  intermediate_size: int | None = None, mlp: bool = True, norm_eps: float = 1e-5,
                  initializer_range: float | None = None, tie_word_embeddings: bool = True, impl: str | None = None,
-                 use_cache: bool = True, **kwargs):
+                 use_cache: bool = True, mc_samples: int = 0, **kwargs):
         if mixers is None:
             mixers = layer_pattern(num_hidden_layers, mixer, attention_every, attention_layers)
         elif attention_every is not None or len(attention_layers):
@@ -86,6 +93,11 @@ class KalmixConfig(PretrainedConfig):
                                  f"{MIXERS[name].__name__} takes {sorted(allowed)}")
         if impl not in (None, "naive", "torch", "triton"):
             raise ValueError(f"KalmixConfig: `impl` must be None, 'naive', 'torch' or 'triton', got {impl!r}")
+        if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 0:
+            raise ValueError(f"KalmixConfig: `mc_samples` must be an int >= 0, got {mc_samples!r}")
+        if mc_samples and "kalman" not in mixers:
+            raise ValueError(f"KalmixConfig: `mc_samples` = {mc_samples} (KLA+) samples the readout of Kalman "
+                             f"layers, and `mixers` has none; set mc_samples = 0")
         if intermediate_size is None:
             intermediate_size = -(-8 * hidden_size // 3 // 64) * 64
         self.vocab_size = vocab_size
@@ -99,6 +111,7 @@ class KalmixConfig(PretrainedConfig):
         self.initializer_range = initializer_range
         self.impl = impl
         self.use_cache = use_cache
+        self.mc_samples = mc_samples
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     def layer_kwargs(self, layer_idx: int) -> dict:

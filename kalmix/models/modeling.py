@@ -26,6 +26,7 @@ from kalmix.layers.documents import Documents
 from kalmix.models.configuration import KalmixConfig
 
 _RESIDUAL_OUT = ("o_proj", "out_proj", "down")
+_MEAN_DECODING = "set config.mc_samples = 0 to decode with the posterior-mean readout"
 # the outputs' cache field: ``cache`` from transformers 5.24 on, ``past_key_values`` before
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
@@ -59,8 +60,10 @@ class KalmixBlock(nn.Module):
                 if isinstance(getattr(owner, name, None), nn.Linear):
                     getattr(owner, name)._residual_out = True
 
-    def forward(self, x, attention_mask=None, cache=None, use_cache=False, documents=None):
+    def forward(self, x, attention_mask=None, cache=None, use_cache=False, documents=None, sample_readout=False):
         extra = {} if documents is None else {"documents": documents}
+        if sample_readout and self.mixer_type == "kalman":
+            extra["sample_readout"] = True
         h, _, cache = self.mixer(self.mixer_norm(x), attention_mask=attention_mask, past_key_values=cache,
                                  use_cache=use_cache, **extra)
         x = x + h
@@ -119,7 +122,8 @@ class KalmixModel(KalmixPreTrainedModel):
                 inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
                 output_hidden_states: bool | None = None, return_dict: bool | None = None,
                 position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
-                documents: Documents | None = None, **kwargs) -> BaseModelOutputWithPast | tuple:
+                documents: Documents | None = None, sample_readout: bool = False,
+                **kwargs) -> BaseModelOutputWithPast | tuple:
         """input_ids [B, T] (or inputs_embeds [B, T, d]); attention_mask [B, T] or, with a cache, [B, S] over the
         whole context (1 = token, 0 = padding); cache: a ``KalmixCache`` to continue from (``past_key_values``
         is the same argument under transformers' older name).
@@ -128,7 +132,10 @@ class KalmixModel(KalmixPreTrainedModel):
         ``cu_seqlens`` [N + 1], document offsets into the flattened B·T tokens with every row start among them
         (fla's keyword; B = 1 is its packed layout), or ``position_ids`` [B, T], each token's position in its
         document with 0 starting one (transformers' padding-free convention). No recurrent state, convolution
-        input or attention crosses a document boundary, and attention's rotary positions restart at each."""
+        input or attention crosses a document boundary, and attention's rotary positions restart at each.
+
+        ``sample_readout``: every Kalman layer reads out one sample of its posterior instead of the mean (KLA+;
+        see ``KalmanAttention`` and ``KalmixConfig.mc_samples``)."""
         unknown = set(kwargs) - {"cache_position", "output_attentions"}
         if unknown:
             raise TypeError(f"KalmixModel.forward got unexpected argument(s) {sorted(unknown)}")
@@ -136,6 +143,8 @@ class KalmixModel(KalmixPreTrainedModel):
             raise ValueError("KalmixModel: `output_attentions` is not supported (most mixers have no attention map)")
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("KalmixModel: pass exactly one of `input_ids` and `inputs_embeds`")
+        if sample_readout and "kalman" not in self.config.mixers:
+            raise ValueError("KalmixModel: `sample_readout` samples the readout of Kalman layers; the model has none")
         if cache is not None and past_key_values is not None and cache is not past_key_values:
             raise ValueError("KalmixModel: `cache` and `past_key_values` name the same argument; pass one")
         cache = cache if cache is not None else past_key_values
@@ -163,9 +172,9 @@ class KalmixModel(KalmixPreTrainedModel):
                 hidden.append(x)
             mask = attn_mask if block.mixer_type == "attention" else rec_mask
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                x, _ = self._gradient_checkpointing_func(block.__call__, x, mask, None, False, docs)
+                x, _ = self._gradient_checkpointing_func(block.__call__, x, mask, None, False, docs, sample_readout)
             else:
-                x, cache = block(x, mask, cache, use_cache, docs)
+                x, cache = block(x, mask, cache, use_cache, docs, sample_readout)
         if static:
             cache.advance(x.shape[1], x.device, x.shape[0])
         x = self.norm(x)
@@ -252,14 +261,33 @@ class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
         position t's logits against labels[t + 1]; ``logits_to_keep`` = n > 0 projects only the last n positions
         onto the vocabulary (a 1-D tensor: those positions); 0 keeps all. With packed documents (``cu_seqlens`` or
         ``position_ids``) the prediction of each document's first token from the previous document is not
-        scored."""
-        if labels is not None and (kwargs.get("cu_seqlens") is not None or kwargs.get("position_ids") is not None):
+        scored.
+
+        With ``config.mc_samples`` = S > 0 (KLA+) the batch runs S times (rows s·B … (s + 1)·B − 1 are sample s,
+        also in ``hidden_states``), every Kalman layer reading out a posterior sample, and the logits [B, T, V] are
+        the Monte-Carlo marginal log-probs log (1/S) Σ_s softmax(logits_s) (fp32 or wider): the loss is then
+        Eq. 25's −logsumexp_s log p(o | y^(s)) + log S. No cache: ``use_cache`` / ``cache`` are refused.
+        ``sample_readout=True`` with mc_samples = 0 is one such sample: the logits of y^(s), unreduced."""
+        S = self.config.mc_samples
+        if S and (use_cache or cache is not None or past_key_values is not None):
+            raise ValueError(f"KalmixForCausalLM: mc_samples = {S} (KLA+) scores whole sequences through sampled "
+                             f"readouts and has no cached decoding (`use_cache`, `cache`, `past_key_values`); "
+                             f"{_MEAN_DECODING}")
+        if (labels is not None or S) and (kwargs.get("cu_seqlens") is not None
+                                           or kwargs.get("position_ids") is not None):
             x = input_ids if input_ids is not None else inputs_embeds
             kwargs["documents"] = self.model._documents(x, kwargs.pop("position_ids", None),
                                                         kwargs.pop("cu_seqlens", None), kwargs.get("documents"),
                                                         attention_mask, cache if cache is not None else
                                                         past_key_values, use_cache)
         docs = kwargs.get("documents")
+        if S:
+            use_cache, kwargs["sample_readout"] = False, True
+            input_ids = None if input_ids is None else input_ids.repeat(S, 1)
+            inputs_embeds = None if inputs_embeds is None else inputs_embeds.repeat(S, 1, 1)
+            attention_mask = None if attention_mask is None else attention_mask.repeat(S, 1)
+            if docs is not None:
+                kwargs["documents"] = docs.repeat(S)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, cache=cache,
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
                          output_hidden_states=output_hidden_states, return_dict=True, **kwargs)
@@ -271,6 +299,8 @@ class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
         else:
             h = h[:, logits_to_keep]
         logits = self.lm_head(h)
+        if S:
+            logits = torch.logsumexp(F.log_softmax(upcast(logits), -1).unflatten(0, (S, -1)), 0) - math.log(S)
         loss = None
         if labels is not None:
             if labels.shape != logits.shape[:2]:
@@ -284,6 +314,13 @@ class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
             return tuple(v for v in (loss, logits, getattr(out, _CACHE_FIELD), out.hidden_states) if v is not None)
         return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states,
                                       **{_CACHE_FIELD: getattr(out, _CACHE_FIELD)})
+
+    def generate(self, *args, **kwargs):
+        """``GenerationMixin.generate``, refused for a KLA+ model (``config.mc_samples`` > 0)."""
+        if self.config.mc_samples:
+            raise ValueError(f"KalmixForCausalLM: `generate` with mc_samples = {self.config.mc_samples} (KLA+) is "
+                             f"not supported; {_MEAN_DECODING}")
+        return super().generate(*args, **kwargs)
 
     def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, cache: KalmixCache | None = None,
                                       past_key_values: KalmixCache | None = None,
