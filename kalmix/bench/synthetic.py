@@ -285,7 +285,9 @@ def load_recipe(path: str, overrides: list[str] = ()) -> Recipe:
 
 class CompressionModel(nn.Module):
     """MAD's compression autoencoder: the LM's last hidden state h [N, d], broadcast to every position with a fixed
-    sinusoidal position code added, through a 2-layer MLP and the LM head: logits [N, T, V]."""
+    sinusoidal position code added, through a residual 2-layer MLP and the LM head: logits [N, T, V]. With the LM's
+    ``mc_samples`` = S > 0 (KLA+) the encoder runs S times with sampled Kalman readouts and the logits are the
+    Monte-Carlo marginal log-probs, as ``KalmixForCausalLM`` returns them."""
 
     def __init__(self, lm: KalmixForCausalLM, seq_len: int):
         super().__init__()
@@ -295,9 +297,14 @@ class CompressionModel(nn.Module):
         self.register_buffer("positions", sinusoidal_positions(seq_len, d), persistent=False)
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        h = self.lm.model(inputs).last_hidden_state[:, -1]
+        S = self.lm.config.mc_samples
+        x = inputs.repeat(S, 1) if S else inputs
+        h = self.lm.model(x, sample_readout=bool(S)).last_hidden_state[:, -1]
         z = h[:, None] + self.positions[:inputs.shape[1]].to(h.dtype)
-        return self.lm.lm_head(z + self.decoder(z))
+        logits = self.lm.lm_head(z + self.decoder(z))
+        if not S:
+            return logits
+        return torch.logsumexp(F.log_softmax(logits.float(), -1).unflatten(0, (S, -1)), 0) - math.log(S)
 
 
 def build_model(recipe: Recipe, spec: MixerSpec, impl: str | None) -> nn.Module:
@@ -307,9 +314,6 @@ def build_model(recipe: Recipe, spec: MixerSpec, impl: str | None) -> nn.Module:
                        tie_word_embeddings=False, impl=impl, **spec.config)
     lm = KalmixForCausalLM(cfg)
     if recipe.task.kind == "compression":
-        if getattr(cfg, "mc_samples", 0):
-            raise ValueError("compression's autoencoder reads hidden states; KLA+ (mc_samples) marginalises "
-                             "the LM head's output and does not apply to it")
         return CompressionModel(lm, recipe.task.length())
     return lm
 
@@ -391,8 +395,8 @@ def run_one(recipe: Recipe, label: str, lr: float, seed: int, data: dict, device
     best, best_step, best_state, bad_evals, history = -1.0, 0, None, 0, []
     status, step, loss_value = "ok", 0, float("nan")
     t0, tokens = time.perf_counter(), 0
-    bar = tqdm(range(train.steps), desc=f"{label} lr={lr:g} seed={seed}", leave=False, disable=None if progress else True,
-               dynamic_ncols=True)
+    bar = tqdm(range(train.steps), desc=f"{label} lr={lr:g} seed={seed}", leave=False,
+               disable=None if progress else True, dynamic_ncols=True)
     for step in bar:
         idx = torch.randint(len(x_tr), (train.batch_size,), generator=gen)
         x, y = x_tr[idx].to(device, non_blocking=True), y_tr[idx].to(device, non_blocking=True)
