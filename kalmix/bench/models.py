@@ -82,7 +82,8 @@ def op_flops(op: str, s: Shape, mode: str, num_iters: int = 30) -> float:
 
 
 _MIXER_OPS = {"gdn": "gated_delta", "kaczmarz": "kaczmarz", "gka": "gka", "vla": "vla", "kalman": "kalman",
-              "deltanet": "delta", "attention": "sdpa"}
+              "deltanet": "delta", "attention": "sdpa", "linear_attention": "simple_gla", "gla": "gla",
+              "mamba2": "simple_gla"}
 
 
 def lm_flops_per_token(model, seq_len: int) -> float:

@@ -1,10 +1,156 @@
-"""fla's public layers as kalmix mixers (the field's baselines beside kalmix's own)."""
+"""The field's baselines beside kalmix's own mixers: linear attention, GLA and Mamba-2 on kalmix's pure-PyTorch
+``gated_linear_attention`` op, and fla's public DeltaNet layer."""
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
+from kalmix.layers.base import MixerLayer
+from kalmix.layers.common import DecayGate, GatedRMSNorm, ShortConv, gated_norm_out, upcast
 from kalmix.layers.documents import Documents
+from kalmix.ops import gated_linear_attention
+
+
+class _GatedLinearLayer(MixerLayer):
+    """What the three baselines on ``gated_linear_attention`` share: the op call, the impl check, ``state_size``.
+    ``project`` returns [q, k, v] or [q, k, v, g]; g [B, T, H] (per head) or, with ``channel_gates``, [B, T, H·K]
+    (per key channel, kept 3-D so that the base class leaves it in fp32, like every kalmix gate)."""
+
+    scale: float | None = None                  # the op's default, K ** -0.5
+    channel_gates = False
+
+    def __init__(self, d_model: int, num_heads: int, head_k_dim: int, head_v_dim: int, layer_idx: int,
+                 impl: str | None):
+        super().__init__()
+        if impl not in (None, "naive", "torch"):
+            raise ValueError(f"{type(self).__name__} runs kalmix's pure-PyTorch gated_linear_attention op; impl must "
+                             f"be None, 'torch' or 'naive' (there is no Triton kernel), got {impl!r}")
+        self.d_model, self.layer_idx, self.impl = d_model, layer_idx, impl
+        self.num_heads, self.head_k_dim, self.head_v_dim = num_heads, head_k_dim, head_v_dim
+
+    def mix(self, inputs, initial_state, output_final_state, cu_seqlens, impl, **kwargs):
+        if self.channel_gates:
+            inputs = [*inputs[:3], inputs[3].unflatten(-1, (self.num_heads, self.head_k_dim))]
+        o, state = gated_linear_attention(*inputs, scale=self.scale, initial_state=initial_state,
+                                          output_final_state=output_final_state, cu_seqlens=cu_seqlens, impl=impl,
+                                          check_values=False)
+        return o, None, state
+
+    def state_size(self) -> int:
+        """Recurrent-state elements per sequence: S [H, K, V] (conv buffers not counted)."""
+        return self.num_heads * self.head_k_dim * self.head_v_dim
+
+
+class LinearAttention(_GatedLinearLayer):
+    """Causal linear attention without decay or denominator (the VLA paper's "standard linear attention" baseline,
+    Katharopoulos et al.'s feature map): q, k, v projections; φ = elu + 1 on q and k; S_t = S_{t−1} + φ(k_t) v_tᵀ;
+    o = Sᵀφ(q) / √K; per-head RMSNorm; out projection.
+
+    Args:
+        d_model: width; num_heads: H (K = V = d_model / H); norm_eps: of the output RMSNorm.
+    """
+
+    def __init__(self, d_model: int, num_heads: int = 4, norm_eps: float = 1e-5, layer_idx: int = 0,
+                 impl: str | None = None):
+        super().__init__(d_model, num_heads, d_model // num_heads, d_model // num_heads, layer_idx, impl)
+        width = num_heads * self.head_k_dim
+        self.qkv_proj = nn.Linear(d_model, 3 * width, bias=False)
+        self.o_norm = GatedRMSNorm(self.head_v_dim, eps=norm_eps)
+        self.o_proj = nn.Linear(width, d_model, bias=False)
+
+    def project(self, x, conv_state, doc_pos=None):
+        q, k, v = self.qkv_proj(x).unflatten(-1, (3, self.num_heads, self.head_k_dim)).unbind(2)
+        return [F.elu(q) + 1, F.elu(k) + 1, v], None, conv_state
+
+    def readout(self, o, extra, ctx, **kwargs):
+        return self.o_proj(self.o_norm(o).flatten(2)), None
+
+
+class GatedLinearAttention(_GatedLinearLayer):
+    """Gated linear attention (Yang et al. 2024, its GLA layer): q, k, v and output-gate projections; a low-rank
+    gate α_t = exp(logsigmoid(W₂W₁x_t + b) / gate_normalizer) per key channel; S_t = diag(α_t) S_{t−1} + k_t v_tᵀ;
+    o = Sᵀq / √K; per-head RMSNorm times swish(output gate); out projection.
+
+    Args:
+        d_model: width; num_heads: H; expand_k, expand_v: K = expand_k · d_model / H, V = expand_v · d_model / H
+        (GLA's 0.5 and 1); gate_low_rank_dim: the rank of W₂W₁ (16); gate_normalizer: 16 (GLA's); norm_eps.
+    """
+
+    channel_gates = True
+
+    def __init__(self, d_model: int, num_heads: int = 4, expand_k: float = 0.5, expand_v: float = 1.0,
+                 gate_low_rank_dim: int = 16, gate_normalizer: float = 16.0, norm_eps: float = 1e-5,
+                 layer_idx: int = 0, impl: str | None = None):
+        super().__init__(d_model, num_heads, int(d_model * expand_k) // num_heads,
+                         int(d_model * expand_v) // num_heads, layer_idx, impl)
+        self.gate_normalizer = gate_normalizer
+        kw, vw = num_heads * self.head_k_dim, num_heads * self.head_v_dim
+        self.splits = (kw, kw, vw, vw)                                  # q, k, v, output gate
+        self.in_proj = nn.Linear(d_model, sum(self.splits), bias=False)
+        self.gk_proj = nn.Sequential(nn.Linear(d_model, gate_low_rank_dim, bias=False),
+                                     nn.Linear(gate_low_rank_dim, kw))
+        self.o_norm = GatedRMSNorm(self.head_v_dim, eps=norm_eps)
+        self.o_proj = nn.Linear(vw, d_model, bias=False)
+
+    def project(self, x, conv_state, doc_pos=None):
+        H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
+        q, k, v, gate = self.in_proj(x).split(self.splits, dim=-1)
+        g = F.logsigmoid(upcast(self.gk_proj(x))) / self.gate_normalizer         # [B, T, H·K], fp32 (at least)
+        return [q.unflatten(-1, (H, K)), k.unflatten(-1, (H, K)), v.unflatten(-1, (H, V)), g], gate, conv_state
+
+    def readout(self, o, extra, gate, **kwargs):
+        return gated_norm_out(o, gate, self.o_norm, self.o_proj), None
+
+
+class Mamba2(_GatedLinearLayer):
+    """Mamba-2's mixer (SSD, n_groups = 1) on ``gated_linear_attention``: one input projection to z, x, B, C and
+    Δ; short conv (SiLU, with bias) over [x, B, C]; Δ = softplus(dt + dt_bias), a_t = exp(−exp(A_log) · Δ_t) per
+    head; S_t = a_t S_{t−1} + (Δ_t B_t) x_tᵀ ([d_state, head_dim] per head, B and C shared by the heads);
+    y_t = S_tᵀ C_t + D ⊙ x_t; RMSNorm(y ⊙ silu(z)) over d_inner (Mamba-2 gates before the norm); out projection.
+    Init as Mamba-2's: A ~ U(1, 16), Δ log-uniform in [dt_min, dt_max], D = 1.
+
+    Args:
+        d_model: width; expand: d_inner = expand · d_model; head_dim: P (H = d_inner / P); num_heads: H, when
+        given, instead of head_dim (P = d_inner / H); d_state: N; conv_size: short-convolution width; dt_min,
+        dt_max: Δ's init range; norm_eps.
+    """
+
+    scale = 1.0
+
+    def __init__(self, d_model: int, expand: int = 2, head_dim: int = 64, num_heads: int | None = None,
+                 d_state: int = 64, conv_size: int = 4, dt_min: float = 1e-3, dt_max: float = 0.1,
+                 norm_eps: float = 1e-5, layer_idx: int = 0, impl: str | None = None):
+        d_inner = expand * d_model
+        head_dim = d_inner // num_heads if num_heads else head_dim
+        if d_inner % head_dim:
+            raise ValueError(f"Mamba2: head_dim = {head_dim} must divide d_inner = expand · d_model = {d_inner}")
+        super().__init__(d_model, d_inner // head_dim, d_state, head_dim, layer_idx, impl)
+        self.d_inner = d_inner
+        self.splits = (d_inner, d_inner + 2 * d_state, self.num_heads)          # z, x|B|C, dt
+        self.in_proj = nn.Linear(d_model, sum(self.splits), bias=False)
+        self.conv = ShortConv(d_inner + 2 * d_state, conv_size, bias=True)
+        self.decay = DecayGate(self.num_heads, dt_min, dt_max)                  # A_log, dt_bias and their init
+        self.D = nn.Parameter(torch.ones(self.num_heads))
+        self.D._no_weight_decay = True
+        self.norm = GatedRMSNorm(d_inner, eps=norm_eps)
+        self.out_proj = nn.Linear(d_inner, d_model, bias=False)
+
+    def project(self, x, conv_state, doc_pos=None):
+        B, T, _ = x.shape
+        H, N, P = self.num_heads, self.head_k_dim, self.head_v_dim
+        z, xbc, dt = self.in_proj(x).split(self.splits, dim=-1)
+        xbc, conv_state = self.conv(xbc, conv_state, doc_pos=doc_pos)
+        xs, b, c = xbc.split([self.d_inner, N, N], dim=-1)
+        delta = F.softplus(upcast(dt) + upcast(self.decay.dt_bias))            # Δ [B, T, H], fp32 (at least)
+        g = -upcast(self.decay.A_log).exp() * delta
+        xs = xs.unflatten(-1, (H, P))
+        return [c[:, :, None].expand(B, T, H, N), delta[..., None] * b[:, :, None], xs, g], (z, xs), conv_state
+
+    def readout(self, o, extra, ctx, **kwargs):
+        z, xs = ctx
+        y = (o + self.D[:, None] * xs).flatten(2)
+        return self.out_proj(self.norm(upcast(y) * F.silu(upcast(z))).to(o.dtype)), None
 
 
 class FlaDeltaNet(nn.Module):
@@ -14,7 +160,7 @@ class FlaDeltaNet(nn.Module):
     CUDA only: fla's Triton ops do not run on CPU, nor in Triton's interpreter. fla trains it on Hopper with
     triton 3.6 (its ungated chunk backward is not among the ones it refuses there). fla's gated layers (GLA,
     Gated DeltaNet, Mamba-2) are not offered: fla refuses their backward on Hopper with triton < 3.7.1; kalmix's
-    ``gdn`` mixer is Gated DeltaNet on kalmix's own kernels.
+    ``gdn`` mixer is Gated DeltaNet on kalmix's own kernels, ``gla`` and ``mamba2`` run on its PyTorch op.
 
     Args:
         d_model: width; num_heads: H (K = V = d_model / H); conv_size: short-convolution width; use_gate: fla's

@@ -96,17 +96,18 @@ def gated_norm_out(o: torch.Tensor, gate: torch.Tensor, norm: nn.Module, o_proj:
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm over the last dimension times a SiLU gate: ``norm(x) * weight * silu(z)``."""
+    """RMSNorm over the last dimension times a SiLU gate: ``norm(x) * weight * silu(z)`` (``norm(x) * weight``
+    for z = None)."""
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
         xf = upcast(x)
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * upcast(self.weight)
-        return (y * F.silu(upcast(z))).to(x.dtype)
+        return (y if z is None else y * F.silu(upcast(z))).to(x.dtype)
 
 
 class DecayGate(nn.Module):

@@ -4,6 +4,8 @@ import torch
 from kalmix.ops.common.checks import device_refusal
 from kalmix.ops.gka import op as _gka
 from kalmix.ops.gka.op import gated_kalmanet
+from kalmix.ops.gla import op as _gla
+from kalmix.ops.gla.op import gated_linear_attention
 from kalmix.ops.kaczmarz import op as _kaczmarz
 from kalmix.ops.kaczmarz.op import kaczmarz_attention
 from kalmix.ops.kalman import op as _kalman
@@ -12,7 +14,7 @@ from kalmix.ops.vla import op as _vla
 from kalmix.ops.vla.op import variational_linear_attention
 
 # the impls each op has in this version (impl=None resolves to one of these or raises)
-AVAILABLE_IMPLS = {m._OP: tuple(m._IMPLS) for m in (_kalman, _gka, _kaczmarz, _vla)}
+AVAILABLE_IMPLS = {m._OP: tuple(m._IMPLS) for m in (_kalman, _gka, _kaczmarz, _vla, _gla)}
 
 
 def runnable_impls(op: str, device: torch.device) -> tuple[str, ...]:
@@ -21,4 +23,4 @@ def runnable_impls(op: str, device: torch.device) -> tuple[str, ...]:
 
 
 __all__ = ["kalman_attention", "gated_kalmanet", "kaczmarz_attention", "variational_linear_attention",
-           "AVAILABLE_IMPLS", "runnable_impls"]
+           "gated_linear_attention", "AVAILABLE_IMPLS", "runnable_impls"]

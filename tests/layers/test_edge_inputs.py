@@ -7,7 +7,8 @@ from kalmix.layers.cache import KalmixCache
 
 SMALL = {"kalman": dict(d_state=6, num_heads=2), "gka": dict(num_heads=2, num_iters=4),
          "kaczmarz": dict(num_heads=2), "vla": dict(num_heads=2), "gdn": dict(num_heads=2),
-         "attention": dict(num_heads=2)}
+         "attention": dict(num_heads=2), "linear_attention": dict(num_heads=2), "gla": dict(num_heads=2),
+         "mamba2": dict(num_heads=4, d_state=4)}
 
 
 def make(name, d_model=8):

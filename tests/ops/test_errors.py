@@ -23,11 +23,16 @@ def test_impl_an_op_lacks_is_an_error_not_a_fallback():
         resolve_impl("some_op", "triton", torch.device("cpu"), {"torch": lambda: None})
 
 
-@pytest.mark.parametrize("name", list(CASES))            # every op has impl="triton"
+@pytest.mark.parametrize("name", [n for n in CASES if "triton" in ops.AVAILABLE_IMPLS[CASES[n].fn.__name__]])
 def test_triton_impl_on_cpu_without_the_interpreter_is_an_error_not_a_fallback(monkeypatch, name):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match=r"impl='triton' needs CUDA tensors \(or TRITON_INTERPRET=1\)"):
         CASES[name].fn(*draw(name), impl="triton")
+
+
+def test_an_op_without_triton_refuses_it_by_name():
+    with pytest.raises(ValueError, match="gated_linear_attention: has no Triton kernel"):
+        CASES["gla"].fn(*draw("gla"), impl="triton")
 
 
 @pytest.mark.parametrize("name", list(CASES))

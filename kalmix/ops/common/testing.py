@@ -103,6 +103,11 @@ CASES = {
                                       _rand(g, B, T, H, V, dtype=dt), _rand(g, B, T, H, K, dtype=dt)],
         lambda n, H, K, V, dt, g: (_rand(g, n, H, K, V, dtype=dt), _spd(g, n, H, K, dt, 0.5),
                                    _unif(g, 0.0, 2.0, n, H, K, dtype=dt))),
+    "gla": OpCase(       # GLA's regime: a log decay per key channel
+        "gla", ops.gated_linear_attention,
+        lambda B, T, H, K, V, dt, g: [_rand(g, B, T, H, K, dtype=dt), _rand(g, B, T, H, K, dtype=dt),
+                                      _rand(g, B, T, H, V, dtype=dt), _unif(g, -0.5, 0.0, B, T, H, K, dtype=dt)],
+        lambda n, H, K, V, dt, g: _rand(g, n, H, K, V, dtype=dt)),
 }
 
 
