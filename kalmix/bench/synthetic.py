@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from tqdm.auto import tqdm
 
 from kalmix.layers import ALL_MIXERS, BASELINES
+from kalmix.layers.baselines import _GatedLinearLayer
 from kalmix.models import KalmixConfig, KalmixForCausalLM
 from kalmix.tasks import (CapacityMQARConfig, CompressionConfig, FuzzyRecallConfig, HardMQARConfig,
                           InContextRecallConfig, MemorizationConfig, MQARConfig, NeedleConfig, NoisyRecallConfig,
@@ -371,9 +372,10 @@ def what_ran(model: nn.Module, device: torch.device) -> str:
             parts[name] = f"fla {fla.__version__}"
         elif name == "attention":
             parts[name] = "torch sdpa"
+        elif isinstance(layer, _GatedLinearLayer):               # pure PyTorch, no Triton impl
+            parts[name] = f"kalmix {layer.impl or 'torch'} (chunked PyTorch)"
         else:
-            impl = getattr(layer, "impl", None) or ("triton" if device.type == "cuda" else "torch")
-            parts[name] = f"kalmix {getattr(layer, 'backend', impl)}"
+            parts[name] = f"kalmix {layer.impl or ('triton' if device.type == 'cuda' else 'torch')}"
     return ", ".join(f"{k}: {v}" for k, v in parts.items())
 
 
