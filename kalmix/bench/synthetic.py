@@ -67,7 +67,8 @@ class TaskSpec(BaseModel):
 
     kind: Literal[tuple(TASKS)]
     params: dict[str, Any] = {}
-    train_examples: int = Field(gt=0)
+    train_examples: int | None = Field(gt=0, description="a fixed training set of this many sequences; None: a "
+                                       "fresh batch every step (no sequence seen twice)")
     val_examples: int = Field(256, gt=0)
     test_examples: int = Field(gt=0)
     eval_lengths: list[int] = Field([], description="also test at these values of the task's length field")
@@ -78,12 +79,12 @@ class TaskSpec(BaseModel):
         for length in self.eval_lengths:
             self.config("test", length)
 
-    def config(self, split: str, length: int | None = None) -> BaseModel:
+    def config(self, split: str, length: int | None = None, n: int | None = None) -> BaseModel:
         cls, length_field, mad = TASKS[self.kind]
         params = dict(self.params)
         if length is not None:
             params[length_field] = length
-        n = {"train": self.train_examples, "val": self.val_examples, "test": self.test_examples}[split]
+        n = n or {"train": self.train_examples or 1, "val": self.val_examples, "test": self.test_examples}[split]
         sizes = dict(num_train=n, num_test=n) if mad else dict(num_examples=n)
         return cls(**params, **sizes)
 
@@ -102,6 +103,13 @@ class TaskSpec(BaseModel):
         if TASKS[self.kind][2]:                               # MAD: its own train/test generators
             return cfg.build(2 * data_seed + (salt == 1), "train" if split == "train" else "test")
         return cfg.build(3 * data_seed + salt + (length or 0) * 1_000_003)
+
+    def fresh_batch(self, n: int, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A training batch [n, T] of its own (``train_examples`` None), a function of (seed, step); never the
+        validation or test draws (their seeds are ``build``'s, below 2**40)."""
+        cfg = self.config("train", n=n)
+        s = 2 ** 40 + seed * 2 ** 24 + step
+        return cfg.build(s, "train") if TASKS[self.kind][2] else cfg.build(s)
 
 
 class ModelSpec(BaseModel):
@@ -123,6 +131,8 @@ class MixerSpec(BaseModel):
     mixer: str
     kwargs: dict[str, Any] = {}
     config: dict[str, Any] = {}
+    precision: Literal["fp32", "bf16"] | None = Field(
+        None, description="this mixer's autocast precision instead of train.precision (fla's DeltaNet: bf16 only)")
 
     @field_validator("mixer")
     @classmethod
@@ -386,13 +396,14 @@ def run_one(recipe: Recipe, label: str, lr: float, seed: int, data: dict, device
     """Train one (mixer, lr, seed) at one grid point (``recipe`` already at it) and score it. ``data``:
     ``{"train": (x, y), "val": (x, y), "test": {length: (x, y)}}``. Returns the result row."""
     spec, train = recipe.mixers[label], recipe.train
+    precision = spec.precision or train.precision
     torch.manual_seed(seed)
     model = build_model(recipe, spec, impl).to(device)
     decay = [p for p in model.parameters() if p.dim() >= 2 and not getattr(p, "_no_weight_decay", False)]
     rest = [p for p in model.parameters() if p.dim() < 2 or getattr(p, "_no_weight_decay", False)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": train.weight_decay},
                              {"params": rest, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.98))
-    (x_tr, y_tr), (x_va, y_va) = data["train"], data["val"]
+    x_va, y_va = data["val"]
     gen = torch.Generator().manual_seed(seed)
     best, best_step, best_state, bad_evals, history = -1.0, 0, None, 0, []
     status, step, loss_value = "ok", 0, float("nan")
@@ -400,11 +411,16 @@ def run_one(recipe: Recipe, label: str, lr: float, seed: int, data: dict, device
     bar = tqdm(range(train.steps), desc=f"{label} lr={lr:g} seed={seed}", leave=False,
                disable=None if progress else True, dynamic_ncols=True)
     for step in bar:
-        idx = torch.randint(len(x_tr), (train.batch_size,), generator=gen)
-        x, y = x_tr[idx].to(device, non_blocking=True), y_tr[idx].to(device, non_blocking=True)
+        if data["train"] is None:
+            x, y = recipe.task.fresh_batch(train.batch_size, seed, step)
+        else:
+            x_tr, y_tr = data["train"]
+            idx = torch.randint(len(x_tr), (train.batch_size,), generator=gen)
+            x, y = x_tr[idx], y_tr[idx]
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         for group in opt.param_groups:
             group["lr"] = _lr(step, train, lr)
-        with _autocast(device, train.precision):
+        with _autocast(device, precision):
             logits = logits_of(model, x)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
         opt.zero_grad(set_to_none=True)
@@ -419,7 +435,7 @@ def run_one(recipe: Recipe, label: str, lr: float, seed: int, data: dict, device
             if not math.isfinite(loss_value):
                 status = "diverged"
                 break
-            val = evaluate(model, x_va, y_va, device, train.precision)[recipe.metric]
+            val = evaluate(model, x_va, y_va, device, precision)[recipe.metric]
             history.append([step + 1, round(loss_value, 5), round(val, 5)])
             bar.set_postfix(loss=f"{loss_value:.3f}", val=f"{val:.3f}")
             if val > best:
@@ -435,13 +451,13 @@ def run_one(recipe: Recipe, label: str, lr: float, seed: int, data: dict, device
     if device.type == "cuda":
         torch.cuda.synchronize()
     train_s = time.perf_counter() - t0
-    row = {"status": status, "steps_run": step + 1, "best_step": best_step, "val": best if best >= 0 else None,
+    row = {"status": status, "precision": precision, "steps_run": step + 1, "best_step": best_step, "val": best if best >= 0 else None,
            "final_loss": loss_value, "history": history, "train_s": round(train_s, 2),
            "train_tokens_per_s": round(tokens / train_s), "test": {}}
     if best_state is not None:
         model.load_state_dict(best_state)
         for length, (x_te, y_te) in data["test"].items():
-            row["test"][str(length)] = evaluate(model, x_te, y_te, device, train.precision)
+            row["test"][str(length)] = evaluate(model, x_te, y_te, device, precision)
     lm = model.lm if isinstance(model, CompressionModel) else model
     layer = lm.model.layers[0].mixer
     row["state_size"] = (layer.state_size(recipe.task.length()) if lm.model.layers[0].mixer_type == "attention"
@@ -540,15 +556,15 @@ def run(recipe: Recipe, out_path: str, device: str = "cpu", impl: str | None = N
                     row.update(status="unavailable", reason=reason)
                 else:
                     if data is None:
-                        data = {"train": r.task.build("train", r.data_seed), "val": r.task.build("val", r.data_seed),
+                        data = {"train": r.task.build("train", r.data_seed) if r.task.train_examples else None,
+                                "val": r.task.build("val", r.data_seed),
                                 "test": {L: r.task.build("test", r.data_seed, L) for L in r.test_lengths()}}
                     try:
                         row.update(run_one(r, label, lr, seed, data, dev, impl, progress))
-                    except (NotImplementedError, RuntimeError) as e:   # e.g. a library refusing a kernel here
-                        if isinstance(e, torch.cuda.OutOfMemoryError):
-                            row.update(status="oom", reason=str(e).splitlines()[0])
-                        else:
-                            row.update(status="error", reason=f"{type(e).__name__}: {e}".splitlines()[0][:500])
+                    except torch.cuda.OutOfMemoryError as e:
+                        row.update(status="oom", reason=str(e).splitlines()[0])
+                    except Exception as e:                    # noqa: BLE001  recorded and shown by the report
+                        row.update(status="error", reason=f"{type(e).__name__}: {e}".splitlines()[0][:500])
                 row["wall_s"] = round(time.time() - t0, 2)
                 with open(out_path, "a") as f:
                     f.write(json.dumps(row) + "\n")

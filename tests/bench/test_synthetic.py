@@ -112,6 +112,31 @@ def test_run_resume_and_report(tmp_path):
     assert os.path.getsize(tmp_path / "rep" / "tiny.png") > 1000
 
 
+def test_fresh_batches(tmp_path):
+    data = tiny(references=[], train={"steps": 3, "lrs": [1e-3], "eval_every": 3})
+    data["task"]["train_examples"] = None
+    recipe = Recipe.model_validate(data)
+    a, b = recipe.task.fresh_batch(8, 0, 0), recipe.task.fresh_batch(8, 0, 1)
+    assert torch.equal(a[0], recipe.task.fresh_batch(8, 0, 0)[0]) and not torch.equal(a[0], b[0])
+    assert not torch.equal(a[0], recipe.task.fresh_batch(8, 1, 0)[0])
+    assert not (a[0][:, None] == recipe.task.build("val", 0)[0][None]).all(-1).any()   # no validation sequence
+    rows = run(recipe, str(tmp_path / "r.jsonl"), progress=False)
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+
+
+def test_a_failing_run_is_recorded_not_fatal(tmp_path, monkeypatch):
+    import kalmix.bench.synthetic as syn
+    calls = []
+
+    def boom(*args, **kwargs):
+        calls.append(1)
+        raise AssertionError("this kernel does not support float32")
+    monkeypatch.setattr(syn, "run_one", boom)
+    rows = run(Recipe.model_validate(tiny(references=[])), str(tmp_path / "r.jsonl"), progress=False)
+    assert len(calls) == 4 and {r["status"] for r in rows} == {"error"}
+    assert "AssertionError: this kernel does not support float32" in rows[0]["reason"]
+
+
 def test_unavailable_mixer_is_recorded_and_retried(tmp_path):
     recipe = Recipe.model_validate(tiny(mixers={"deltanet": {"mixer": "deltanet"}}, references=[],
                                         train={"steps": 2, "lrs": [1e-3]}))
