@@ -467,11 +467,12 @@ def run_one(recipe: Recipe, label: str, lr: float, seed: int, data: dict, device
     return row
 
 
-def run_key(recipe_name: str, point: dict, label: str, spec: MixerSpec, lr: float, seed: int,
-            train: TrainSpec) -> str:
-    """Identifies a run in a results file: everything that changes its outcome."""
-    blob = json.dumps([recipe_name, point, label, spec.model_dump(), lr, seed,
-                       train.model_dump(exclude={"lrs", "seeds"})], sort_keys=True, default=str)
+def run_key(recipe: Recipe, point: dict, label: str, lr: float, seed: int) -> str:
+    """Identifies a run in a results file by everything that changes its outcome: the recipe at the grid point
+    (``recipe.at(point)``: its task, model, this mixer, training protocol, data seed and metric), lr and seed."""
+    blob = json.dumps([recipe.name, point, label, recipe.mixers[label].model_dump(), lr, seed,
+                       recipe.train.model_dump(exclude={"lrs", "seeds"}), recipe.task.model_dump(),
+                       recipe.model.model_dump(), recipe.data_seed, recipe.metric], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -544,7 +545,7 @@ def run(recipe: Recipe, out_path: str, device: str = "cpu", impl: str | None = N
         for label in labels:
             spec = r.mixers[label]
             for seed, lr in itertools.product(r.train.seeds, r.train.lrs):
-                key = run_key(recipe.name, point, label, spec, lr, seed, r.train)
+                key = run_key(r, point, label, lr, seed)
                 outer.update(1)
                 if key in done:
                     continue
