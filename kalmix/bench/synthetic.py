@@ -347,7 +347,9 @@ def scores(pred: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, inputs, labels, device, precision: str, batch_size: int = 256) -> dict[str, float]:
+def evaluate(model: nn.Module, inputs, labels, device, precision: str, tokens: int = 2 ** 17) -> dict[str, float]:
+    """``scores`` of the model's arg-max predictions on inputs [N, T], in batches of about ``tokens`` tokens."""
+    batch_size = max(1, tokens // inputs.shape[1])
     was_training = model.training
     model.eval()
     preds = []
@@ -563,9 +565,9 @@ def run(recipe: Recipe, out_path: str, device: str = "cpu", impl: str | None = N
                     try:
                         row.update(run_one(r, label, lr, seed, data, dev, impl, progress))
                     except torch.cuda.OutOfMemoryError as e:
-                        row.update(status="oom", reason=str(e).splitlines()[0])
+                        row.update(status="oom", reason=str(e).split(". ")[0][:300])
                     except Exception as e:                    # noqa: BLE001  recorded and shown by the report
-                        row.update(status="error", reason=f"{type(e).__name__}: {e}".splitlines()[0][:500])
+                        row.update(status="error", reason=f"{type(e).__name__}: {e}".splitlines()[0][:300])
                 row["wall_s"] = round(time.time() - t0, 2)
                 with open(out_path, "a") as f:
                     f.write(json.dumps(row) + "\n")
