@@ -13,7 +13,7 @@ import os
 import statistics
 from collections import defaultdict
 
-from kalmix.bench.synthetic import Recipe
+from kalmix.bench.synthetic import Recipe, run_key
 
 
 def load_rows(paths: list[str]) -> list[dict]:
@@ -29,6 +29,15 @@ def load_rows(paths: list[str]) -> list[dict]:
     if not rows:
         raise ValueError(f"no result rows in {paths}")
     return rows
+
+
+def current(rows: list[dict]) -> tuple[Recipe, list[dict], int]:
+    """The recipe as its newest row ran it, the rows that ran that same version, and how many rows ran an earlier
+    version (a changed task, model, mixer or protocol: their keys differ)."""
+    recipe = Recipe.model_validate(max(rows, key=lambda r: r["time"])["spec"])
+    same = [r for r in rows if r["mixer"] in recipe.mixers
+            and r["key"] == run_key(recipe.at(r["point"]), r["point"], r["mixer"], r["lr"], r["seed"])]
+    return recipe, same, len(rows) - len(same)
 
 
 def _key(point: dict) -> str:
@@ -170,6 +179,8 @@ def markdown(recipe: Recipe, summary: dict, image: str | None) -> str:
             if text not in seen:
                 seen.add(text)
                 lines.append(f"- {text}")
+    if summary.get("stale"):
+        lines += ["", f"({summary['stale']} rows from earlier versions of this recipe are not counted.)"]
     if image:
         lines += ["", f"![{recipe.name}]({image})"]
     return "\n".join(lines) + "\n"
@@ -246,8 +257,9 @@ def report(paths: list[str], out_dir: str) -> str:
     os.makedirs(out_dir, exist_ok=True)
     parts = []
     for name, rs in by_recipe.items():
-        recipe = Recipe.model_validate(rs[-1]["spec"])
+        recipe, rs, stale = current(rs)
         summary = summarise(recipe, rs)
+        summary["stale"] = stale
         image = None
         if summary["cells"]:
             image = f"{name}.png"
