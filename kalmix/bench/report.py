@@ -64,6 +64,7 @@ def summarise(recipe: Recipe, rows: list[dict]) -> dict:
         devices.add(row["device"])
         steps[mixer].append(row["steps_run"])
     return {"cells": cells, "failures": failures, "ran": ran, "devices": devices, "steps": steps,
+            "seeds": {r["seed"] for r in best.values()}, "lrs": {r["lr"] for r in rows if r["status"] == "ok"},
             "points": {_key(r["point"]): r["point"] for r in rows}}
 
 
@@ -165,8 +166,9 @@ def markdown(recipe: Recipe, summary: dict, image: str | None) -> str:
             lines.append("")
     lines.append("")
     runs = [f"{m} ({'; '.join(sorted(r))}): {_span(summary['steps'][m])} steps" for m, r in summary["ran"].items()]
-    lines += [f"Ran on {', '.join(sorted(summary['devices']))}; seeds {recipe.train.seeds}, learning rates "
-              f"{recipe.train.lrs}, at most {recipe.train.steps} steps of {recipe.train.batch_size}.", ""]
+    lines += [f"Ran on {', '.join(sorted(summary['devices']))}; seeds {sorted(summary['seeds'])}, learning rates "
+              f"{sorted(summary['lrs'])} (the best on validation kept), at most {recipe.train.steps} steps of "
+              f"{recipe.train.batch_size}.", ""]
     lines += [f"- {r}" for r in runs]
     done = {(m, p) for m, p, _ in summary["cells"]}
     failures = [r for r in summary["failures"] if (r["mixer"], _key(r["point"])) not in done]
@@ -201,17 +203,21 @@ def plot(recipe: Recipe, summary: dict, path: str) -> None:
     rep = recipe.report
     if rep.kind == "min_depth":
         depths = min_depths(recipe, summary)
+        top = max(max(tried) for by_x in depths.values() for _, tried in by_x.values()) + 1
         fig, ax = plt.subplots(figsize=(5.5, 3.8))
-        for mixer, by_x in depths.items():
+        for i, (mixer, by_x) in enumerate(depths.items()):
             xs = sorted(by_x)
-            ys = [by_x[x][0] if by_x[x][0] is not None else max(by_x[x][1]) + 1 for x in xs]
-            ax.plot(xs, ys, marker="o", label=mixer)
-            for x, y in zip(xs, ys):
-                if by_x[x][0] is None:
-                    ax.annotate("unsolved", (x, y), fontsize=7, ha="center", va="bottom")
+            ys = [by_x[x][0] if by_x[x][0] is not None else top for x in xs]
+            ax.plot(xs, [y + 0.06 * (i - len(depths) / 2) for y in ys], marker="o", label=mixer)
+        ax.set_xscale("log", base=2)
+        xs = sorted({x for by_x in depths.values() for x in by_x})
+        ax.set_xticks(xs, [_fmt(x) for x in xs])
+        ax.minorticks_off()
+        ax.set_yticks(range(1, top + 1), [str(d) for d in range(1, top)] + [f"none ≤ {top - 1}"])
+        ax.set_ylim(0.5, top + 0.5)
         ax.set_xlabel(rep.x.rsplit(".", 1)[-1])
         ax.set_ylabel(f"fewest {rep.depth.rsplit('.', 1)[-1]} reaching {100 * rep.threshold:.0f}%")
-        ax.yaxis.get_major_locator().set_params(integer=True)
+        ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         ax.set_title(recipe.name, fontsize=10)
     else:
