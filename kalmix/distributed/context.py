@@ -31,6 +31,9 @@ pieces in parallel, combine the R summaries by a scan and then all run from thei
   (n is additive too); given the initial A, S follows an identity-plus-low-rank delta rule, whose affine
   piece maps compose as Kaczmarz's do.
 
+A whole model runs context-parallel under ``kalmix.distributed.model.context_parallel_model``, which sends every
+mixer's op through ``context_parallel``.
+
 Requirements, as for any collective: every rank of the group makes the same sequence of calls with the same
 batch, head and feature sizes, and when gradients are wanted every rank runs the backward of every call once
 (each rank backpropagates its own loss; the gradients are those of the sum of the ranks' losses).

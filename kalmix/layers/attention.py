@@ -29,8 +29,13 @@ class SoftmaxAttention(nn.Module):
     buffers that grow by doubling); the mask then covers the whole context [B, S]. T = 0 gives an empty output
     [B, 0, d_model] and leaves the cache unchanged. Packed documents (``cu_seqlens`` over the flattened B·T
     tokens, every row start among them; no cache): each token attends within its own document (a block-diagonal
-    causal mask) and its rotary position counts from its document's start.
+    causal mask) and its rotary position counts from its document's start. While ``context_split`` is set (a
+    sequence split across ranks, ``kalmix.distributed.context_parallel_model``; no cache, mask or documents) the
+    call's queries attend over the keys and values all-gathered from every rank, their positions counted from the
+    sequence's start.
     """
+
+    context_split = None        # a sequence split across ranks (kalmix.distributed.ContextSplit) or None
 
     def __init__(self, d_model: int, num_heads: int = 4, rope_theta: float = 10000.0, layer_idx: int = 0,
                  impl: str | None = None):
@@ -50,6 +55,8 @@ class SoftmaxAttention(nn.Module):
                 past_key_values = KalmixCache()
             return hidden_states.new_zeros(B, 0, self.d_model), None, past_key_values
         q, k, v = self.qkv_proj(hidden_states).view(B, T, 3, self.num_heads, self.head_dim).unbind(2)
+        if self.context_split is not None:
+            return self._split(q, k, v), None, None
         docs = Documents.of_layer_call(type(self).__name__, kwargs, B, T, attention_mask, past_key_values, use_cache)
         if docs is not None:
             return self._documents(q, k, v, docs), None, None
@@ -91,6 +98,20 @@ class SoftmaxAttention(nn.Module):
         q, k = rotary(q, docs.doc_pos, self.rope_theta), rotary(k, docs.doc_pos, self.rope_theta)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=docs.attention_mask())
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.d_model))
+
+    def _split(self, q, k, v) -> torch.Tensor:
+        """This rank's piece of a split sequence: q, k, v [B, T, H, D] of the piece; its queries over the keys and
+        values of every rank up to its own (all-gathered, [B, S, H, D]), rotary positions and the causal mask
+        offset by the piece's start."""
+        B, T = q.shape[:2]
+        kv, start = self.context_split.gather(torch.cat([k, v], -1))
+        k, v = kv.chunk(2, -1)
+        S = kv.shape[1]
+        q = rotary(q, torch.arange(start, start + T, device=q.device).expand(B, T), self.rope_theta)
+        k = rotary(k, torch.arange(S, device=q.device).expand(B, S), self.rope_theta)
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(start)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.d_model))
 
     def _static_step(self, q, k, v, cache: KalmixCache) -> torch.Tensor:

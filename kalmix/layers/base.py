@@ -26,6 +26,10 @@ class MixerLayer(nn.Module):
     and a zero convolution history, exactly as if it were its own sequence. For calls without a cache or
     padding mask (training, scoring).
 
+    Context parallelism: while ``context_split`` is set (``kalmix.distributed.context_parallel_model``), the call
+    holds one contiguous piece of a sequence split across ranks, and ``run_op`` runs the op on it with the state
+    relayed between the ranks.
+
     Mixed precision: the op's activations (its [B, T, H, *] inputs) enter in one dtype, the autocast dtype
     inside an autocast region and the hidden states' dtype otherwise; gates stay fp32; the op keeps its state
     math in fp32 with autocast off.
@@ -34,6 +38,13 @@ class MixerLayer(nn.Module):
     d_model: int
     layer_idx: int
     impl: str | None
+    context_split = None        # a sequence split across ranks (kalmix.distributed.ContextSplit) or None
+
+    def run_op(self, op, *args, **kwargs):
+        """``op(*args, **kwargs)``, or on this rank's piece through ``context_split`` when the sequence is split."""
+        if self.context_split is None:
+            return op(*args, **kwargs)
+        return self.context_split.run(op, *args, **kwargs)
 
     def step_impl(self, device: torch.device) -> str:
         """The impl of single-token (decoding) calls."""

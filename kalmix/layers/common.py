@@ -30,7 +30,12 @@ class ShortConv(nn.Module):
     Input and output [B, T, C]; ``state`` [B, C, kernel - 1] holds the inputs that precede ``x``; ``doc_pos``
     [B, T] (int32 or int64) marks documents packed in one row: each token's position in its document (0 at the
     document's first token, then 1, 2, ...).
+
+    While ``context_split`` is set (a sequence split across ranks, ``kalmix.distributed.context_parallel_model``)
+    a call without a state takes the ``kernel - 1`` inputs before its piece from the previous ranks as its state.
     """
+
+    context_split = None        # a sequence split across ranks (kalmix.distributed.ContextSplit) or None
 
     def __init__(self, channels: int, kernel_size: int = 4, bias: bool = False, activation: bool = True):
         super().__init__()
@@ -51,6 +56,8 @@ class ShortConv(nn.Module):
         B, T, C = x.shape
         keep = self.kernel_size - 1
         xt = x.transpose(1, 2)                                           # [B, C, T]
+        if state is None and keep and self.context_split is not None:   # the inputs before this rank's piece
+            state = self.context_split.halo(x, keep).transpose(1, 2)
         if doc_pos is not None:
             if state is not None:
                 raise ValueError("ShortConv: `doc_pos` and `state` cannot be given together: documents packed in "

@@ -78,9 +78,9 @@ class GatedKalmaNet(MixerLayer):
 
     def mix(self, inputs, initial_state, output_final_state, cu_seqlens, impl, **kwargs):
         # g <= 0 and β = sigmoid >= 0 by construction: no host sync for checking them
-        o, state = gated_kalmanet(*inputs, ridge=self.ridge, num_iters=self.num_iters, initial_state=initial_state,
-                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens, impl=impl,
-                                  check_values=False)
+        o, state = self.run_op(gated_kalmanet, *inputs, ridge=self.ridge, num_iters=self.num_iters,
+                               initial_state=initial_state, output_final_state=output_final_state,
+                               cu_seqlens=cu_seqlens, impl=impl, check_values=False)
         return o, None, state
 
     def readout(self, o, extra, gate, **kwargs):

@@ -61,9 +61,9 @@ class KaczmarzAttention(MixerLayer):
     def mix(self, inputs, initial_state, output_final_state, cu_seqlens, impl, **kwargs):
         # g <= 0 and η = sigmoid in [0, 1] by construction (η = 0, a sigmoid underflowing in bf16, writes
         # nothing): no host sync for checking them
-        o, state = kaczmarz_attention(*inputs, eps=self.eps, initial_state=initial_state,
-                                      output_final_state=output_final_state, cu_seqlens=cu_seqlens, impl=impl,
-                                      check_values=False)
+        o, state = self.run_op(kaczmarz_attention, *inputs, eps=self.eps, initial_state=initial_state,
+                               output_final_state=output_final_state, cu_seqlens=cu_seqlens, impl=impl,
+                               check_values=False)
         return o, None, state
 
     def readout(self, o, extra, gate, **kwargs):

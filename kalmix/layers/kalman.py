@@ -114,10 +114,10 @@ class KalmanAttention(MixerLayer):
         # the filter's state math is fp32 (fp64) whatever the activations are: every impl computes in
         # compute_dtype (precisions reach ~1e6), so the activations go in as they are
         # the values are in range by construction (Λv > 0, ā in (0, 1], p̄ >= 0): no host sync for checking them
-        o, var, state = kalman_attention(*inputs, decay, noise, initial_state=initial_state,
-                                         output_final_state=output_final_state,
-                                         output_variance=output_variance or sample_readout,
-                                         cu_seqlens=cu_seqlens, impl=impl, check_values=False)
+        o, var, state = self.run_op(kalman_attention, *inputs, decay, noise, initial_state=initial_state,
+                                    output_final_state=output_final_state,
+                                    output_variance=output_variance or sample_readout,
+                                    cu_seqlens=cu_seqlens, impl=impl, check_values=False)
         return o, var, state
 
     def readout_noise(self, var: torch.Tensor) -> torch.Tensor:

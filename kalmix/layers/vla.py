@@ -62,9 +62,10 @@ class VariationalLinearAttention(MixerLayer):
         return [q, k, v, self.u_proj(k)], None, conv_state
 
     def mix(self, inputs, initial_state, output_final_state, cu_seqlens, impl, **kwargs):
-        o, state = variational_linear_attention(*inputs, lambda0=self.lambda0, eps=self.eps, write_key=self.write_key,
-                                                initial_state=initial_state, output_final_state=output_final_state,
-                                                cu_seqlens=cu_seqlens, impl=impl, check_values=False)
+        o, state = self.run_op(variational_linear_attention, *inputs, lambda0=self.lambda0, eps=self.eps,
+                               write_key=self.write_key, initial_state=initial_state,
+                               output_final_state=output_final_state, cu_seqlens=cu_seqlens, impl=impl,
+                               check_values=False)
         return o, None, state
 
     def readout(self, o, extra, ctx, **kwargs):

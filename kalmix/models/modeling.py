@@ -79,6 +79,7 @@ class KalmixPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["KalmixBlock"]
     _supports_cache_class = False
     _is_stateful = True
+    context_split = None        # a sequence split across ranks (kalmix.distributed.context_parallel_model) or None
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
@@ -135,7 +136,11 @@ class KalmixModel(KalmixPreTrainedModel):
         input or attention crosses a document boundary, and attention's rotary positions restart at each.
 
         ``sample_readout``: every Kalman layer reads out one sample of its posterior instead of the mean (KLA+;
-        see ``KalmanAttention`` and ``KalmixConfig.mc_samples``)."""
+        see ``KalmanAttention`` and ``KalmixConfig.mc_samples``).
+
+        Inside ``kalmix.distributed.context_parallel_model`` the input is this rank's piece of a sequence split
+        across ranks: no cache (``use_cache`` defaults to False), padding, packed documents or gradient
+        checkpointing."""
         unknown = set(kwargs) - {"cache_position", "output_attentions"}
         if unknown:
             raise TypeError(f"KalmixModel.forward got unexpected argument(s) {sorted(unknown)}")
@@ -151,8 +156,8 @@ class KalmixModel(KalmixPreTrainedModel):
         if cache is not None and not isinstance(cache, KalmixCache):
             raise TypeError(f"KalmixModel: the cache must be a KalmixCache, got {type(cache).__name__}")
         packed = position_ids is not None or cu_seqlens is not None or documents is not None
-        if use_cache is None and packed:
-            use_cache = False                               # packed documents are scored, not continued
+        if use_cache is None and (packed or self.context_split is not None):
+            use_cache = False                   # packed documents are scored, a split sequence too: not continued
         use_cache = self.config.use_cache if use_cache is None and not self.training else bool(use_cache)
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             use_cache = False
@@ -161,6 +166,15 @@ class KalmixModel(KalmixPreTrainedModel):
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         docs = self._documents(x, position_ids, cu_seqlens, documents, attention_mask, cache, use_cache)
         attn_mask, rec_mask = self._layer_masks(attention_mask, x, cache)
+        if self.context_split is not None:
+            refused = {"a cache": cache is not None, "padding": attn_mask is not None or rec_mask is not None,
+                       "packed documents": docs is not None, "an empty piece": x.shape[1] == 0,
+                       "gradient checkpointing": self.gradient_checkpointing and self.training
+                       and torch.is_grad_enabled()}
+            if any(refused.values()):
+                raise ValueError(f"KalmixModel: a context-parallel forward (kalmix.distributed.context_parallel_model) "
+                                 f"takes a plain batch of at least one token per rank and no cache; got "
+                                 f"{', '.join(k for k, v in refused.items() if v)}")
         static = cache is not None and cache.static and use_cache
         if static:
             cache.advance(0, x.device, x.shape[0])
@@ -267,7 +281,11 @@ class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
         also in ``hidden_states``), every Kalman layer reading out a posterior sample, and the logits [B, T, V] are
         the Monte-Carlo marginal log-probs log (1/S) Σ_s softmax(logits_s) (fp32 or wider): the loss is then
         Eq. 25's −logsumexp_s log p(o | y^(s)) + log S. No cache: ``use_cache`` / ``cache`` are refused.
-        ``sample_readout=True`` with mc_samples = 0 is one such sample: the logits of y^(s), unreduced."""
+        ``sample_readout=True`` with mc_samples = 0 is one such sample: the logits of y^(s), unreduced.
+
+        Inside ``kalmix.distributed.context_parallel_model`` input_ids and labels are this rank's pieces and
+        ``loss`` is this rank's share (``kalmix.distributed.context_parallel_loss``): the ranks' losses add up to
+        the loss of the whole sequence."""
         S = self.config.mc_samples
         if S and (use_cache or cache is not None or past_key_values is not None):
             raise ValueError(f"KalmixForCausalLM: mc_samples = {S} (KLA+) scores whole sequences through sampled "
@@ -306,10 +324,13 @@ class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
             if labels.shape != logits.shape[:2]:
                 raise ValueError(f"KalmixForCausalLM: `labels` must be [B, T] = {list(logits.shape[:2])}, got "
                                  f"{list(labels.shape)}")
-            targets = labels[:, 1:]
-            if docs is not None:                            # a document's first token is not predicted across
-                targets = targets.masked_fill(docs.doc_pos[:, 1:] == 0, -100)
-            loss = F.cross_entropy(upcast(logits[:, :-1].flatten(0, 1)), targets.flatten(), ignore_index=-100)
+            if self.context_split is not None:
+                loss = self.context_split.loss(logits, labels)
+            else:
+                targets = labels[:, 1:]
+                if docs is not None:                        # a document's first token is not predicted across
+                    targets = targets.masked_fill(docs.doc_pos[:, 1:] == 0, -100)
+                loss = F.cross_entropy(upcast(logits[:, :-1].flatten(0, 1)), targets.flatten(), ignore_index=-100)
         if return_dict is False:
             return tuple(v for v in (loss, logits, getattr(out, _CACHE_FIELD), out.hidden_states) if v is not None)
         return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states,

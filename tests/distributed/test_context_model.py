@@ -1,0 +1,186 @@
+"""A whole KalmixForCausalLM context-parallel (kalmix.distributed.context_parallel_model) on 2 and 4 gloo ranks
+(CPU, fp64, impl "torch").
+
+One process group per world size runs every case: a small model of each kalmix mixer and a hybrid with softmax
+attention, its sequence split in unequal pieces (one shorter than the convolutions' kernel on 4 ranks). Rank 0
+gathers the pieces' logits, the ranks' losses and parameter gradients and compares them with one process running
+the whole sequence: logits laid end to end, losses and gradients summed over the ranks."""
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from kalmix.distributed import context_parallel_model
+from kalmix.models import KalmixConfig, KalmixForCausalLM
+
+B, T, VOCAB = 2, 13, 32
+LENGTHS = {2: [5, 8], 4: [3, 4, 1, 5]}      # unequal pieces of T tokens; on 4 ranks one shorter than kernel − 1
+MODELS = {"gdn": ["gdn"] * 2, "kaczmarz": ["kaczmarz"] * 2, "gka": ["gka"] * 2, "vla": ["vla"] * 2,
+          "kalman": ["kalman"] * 2, "hybrid": ["gdn", "attention"]}
+MIXER_KWARGS = {"gdn": {"num_heads": 2}, "kaczmarz": {"num_heads": 2}, "gka": {"num_heads": 2},
+                "vla": {"num_heads": 2}, "kalman": {"d_state": 4, "num_heads": 2}, "attention": {"num_heads": 2}}
+TOL = 1e-10
+
+
+def _model(mixers: list[str]) -> KalmixForCausalLM:
+    torch.manual_seed(0)                    # the same weights on every rank
+    config = KalmixConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=len(mixers),
+                          mixers=mixers, mixer_kwargs={m: MIXER_KWARGS[m] for m in set(mixers)})
+    return KalmixForCausalLM(config).double().eval()
+
+
+def _batch(world: int):
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (B, T), generator=gen)
+    labels = ids.clone()
+    labels[0, LENGTHS[world][0]] = -100     # the first label of rank 1's piece, predicted by rank 0, not scored
+    labels[1, 7] = -100
+    return ids, labels
+
+
+def _case(rank: int, world: int, name: str) -> str:
+    """One model on this rank; on rank 0 returns "ok" or what differs from the single process."""
+    model = _model(MODELS[name])
+    params = [p for p in model.parameters() if p.requires_grad]
+    ids, labels = _batch(world)
+    ref = model(input_ids=ids, labels=labels, use_cache=False)
+    ref_grads = torch.autograd.grad(ref.loss, params)
+
+    start, length = sum(LENGTHS[world][:rank]), LENGTHS[world][rank]
+    cut = slice(start, start + length)
+    with context_parallel_model(model):     # use_cache defaults to False here, although the model is in eval mode
+        out = model(input_ids=ids[:, cut], labels=labels[:, cut])
+    grads = torch.autograd.grad(out.loss, params, allow_unused=True)    # a backward after the block
+    mine = {"logits": out.logits.detach(), "loss": out.loss.detach(),
+            "grads": [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]}
+    got = [None] * world if rank == 0 else None
+    dist.gather_object(mine, got, dst=0)
+    if rank != 0:
+        return ""
+    pairs = {"logits": ([torch.cat([g["logits"] for g in got], 1)], [ref.logits]),
+             "loss": ([sum(g["loss"] for g in got)], [ref.loss]),
+             "gradients": ([sum(gs) for gs in zip(*(g["grads"] for g in got))], ref_grads)}
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    for what, (xs, refs) in pairs.items():
+        for i, (x, r) in enumerate(zip(xs, refs)):
+            try:
+                torch.testing.assert_close(x, r.detach(), rtol=TOL, atol=TOL)
+            except AssertionError as e:
+                return f"{what} {names[i] if what == 'gradients' else ''}: {e}"
+    return "ok"
+
+
+def _ddp(rank: int, world: int) -> str:
+    """The hybrid model wrapped in DDP over the same group: with each rank's loss times the group size, DDP's
+    averaged gradients are the single process's on every rank."""
+    model = _model(MODELS["hybrid"])
+    ids, labels = _batch(world)
+    ref = model(input_ids=ids, labels=labels, use_cache=False)
+    ref_grads = torch.autograd.grad(ref.loss, list(model.parameters()))
+    ddp = DDP(model)
+    start = sum(LENGTHS[world][:rank])
+    cut = slice(start, start + LENGTHS[world][rank])
+    with context_parallel_model(ddp):
+        out = ddp(input_ids=ids[:, cut], labels=labels[:, cut])
+    (out.loss * world).backward()
+    msg = "ok"
+    for (name, p), r in zip(model.named_parameters(), ref_grads):
+        try:
+            torch.testing.assert_close(p.grad, r, rtol=TOL, atol=TOL)
+        except AssertionError as e:
+            msg = f"rank {rank}, {name}: {e}"
+    msgs = [None] * world
+    dist.all_gather_object(msgs, msg)
+    return next((m for m in msgs if m != "ok"), "ok")
+
+
+def _refusals(rank: int, world: int) -> str:
+    """Calls the switch refuses (before any message, so every rank raises alike)."""
+    model = _model(["gdn", "attention"])
+    ids = torch.zeros(B, LENGTHS[world][rank], dtype=torch.long)
+    mask = torch.ones_like(ids)
+    mask[0, 0] = 0
+    calls = {"a cache": dict(use_cache=True), "padding": dict(attention_mask=mask),
+             "packed documents": dict(position_ids=torch.zeros_like(ids))}
+    with context_parallel_model(model):
+        for what, kwargs in calls.items():
+            with pytest.raises(ValueError, match=what):
+                model(input_ids=ids, **kwargs)
+        with pytest.raises(RuntimeError, match="already context-parallel"), context_parallel_model(model):
+            pass
+        model.gradient_checkpointing_enable()
+        model.train()
+        with pytest.raises(ValueError, match="gradient checkpointing"):
+            model(input_ids=ids)
+        model.eval()
+        model(input_ids=ids, attention_mask=torch.ones_like(ids))       # an all-ones mask is no padding
+    return "ok"
+
+
+def _worker(rank: int, world: int, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))    # a hang fails instead of stalling the suite
+    results = {}
+    try:
+        cases = {**{name: functools.partial(_case, name=name) for name in MODELS}, "ddp": _ddp,
+                 "refusals": _refusals}
+        for name, case in cases.items():
+            try:
+                results[name] = case(rank, world)
+            except Exception as e:           # reported per case; a rank that fails alone times the others out
+                results[name] = f"rank {rank}: {type(e).__name__}: {e}"
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+
+
+@functools.cache
+def _results(world: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "results.json")
+        mp.spawn(_worker, args=(world, os.path.join(tmp, "store"), out), nprocs=world)
+        with open(out) as f:
+            return json.load(f)
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("world", [2, 4])
+def test_matches_single_process(world, name):
+    """Logits end to end, the ranks' losses and parameter gradients summed equal one process's."""
+    assert _results(world)[name] == "ok"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ddp(world):
+    """Under DDP over the same group, each rank's loss times the group size gives the single-process gradients."""
+    assert _results(world)["ddp"] == "ok"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_refusals(world):
+    """A cache, padding, packed documents, gradient checkpointing and a second switch are refused on every rank."""
+    assert _results(world)["refusals"] == "ok"
+
+
+def test_rejects_other_modules():
+    with pytest.raises(TypeError, match="KalmixModel"):
+        with context_parallel_model(nn.Linear(2, 2)):
+            pass
+    model = _model(["gdn"])
+    model.model.layers[0].mixer = nn.Identity()
+    with pytest.raises(NotImplementedError, match="cannot run on a sequence split"):
+        with context_parallel_model(model):
+            pass
