@@ -47,7 +47,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from kalmix.ops import gated_kalmanet, kaczmarz_attention, kalman_attention, variational_linear_attention
+from kalmix.ops import (gated_kalmanet, gated_linear_attention, kaczmarz_attention, kalman_attention,
+                        variational_linear_attention)
 from kalmix.ops.common.checks import compute_dtype
 
 # p2p tags: a piece's start offset, the states (forward) and their gradients (backward) never match each other
@@ -70,10 +71,16 @@ def _vla_default(n, H, K, V, dtype, device, kwargs):
             torch.zeros(n, H, K, dtype=dtype, device=device))
 
 
+def _matrix_state() -> _StateSpec:
+    """One [n, H, K, V] state starting at zero (the delta rule's, gated linear attention's)."""
+    return _StateSpec(lambda n, H, K, V: ((n, H, K, V),),
+                      lambda n, H, K, V, dtype, device, kw: (torch.zeros(n, H, K, V, dtype=dtype, device=device),),
+                      single=True)
+
+
 _SPECS = {
-    kaczmarz_attention: _StateSpec(
-        lambda n, H, K, V: ((n, H, K, V),),
-        lambda n, H, K, V, dtype, device, kw: (torch.zeros(n, H, K, V, dtype=dtype, device=device),), single=True),
+    kaczmarz_attention: _matrix_state(),
+    gated_linear_attention: _matrix_state(),
     gated_kalmanet: _StateSpec(
         lambda n, H, K, V: ((n, H, K, K), (n, H, K, V)),
         lambda n, H, K, V, dtype, device, kw: (torch.zeros(n, H, K, K, dtype=dtype, device=device),
@@ -127,7 +134,8 @@ def context_parallel(op: Callable, *args, group: dist.ProcessGroup | None = None
     """Run a kalmix op on this rank's piece of the sequence, passing states between the ranks of ``group``.
 
     Args:
-        op: ``kalman_attention``, ``gated_kalmanet``, ``kaczmarz_attention`` or ``variational_linear_attention``.
+        op: ``kalman_attention``, ``gated_kalmanet``, ``kaczmarz_attention``, ``variational_linear_attention`` or
+            ``gated_linear_attention`` (the linear-attention, GLA and Mamba-2 baselines).
         *args, **kwargs: the op's arguments, with this rank's piece of every activation: [B, T_r, H, ·], the
             pieces of rank 0, 1, … laid end to end being the whole sequence. Time-invariant tensors (Kalman's
             decay and process_noise) are passed whole on every rank.

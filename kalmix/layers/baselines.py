@@ -32,9 +32,9 @@ class _GatedLinearLayer(MixerLayer):
     def mix(self, inputs, initial_state, output_final_state, cu_seqlens, impl, **kwargs):
         if self.channel_gates:
             inputs = [*inputs[:3], inputs[3].unflatten(-1, (self.num_heads, self.head_k_dim))]
-        o, state = gated_linear_attention(*inputs, scale=self.scale, initial_state=initial_state,
-                                          output_final_state=output_final_state, cu_seqlens=cu_seqlens, impl=impl,
-                                          check_values=False)
+        o, state = self.run_op(gated_linear_attention, *inputs, scale=self.scale, initial_state=initial_state,
+                               output_final_state=output_final_state, cu_seqlens=cu_seqlens, impl=impl,
+                               check_values=False)
         return o, None, state
 
     def state_size(self) -> int:

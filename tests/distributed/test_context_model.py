@@ -26,9 +26,12 @@ from kalmix.models import KalmixConfig, KalmixForCausalLM
 B, T, VOCAB = 2, 13, 32
 LENGTHS = {2: [5, 8], 4: [3, 4, 1, 5]}      # unequal pieces of T tokens; on 4 ranks one shorter than kernel − 1
 MODELS = {"gdn": ["gdn"] * 2, "kaczmarz": ["kaczmarz"] * 2, "gka": ["gka"] * 2, "vla": ["vla"] * 2,
-          "kalman": ["kalman"] * 2, "hybrid": ["gdn", "attention"]}
+          "kalman": ["kalman"] * 2, "hybrid": ["gdn", "attention"],
+          "baselines": ["linear_attention", "gla", "mamba2"]}
 MIXER_KWARGS = {"gdn": {"num_heads": 2}, "kaczmarz": {"num_heads": 2}, "gka": {"num_heads": 2},
-                "vla": {"num_heads": 2}, "kalman": {"d_state": 4, "num_heads": 2}, "attention": {"num_heads": 2}}
+                "vla": {"num_heads": 2}, "kalman": {"d_state": 4, "num_heads": 2}, "attention": {"num_heads": 2},
+                "linear_attention": {"num_heads": 2}, "gla": {"num_heads": 2},
+                "mamba2": {"d_state": 4, "head_dim": 8}}
 TOL = 1e-10
 
 
