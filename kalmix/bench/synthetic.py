@@ -453,7 +453,8 @@ def run_one(recipe: Recipe, label: str, lr: float, seed: int, data: dict, device
     if device.type == "cuda":
         torch.cuda.synchronize()
     train_s = time.perf_counter() - t0
-    row = {"status": status, "precision": precision, "steps_run": step + 1, "best_step": best_step, "val": best if best >= 0 else None,
+    row = {"status": status, "precision": precision, "steps_run": step + 1, "best_step": best_step,
+           "val": best if best >= 0 else None,
            "final_loss": loss_value, "history": history, "train_s": round(train_s, 2),
            "train_tokens_per_s": round(tokens / train_s), "test": {}}
     if best_state is not None:
