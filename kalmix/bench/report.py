@@ -121,12 +121,13 @@ def _fmt(v) -> str:
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 
-def _cell(stat, ref) -> str:
+def _cell(stat, ref, seeds: int) -> str:
     if stat is None:
         text = "–"
     else:
         mean, std, n = stat
-        text = f"{100 * mean:.1f}" + (f" ± {100 * std:.1f}" if n > 1 else "")
+        text = f"{100 * mean:.1f}" + (f" ± {100 * std:.1f}" if n > 1 else "") + (f" [{n} of {seeds} seeds]"
+                                                                                  if n < seeds else "")
     return text + (f" ({100 * ref:.1f})" if ref is not None else "")
 
 
@@ -162,7 +163,8 @@ def markdown(recipe: Recipe, summary: dict, image: str | None) -> str:
             for mixer in recipe.mixers:
                 if mixer in by_mixer:
                     lines.append(f"| {mixer} | " + " | ".join(
-                        _cell(by_mixer[mixer].get(x), reference_of(recipe, mixer, panel, x)) for x in xs) + " |")
+                        _cell(by_mixer[mixer].get(x), reference_of(recipe, mixer, panel, x), len(summary["seeds"]))
+                        for x in xs) + " |")
             lines.append("")
     lines.append("")
     runs = [f"{m} ({'; '.join(sorted(r))}): {_span(summary['steps'][m])} steps" for m, r in summary["ran"].items()]
