@@ -18,6 +18,8 @@ from kalmix.models import KalmixConfig, KalmixForCausalLM
 from kalmix.tasks import MQARConfig
 
 MIXER_NAMES = tuple(MIXERS)
+# the default run: kalmix's four mixers beside softmax attention and Gated DeltaNet (the README's table)
+DEFAULT_MIXERS = ["attention", "gdn", "kaczmarz", "gka", "vla", "kalman"]
 
 
 class MQARBenchConfig(BaseModel):
@@ -25,7 +27,7 @@ class MQARBenchConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mixers: list[Literal[MIXER_NAMES]] = Field(list(MIXER_NAMES), min_length=1)
+    mixers: list[Literal[MIXER_NAMES]] = Field(DEFAULT_MIXERS, min_length=1)
     vocab_size: int = Field(64, ge=1)
     seq_len: int = Field(32, ge=1)
     num_kv_pairs: int = Field(4, ge=1)
