@@ -31,6 +31,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from tqdm.auto import tqdm
 
+from kalmix.bench.mqar import _git_sha
 from kalmix.layers import ALL_MIXERS, BASELINES
 from kalmix.layers.baselines import _GatedLinearLayer
 from kalmix.models import KalmixConfig, KalmixForCausalLM
@@ -535,11 +536,7 @@ def run(recipe: Recipe, out_path: str, device: str = "cpu", impl: str | None = N
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     base = {"recipe": recipe.name, "paper": recipe.paper, "spec": recipe.model_dump(mode="json"),
             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", **_versions()}
-    try:
-        from kalmix.bench.mqar import _git_sha
-        base["git"] = _git_sha()
-    except Exception:                                        # noqa: BLE001  (provenance only)
-        base["git"] = None
+    base["git"] = _git_sha()
     rows, total = [], len(recipe.points()) * len(labels) * len(recipe.train.seeds) * len(recipe.train.lrs)
     outer = tqdm(total=total, desc=recipe.name, disable=None if progress else True, dynamic_ncols=True)
     for point in recipe.points():
