@@ -9,8 +9,10 @@ Rank r of the group feeds tokens [start_r, end_r) of every row (the pieces of ra
 may be unequal, at least one token each; the same batch size on every rank) and gets that piece's logits and
 hidden states, equal to the whole sequence's. While the switch is on:
 
-- every kalmix mixer (gdn, kaczmarz, gka, vla, kalman) runs its op through ``context_parallel``, the state
-  relay of ``kalmix.distributed.context`` (states from rank r to r + 1, their gradients back);
+- every kalmix mixer (gdn, kaczmarz, gka, vla, kalman) runs its op through ``context_parallel`` of
+  ``kalmix.distributed.context`` in the switch's ``mode``: the state relay (states from rank r to r + 1, their
+  gradients back), or with ``mode="combine"`` the parallel combine of the affine ops (gdn, kaczmarz, gka and
+  the linear-attention, GLA and Mamba-2 baselines; a kalman or vla layer then raises a ValueError);
 - every short convolution receives the last kernel − 1 inputs before its piece from rank r − 1 (zeros on rank
   0; they pass through several ranks when pieces are shorter than that) and in the backward sends their
   gradient back;
@@ -24,7 +26,8 @@ hidden states, equal to the whole sequence's. While the switch is on:
   parameter gradients (DDP over the group averages them: multiply each rank's loss by the group size).
 
 Costs per layer and rank, besides the piece's own compute: a mixer layer waits for the relay (see
-``kalmix.distributed.context``: over a stack of layers the ranks overlap) and exchanges B·(kernel − 1)·C
+``kalmix.distributed.context``: over a stack of layers the ranks overlap) or runs the combine (more compute,
+one all-gather; no overlap) and exchanges B·(kernel − 1)·C
 convolution inputs with each neighbour; an attention layer holds the keys and values of the whole sequence
 ([B, S, 2·d_model]), computes [T_r, S] scores with the later ranks' keys masked out (so the last rank does the
 most work), and sends all-gather / reduce-scatter traffic of that size (after an all-gather of the pieces'
@@ -48,7 +51,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from kalmix.distributed.context import context_parallel
+from kalmix.distributed.context import MODES, context_parallel
 from kalmix.layers.common import upcast
 from kalmix.models.modeling import KalmixBlock, KalmixModel
 
@@ -60,15 +63,18 @@ class ContextSplit:
     """A sequence split across the ranks of ``group`` (rank r holds the r-th piece): the collectives a model's
     modules call while ``context_parallel_model`` is on."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
-        self.group = group or dist.group.WORLD
+    def __init__(self, group: dist.ProcessGroup | None = None, mode: str = "relay"):
+        if mode not in MODES:
+            raise ValueError(f"context_parallel_model: `mode` must be one of {MODES}, got {mode!r}")
+        self.group, self.mode = group or dist.group.WORLD, mode
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.prev = dist.get_global_rank(self.group, self.rank - 1) if self.rank > 0 else None
         self.next = dist.get_global_rank(self.group, self.rank + 1) if self.rank < self.world - 1 else None
 
     def run(self, op, *args, **kwargs):
-        """A kalmix op on this rank's piece, its state relayed between the ranks (``context_parallel``)."""
-        return context_parallel(op, *args, group=self.group, **kwargs)
+        """A kalmix op on this rank's piece, its state passed between the ranks (``context_parallel`` in
+        ``self.mode``)."""
+        return context_parallel(op, *args, group=self.group, mode=self.mode, **kwargs)
 
     def halo(self, x: torch.Tensor, n: int) -> torch.Tensor:
         """x [B, T, C] (this piece) -> the n inputs before it [B, n, C], zeros before the sequence's start."""
@@ -174,10 +180,11 @@ def context_parallel_loss(logits: torch.Tensor, labels: torch.Tensor,
 
 
 @contextlib.contextmanager
-def context_parallel_model(model: nn.Module, group: dist.ProcessGroup | None = None):
+def context_parallel_model(model: nn.Module, group: dist.ProcessGroup | None = None, mode: str = "relay"):
     """Run ``model`` (a ``KalmixForCausalLM`` or ``KalmixModel``, or a module holding one, e.g. its DDP wrapper)
     context-parallel over ``group`` (default: the world) while the ``with`` block lasts: each rank's forward
-    takes its piece of every sequence (see the module docstring). A backward may run after the block."""
+    takes its piece of every sequence (see the module docstring). ``mode``: how the mixers' ops pass their states,
+    "relay" or "combine" (``kalmix.distributed.context``). A backward may run after the block."""
     if not any(isinstance(m, KalmixModel) for m in model.modules()):
         raise TypeError(f"context_parallel_model: expected a KalmixModel or KalmixForCausalLM (or a module "
                         f"holding one), got {type(model).__name__}")
@@ -189,7 +196,7 @@ def context_parallel_model(model: nn.Module, group: dist.ProcessGroup | None = N
     parts = [m for m in model.modules() if hasattr(type(m), "context_split")]
     if any(m.context_split is not None for m in parts):
         raise RuntimeError("context_parallel_model: the model is already context-parallel")
-    split = ContextSplit(group)
+    split = ContextSplit(group, mode)
     for m in parts:
         m.context_split = split
     try:

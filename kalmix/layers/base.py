@@ -28,7 +28,7 @@ class MixerLayer(nn.Module):
 
     Context parallelism: while ``context_split`` is set (``kalmix.distributed.context_parallel_model``), the call
     holds one contiguous piece of a sequence split across ranks, and ``run_op`` runs the op on it with the state
-    relayed between the ranks.
+    passed between the ranks (relayed, or combined in parallel: the switch's ``mode``).
 
     Mixed precision: the op's activations (its [B, T, H, *] inputs) enter in one dtype, the autocast dtype
     inside an autocast region and the hidden states' dtype otherwise; gates stay fp32; the op keeps its state

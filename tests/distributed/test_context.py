@@ -1,8 +1,8 @@
 """Context parallelism (kalmix.distributed.context) on 2 and 4 gloo ranks (CPU, fp64, impl="torch").
 
-One process group per world size runs every case (op × plain batch or packed sequences × variant); rank 0
-gathers the pieces' outputs, final states and gradients, compares them with the single-device op and reports
-"ok" or what differs, per case."""
+One process group per world size runs every case (op × plain batch or packed sequences × variant × mode: the
+relay for every op, the combine for the affine ones); rank 0 gathers the pieces' outputs, final states and
+gradients, compares them with the single-device op and reports "ok" or what differs, per case."""
 from __future__ import annotations
 
 import datetime
@@ -26,6 +26,7 @@ LENGTHS = {2: [5, 8], 4: [3, 4, 1, 5]}      # unequal pieces of T tokens; on 4 r
 # the length-1 piece on 4 ranks, so a rank with no sequence of its own passes it on
 CU = [0, 0, 3, 3, 9, 13, 13]
 OPS, LAYOUTS = ("kalman", "gka", "kaczmarz", "vla"), ("batch", "packed")
+COMBINE_OPS = ("gka", "kaczmarz", "gla")     # mode="combine": the ops whose state map over a piece is affine
 # initial state given or default, final state returned (and in the loss) or not, Kalman's variance or not
 VARIANTS = {"given": (True, True, True), "default": (False, True, False), "no-final": (True, False, True)}
 N_PARAMS = {"kalman": 2}                    # trailing time-invariant arguments (decay, process_noise): not split
@@ -33,10 +34,10 @@ EXTRA = {"vla": {"lambda0": 0.5}}           # a default A_0 other than the op's
 TOL = 1e-10
 
 
-def _case(rank: int, world: int, name: str, layout: str, variant: str) -> str:
+def _case(rank: int, world: int, name: str, layout: str, variant: str, mode: str) -> str:
     """Run one case on this rank; on rank 0 returns "ok" or what differs from the single-device op."""
     case, packed = CASES[name], layout == "packed"
-    gen = torch.Generator().manual_seed(OPS.index(name))
+    gen = torch.Generator().manual_seed(list(CASES).index(name))
     B, n_seq = (1, len(CU) - 1) if packed else (2, 2)
     cu = torch.tensor(CU) if packed else None
     args = case.inputs(B, T, H, K, V, torch.float64, gen)
@@ -70,7 +71,7 @@ def _case(rank: int, world: int, name: str, layout: str, variant: str) -> str:
     cut = slice(start, start + length)
     cp_args = leaves([x[:, cut] for x in args[:n_seq_args]] + args[n_seq_args:])
     cp_s0 = None if state is None else leaves(state)
-    outs, finals = run(functools.partial(context_parallel, case.fn), cp_args, cp_s0)
+    outs, finals = run(functools.partial(context_parallel, case.fn, mode=mode), cp_args, cp_s0)
     counts = [None] * world
     dist.all_gather_object(counts, finals[0].shape[0] if finals else 0)
     rows = slice(sum(counts[:rank]), sum(counts[:rank + 1]))
@@ -115,7 +116,9 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
                             timeout=datetime.timedelta(seconds=60))    # a hang fails instead of stalling the suite
     results = {}
     try:
-        for key in itertools.product(OPS, LAYOUTS, VARIANTS):
+        keys = [*itertools.product(OPS, LAYOUTS, VARIANTS, ["relay"]),
+                *itertools.product(COMBINE_OPS, LAYOUTS, VARIANTS, ["combine"])]
+        for key in keys:
             try:
                 results["-".join(key)] = _case(rank, world, *key)
             except Exception as e:           # reported per case; a rank that fails alone times the others out
@@ -142,7 +145,27 @@ def _results(world: int) -> dict:
 @pytest.mark.parametrize("world", [2, 4])
 def test_matches_single_device(world, op, layout, variant):
     """Outputs, final states and the gradients of every input and of the initial state equal the op's."""
-    assert _results(world)[f"{op}-{layout}-{variant}"] == "ok"
+    assert _results(world)[f"{op}-{layout}-{variant}-relay"] == "ok"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("op", COMBINE_OPS)
+@pytest.mark.parametrize("world", [2, 4])
+def test_combine_matches_single_device(world, op, layout, variant):
+    """mode="combine" (summaries all-gathered and composed) is as exact as the relay."""
+    assert _results(world)[f"{op}-{layout}-{variant}-combine"] == "ok"
+
+
+@pytest.mark.parametrize("op", ["kalman", "vla"])
+def test_combine_refuses_non_affine_ops(op):
+    """Kalman's and VLA's state maps are not affine: combine names the ops that are and points to the relay
+    (before any message, so no process group is needed)."""
+    args = CASES[op].inputs(1, 3, H, K, V, torch.float64, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"mode='combine'.*kaczmarz_attention.*use mode='relay'"):
+        context_parallel(CASES[op].fn, *args, mode="combine")
+    with pytest.raises(ValueError, match="`mode` must be one of"):
+        context_parallel(CASES[op].fn, *args, mode="scan")
 
 
 def test_packed_pieces():

@@ -32,6 +32,7 @@ MIXER_KWARGS = {"gdn": {"num_heads": 2}, "kaczmarz": {"num_heads": 2}, "gka": {"
                 "vla": {"num_heads": 2}, "kalman": {"d_state": 4, "num_heads": 2}, "attention": {"num_heads": 2},
                 "linear_attention": {"num_heads": 2}, "gla": {"num_heads": 2},
                 "mamba2": {"d_state": 4, "head_dim": 8}}
+COMBINE = ("kaczmarz", "gka", "baselines")     # models whose mixers' ops are affine: also run in combine mode
 TOL = 1e-10
 
 
@@ -51,8 +52,9 @@ def _batch(world: int):
     return ids, labels
 
 
-def _case(rank: int, world: int, name: str) -> str:
-    """One model on this rank; on rank 0 returns "ok" or what differs from the single process."""
+def _case(rank: int, world: int, name: str, mode: str = "relay") -> str:
+    """One model on this rank, its mixers' states passed in ``mode``; on rank 0 returns "ok" or what differs from
+    the single process."""
     model = _model(MODELS[name])
     params = [p for p in model.parameters() if p.requires_grad]
     ids, labels = _batch(world)
@@ -61,7 +63,7 @@ def _case(rank: int, world: int, name: str) -> str:
 
     start, length = sum(LENGTHS[world][:rank]), LENGTHS[world][rank]
     cut = slice(start, start + length)
-    with context_parallel_model(model):     # use_cache defaults to False here, although the model is in eval mode
+    with context_parallel_model(model, mode=mode):  # use_cache defaults to False here, though the model is in eval
         out = model(input_ids=ids[:, cut], labels=labels[:, cut])
     grads = torch.autograd.grad(out.loss, params, allow_unused=True)    # a backward after the block
     mine = {"logits": out.logits.detach(), "loss": out.loss.detach(),
@@ -136,8 +138,9 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
                             timeout=datetime.timedelta(seconds=60))    # a hang fails instead of stalling the suite
     results = {}
     try:
-        cases = {**{name: functools.partial(_case, name=name) for name in MODELS}, "ddp": _ddp,
-                 "refusals": _refusals}
+        cases = {**{name: functools.partial(_case, name=name) for name in MODELS},
+                 **{f"{name}-combine": functools.partial(_case, name=name, mode="combine") for name in COMBINE},
+                 "ddp": _ddp, "refusals": _refusals}
         for name, case in cases.items():
             try:
                 results[name] = case(rank, world)
@@ -166,6 +169,13 @@ def test_matches_single_process(world, name):
     assert _results(world)[name] == "ok"
 
 
+@pytest.mark.parametrize("name", COMBINE)
+@pytest.mark.parametrize("world", [2, 4])
+def test_combine_matches_single_process(world, name):
+    """The same with mode="combine": the mixers' ops all-gather and compose their pieces' state maps."""
+    assert _results(world)[f"{name}-combine"] == "ok"
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_ddp(world):
     """Under DDP over the same group, each rank's loss times the group size gives the single-process gradients."""
@@ -179,6 +189,9 @@ def test_refusals(world):
 
 
 def test_rejects_other_modules():
+    with pytest.raises(ValueError, match="`mode` must be one of"):
+        with context_parallel_model(_model(["gdn"]), mode="scan"):
+            pass
     with pytest.raises(TypeError, match="KalmixModel"):
         with context_parallel_model(nn.Linear(2, 2)):
             pass
