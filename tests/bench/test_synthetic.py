@@ -158,7 +158,8 @@ def test_compression_and_word_problem_models_train(tmp_path):
     rows = run(Recipe.model_validate(data), str(tmp_path / "c.jsonl"), progress=False)
     assert [r["status"] for r in rows] == ["ok", "ok"] and rows[0]["params"] == rows[1]["params"]
     assert rows[0]["history"] != rows[1]["history"]     # KLA+'s marginal loss differs from the mean readout's
-    data.update(mixers={"kla": data["mixers"]["kla"]}, task={"kind": "word_problem", "params": {"group": "Z60", "seq_len": 4}, "train_examples": 32,
+    data.update(mixers={"kla": data["mixers"]["kla"]},
+                task={"kind": "word_problem", "params": {"group": "Z60", "seq_len": 4}, "train_examples": 32,
                       "val_examples": 8, "test_examples": 8}, grid={"model.n_layers": [1, 2]},
                 metric="sequence_accuracy", report={"kind": "min_depth", "x": "model.n_layers"})
     with pytest.raises(ValidationError, match="report axis 'task.params.seq_len'|report axis"):

@@ -5,20 +5,16 @@ relay for every op, the combine for the affine ones); rank 0 gathers the pieces'
 gradients, compares them with the single-device op and reports "ok" or what differs, per case."""
 from __future__ import annotations
 
-import datetime
 import functools
 import itertools
-import json
-import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from kalmix.distributed import context_parallel, packed_piece
 from kalmix.ops.common.testing import CASES
+from tests.distributed.gloo import run_cases
 
 H, K, V, T = 2, 4, 3, 13
 LENGTHS = {2: [5, 8], 4: [3, 4, 1, 5]}      # unequal pieces of T tokens; on 4 ranks one of length 1
@@ -110,33 +106,19 @@ def _case(rank: int, world: int, name: str, layout: str, variant: str, mode: str
     return "ok"
 
 
-def _worker(rank: int, world: int, store: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))    # a hang fails instead of stalling the suite
-    results = {}
-    try:
-        keys = [*itertools.product(OPS, LAYOUTS, VARIANTS, ["relay"]),
-                *itertools.product(COMBINE_OPS, LAYOUTS, VARIANTS, ["combine"])]
-        for key in keys:
-            try:
-                results["-".join(key)] = _case(rank, world, *key)
-            except Exception as e:           # reported per case; a rank that fails alone times the others out
-                results["-".join(key)] = f"rank {rank}: {type(e).__name__}: {e}"
-    finally:
-        dist.destroy_process_group()
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(results, f)
+def _cases() -> dict:
+    keys = [*itertools.product(OPS, LAYOUTS, VARIANTS, ["relay"]),
+            *itertools.product(COMBINE_OPS, LAYOUTS, VARIANTS, ["combine"])]
+    return {"-".join(key): functools.partial(_key_case, key=key) for key in keys}
+
+
+def _key_case(rank: int, world: int, key: tuple) -> str:
+    return _case(rank, world, *key)
 
 
 @functools.cache
 def _results(world: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "results.json")
-        mp.spawn(_worker, args=(world, os.path.join(tmp, "store"), out), nprocs=world)
-        with open(out) as f:
-            return json.load(f)
+    return run_cases(world, _cases)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -7,21 +7,17 @@ gathers the pieces' logits, the ranks' losses and parameter gradients and compar
 the whole sequence: logits laid end to end, losses and gradients summed over the ranks."""
 from __future__ import annotations
 
-import datetime
 import functools
-import json
-import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kalmix.distributed import context_parallel_model
 from kalmix.models import KalmixConfig, KalmixForCausalLM
+from tests.distributed.gloo import run_cases
 
 B, T, VOCAB = 2, 13, 32
 LENGTHS = {2: [5, 8], 4: [3, 4, 1, 5]}      # unequal pieces of T tokens; on 4 ranks one shorter than kernel − 1
@@ -132,34 +128,15 @@ def _refusals(rank: int, world: int) -> str:
     return "ok"
 
 
-def _worker(rank: int, world: int, store: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))    # a hang fails instead of stalling the suite
-    results = {}
-    try:
-        cases = {**{name: functools.partial(_case, name=name) for name in MODELS},
-                 **{f"{name}-combine": functools.partial(_case, name=name, mode="combine") for name in COMBINE},
-                 "ddp": _ddp, "refusals": _refusals}
-        for name, case in cases.items():
-            try:
-                results[name] = case(rank, world)
-            except Exception as e:           # reported per case; a rank that fails alone times the others out
-                results[name] = f"rank {rank}: {type(e).__name__}: {e}"
-    finally:
-        dist.destroy_process_group()
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(results, f)
+def _cases() -> dict:
+    return {**{name: functools.partial(_case, name=name) for name in MODELS},
+            **{f"{name}-combine": functools.partial(_case, name=name, mode="combine") for name in COMBINE},
+            "ddp": _ddp, "refusals": _refusals}
 
 
 @functools.cache
 def _results(world: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "results.json")
-        mp.spawn(_worker, args=(world, os.path.join(tmp, "store"), out), nprocs=world)
-        with open(out) as f:
-            return json.load(f)
+    return run_cases(world, _cases)
 
 
 @pytest.mark.parametrize("name", MODELS)
