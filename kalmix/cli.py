@@ -151,7 +151,7 @@ def _run_recipe(args, parser) -> int:
     except (ValidationError, ValueError, FileNotFoundError, yaml.YAMLError) as e:
         parser.error(str(e))
     out = args.out or os.path.join("runs", "bench", recipe.name + ".jsonl")
-    n = recipe.planned_runs() if args.mixers is None else recipe.planned_runs() // len(recipe.mixers) * len(args.mixers)
+    n = recipe.planned_runs(len(args.mixers) if args.mixers else None)
     if args.dry_run:
         print(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False), end="")
         print(f"# {n} runs ({len(recipe.points())} grid points), results to {out}")

@@ -13,19 +13,11 @@ import os
 import statistics
 from collections import defaultdict
 
-from kalmix.bench.synthetic import Recipe, run_key
+from kalmix.bench.synthetic import Recipe, read_rows, run_key
 
 
 def load_rows(paths: list[str]) -> list[dict]:
-    rows = []
-    for path in paths:
-        with open(path) as f:
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+    rows = [row for path in paths for row in read_rows(path)]
     if not rows:
         raise ValueError(f"no result rows in {paths}")
     return rows

@@ -35,6 +35,7 @@ from kalmix.bench.mqar import _git_sha
 from kalmix.layers import ALL_MIXERS, BASELINES
 from kalmix.layers.baselines import _GatedLinearLayer
 from kalmix.models import KalmixConfig, KalmixForCausalLM
+from kalmix.models.modeling import mc_marginal
 from kalmix.tasks import (CapacityMQARConfig, CompressionConfig, FuzzyRecallConfig, HardMQARConfig,
                           InContextRecallConfig, MemorizationConfig, MQARConfig, NeedleConfig, NoisyRecallConfig,
                           PalindromeConfig, SelectiveCopyingConfig, StackConfig, WordProblemConfig,
@@ -251,8 +252,9 @@ class Recipe(BaseModel):
         first = self.task.length()
         return [first] + [L for L in self.task.eval_lengths if L != first]
 
-    def planned_runs(self) -> int:
-        return len(self.points()) * len(self.mixers) * len(self.train.seeds) * len(self.train.lrs)
+    def planned_runs(self, mixers: int | None = None) -> int:
+        """Runs of the whole grid, for all the recipe's mixers or for ``mixers`` of them."""
+        return len(self.points()) * (mixers or len(self.mixers)) * len(self.train.seeds) * len(self.train.lrs)
 
 
 def _get(data: dict, path: str):
@@ -314,9 +316,7 @@ class CompressionModel(nn.Module):
         h = self.lm.model(x, sample_readout=bool(S)).last_hidden_state[:, -1]
         z = h[:, None] + self.positions[:inputs.shape[1]].to(h.dtype)
         logits = self.lm.lm_head(z + self.decoder(z))
-        if not S:
-            return logits
-        return torch.logsumexp(F.log_softmax(logits.float(), -1).unflatten(0, (S, -1)), 0) - math.log(S)
+        return mc_marginal(logits, S) if S else logits
 
 
 def build_model(recipe: Recipe, spec: MixerSpec, impl: str | None) -> nn.Module:
@@ -484,21 +484,27 @@ def run_key(recipe: Recipe, point: dict, label: str, lr: float, seed: int) -> st
 FINAL = ("ok", "diverged")
 
 
-def recorded(path: str) -> set[str]:
-    """The keys of the runs in ``path`` that have an outcome (see ``FINAL``)."""
-    if not os.path.exists(path):
-        return set()
-    keys = set()
+def read_rows(path: str) -> list[dict]:
+    """The result rows of a JSONL file (blank lines skipped); a line that is not JSON is an error naming it."""
+    rows = []
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    row = json.loads(line)
-                    if row["status"] in FINAL:
-                        keys.add(row["key"])
-                except (json.JSONDecodeError, KeyError) as e:
-                    raise ValueError(f"{path}:{n}: not a kalmix bench result row ({e})") from None
-    return keys
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+    return rows
+
+
+def recorded(path: str) -> set[str]:
+    """The keys of the runs in ``path`` that have an outcome (see ``FINAL``)."""
+    if not os.path.exists(path):
+        return set()
+    try:
+        return {row["key"] for row in read_rows(path) if row["status"] in FINAL}
+    except KeyError as e:
+        raise ValueError(f"{path}: not a kalmix bench result row (no {e})") from None
 
 
 def _available(spec: MixerSpec, device: torch.device) -> str | None:
@@ -537,7 +543,7 @@ def run(recipe: Recipe, out_path: str, device: str = "cpu", impl: str | None = N
     base = {"recipe": recipe.name, "paper": recipe.paper, "spec": recipe.model_dump(mode="json"),
             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", **_versions()}
     base["git"] = _git_sha()
-    rows, total = [], len(recipe.points()) * len(labels) * len(recipe.train.seeds) * len(recipe.train.lrs)
+    rows, total = [], recipe.planned_runs(len(labels))
     outer = tqdm(total=total, desc=recipe.name, disable=None if progress else True, dynamic_ncols=True)
     for point in recipe.points():
         r = recipe.at(point)

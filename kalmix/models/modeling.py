@@ -27,6 +27,12 @@ from kalmix.models.configuration import KalmixConfig
 
 _RESIDUAL_OUT = ("o_proj", "out_proj", "down")
 _MEAN_DECODING = "set config.mc_samples = 0 to decode with the posterior-mean readout"
+
+
+def mc_marginal(logits: torch.Tensor, samples: int) -> torch.Tensor:
+    """Logits [S·B, ..., V] of S posterior samples (sample-major) -> the log of their Monte-Carlo marginal,
+    log (1/S) Σ_s softmax(logits_s), [B, ..., V] in fp32 or wider: KLA+'s readout, whose cross-entropy is Eq. 25."""
+    return torch.logsumexp(F.log_softmax(upcast(logits), -1).unflatten(0, (samples, -1)), 0) - math.log(samples)
 # the outputs' cache field: ``cache`` from transformers 5.24 on, ``past_key_values`` before
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
@@ -318,7 +324,7 @@ class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
             h = h[:, logits_to_keep]
         logits = self.lm_head(h)
         if S:
-            logits = torch.logsumexp(F.log_softmax(upcast(logits), -1).unflatten(0, (S, -1)), 0) - math.log(S)
+            logits = mc_marginal(logits, S)
         loss = None
         if labels is not None:
             if labels.shape != logits.shape[:2]:
