@@ -12,7 +12,7 @@ for job in $jobs; do
   recipe=${job%%:*}; mixers=""
   [[ $job == *:* ]] && mixers=${job#*:}
   file="$out/$recipe${mixers:+.${mixers//,/-}}.jsonl"
-  python3 -m kalmix.cli bench run "recipes/$recipe.yaml" --out "$file" ${mixers:+--mixers ${mixers//,/ }} "$@" \
+  python3 -m kalmix.cli bench run "$recipe" --out "$file" ${mixers:+--mixers ${mixers//,/ }} "$@" \
       > "$out/${file##*/}.log" 2>&1 &
   pids+=($!)
 done

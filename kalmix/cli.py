@@ -114,10 +114,10 @@ def _run_decode(args, parser) -> int:
 
 
 def _add_recipe_parsers(tasks) -> None:
-    r = tasks.add_parser("run", help="a paper's synthetic experiment from a recipe (recipes/*.yaml): train every "
+    r = tasks.add_parser("run", help="a paper's synthetic experiment from a recipe (kalmix/bench/recipes/*.yaml): train every "
                          "grid point, mixer, seed and learning rate; append one JSONL row per run; resumable",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    r.add_argument("recipe", help="recipe YAML file, or the name of one in ./recipes")
+    r.add_argument("recipe", help="recipe YAML file, or the name of one shipped with kalmix (kalmix/bench/recipes)")
     r.add_argument("--out", default=None, help="JSONL results file (default: runs/bench/RECIPE.jsonl); runs "
                    "already in it are skipped")
     r.add_argument("--device", default="cuda" if _cuda() else "cpu", help="torch device")
@@ -143,9 +143,8 @@ def _run_recipe(args, parser) -> int:
     import yaml
 
     from kalmix.bench.synthetic import load_recipe, run as run_recipe
-    path = args.recipe
-    if not os.path.exists(path) and os.path.exists(os.path.join("recipes", path + ".yaml")):
-        path = os.path.join("recipes", path + ".yaml")
+    from kalmix.bench.synthetic import resolve_recipe
+    path = resolve_recipe(args.recipe)
     try:
         recipe = load_recipe(path, args.overrides)
     except (ValidationError, ValueError, FileNotFoundError, yaml.YAMLError) as e:

@@ -1,4 +1,4 @@
-"""`kalmix bench run RECIPE`: a paper's synthetic experiment as a pydantic recipe (``recipes/*.yaml``).
+"""`kalmix bench run RECIPE`: a paper's synthetic experiment as a pydantic recipe (``kalmix/bench/recipes/*.yaml``).
 
 A recipe names a task of ``kalmix.tasks``, a model shape, the mixers to compare (each a ``KalmixConfig`` mixer with
 its keyword arguments), a training protocol (steps, learning-rate sweep, seeds, early stopping) and a grid over any
@@ -274,6 +274,25 @@ def _set(data: dict, path: str, value) -> None:
     for part in parents:
         node = node.setdefault(part, {})
     node[leaf] = value
+
+
+RECIPES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
+
+
+def recipe_names() -> list[str]:
+    """The names of the recipes shipped with kalmix."""
+    return sorted(f[:-5] for f in os.listdir(RECIPES_DIR) if f.endswith(".yaml"))
+
+
+def resolve_recipe(name_or_path: str) -> str:
+    """A recipe's file: an existing path as given, else the shipped recipe of that name."""
+    if os.path.exists(name_or_path):
+        return name_or_path
+    shipped = os.path.join(RECIPES_DIR, name_or_path.removesuffix(".yaml") + ".yaml")
+    if os.path.exists(shipped):
+        return shipped
+    raise FileNotFoundError(f"recipe {name_or_path!r} is neither a file nor a shipped recipe; shipped: "
+                            f"{', '.join(recipe_names())}")
 
 
 def load_recipe(path: str, overrides: list[str] = ()) -> Recipe:

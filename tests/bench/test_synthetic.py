@@ -12,7 +12,7 @@ from kalmix.bench.synthetic import Recipe, TaskSpec, load_recipe, recorded, run,
 from kalmix.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*.yaml")))
+RECIPES = sorted(glob.glob(os.path.join(ROOT, "kalmix", "bench", "recipes", "*.yaml")))
 
 
 def tiny(**over) -> dict:
