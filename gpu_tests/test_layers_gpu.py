@@ -69,3 +69,57 @@ def test_speed_fp32_ceiling_is_below_the_cuda_cores_peak(dev):
     rate = ceilings(dev, 5, 20)["fp32_TFLOPs"]
     peak = torch.cuda.get_device_properties(dev).multi_processor_count * 128 * 2 * 2.2e9 / 1e12
     assert 0.3 * peak < rate < peak, (rate, peak)
+
+
+def _attention_reference(layer, x, **kwargs):
+    """The layer's output and input/weight gradients with flash turned off (SDPA with a mask, fp32 weights and
+    input): the reference the flash paths are compared with."""
+    import kalmix.layers.attention as attention
+    ref = attention.flash_eligible
+    try:
+        attention.flash_eligible = lambda q: False
+        x32 = x.detach().float().requires_grad_()
+        layer32 = layer.float()
+        y = layer32(x32, **kwargs)[0]
+        grads = torch.autograd.grad(y.square().sum(), [x32, *layer32.parameters()])
+        return [y, *grads]
+    finally:
+        attention.flash_eligible = ref
+
+
+@pytest.mark.parametrize("B,T", [(2, 1000), (1, 4096)])
+def test_attention_documents_flash_against_masked_sdpa(B, T, dev):
+    """Packed documents through the varlen flash kernel (bf16) against the block-diagonal masked SDPA in fp32."""
+    import kalmix.layers.attention as attention
+    from kalmix.layers import SoftmaxAttention
+    torch.manual_seed(0)
+    layer = SoftmaxAttention(512, num_heads=4).to(dev)
+    x = torch.randn(B, T, 512, device=dev)
+    lens = torch.randint(1, T // 3, (64,)).cumsum(0)
+    bounds = sorted(set([0] + [int(b) for b in lens if b < T * B] + list(range(0, B * T, T)) + [B * T]))
+    cu = torch.tensor(bounds, device=dev, dtype=torch.int32)
+    xb = x.to(torch.bfloat16).requires_grad_()
+    lb = layer.to(torch.bfloat16)
+    q = torch.zeros(1, 1, 1, 128, device=dev, dtype=torch.bfloat16)
+    assert attention.flash_eligible(q)
+    y = lb(xb, cu_seqlens=cu)[0]
+    got = [y, *torch.autograd.grad(y.float().square().sum(), [xb, *lb.parameters()])]
+    ref = _attention_reference(layer, x, cu_seqlens=cu)
+    errs = [rel_err(a.float(), b) for a, b in zip(got, ref)]
+    print(f"attention documents flash B={B} T={T} ({len(bounds) - 1} docs): out, dx, dW", " ".join(f"{e:.1e}" for e in errs))
+    assert max(errs) <= 2e-2
+
+
+def test_attention_chunked_prefill_flash_against_full_forward(dev):
+    """A cached prefill in two chunks (the second through the varlen flash kernel, its queries the last of the
+    context's keys) against one causal forward, bf16."""
+    from kalmix.layers import SoftmaxAttention
+    torch.manual_seed(0)
+    layer = SoftmaxAttention(512, num_heads=4).to(dev, torch.bfloat16)
+    x = torch.randn(2, 900, 512, device=dev, dtype=torch.bfloat16)
+    full = layer(x)[0]
+    a, _, cache = layer(x[:, :300], use_cache=True)
+    b, _, cache = layer(x[:, 300:], past_key_values=cache, use_cache=True)
+    err = rel_err(torch.cat([a, b], 1).float(), full.float())
+    print(f"attention chunked prefill flash: {err:.1e}")
+    assert err <= 1e-2

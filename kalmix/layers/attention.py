@@ -1,6 +1,9 @@
 """Softmax attention baseline (PyTorch SDPA, causal, rotary positions) with fla's layer signature and KV cache."""
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -21,6 +24,36 @@ def rotary(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
+@functools.cache
+def _varlen_flash():
+    """torch's variable-length flash attention (``torch.nn.attention.varlen.varlen_attn``, torch ≥ 2.10) and the
+    keyword arguments that make it causal (``is_causal`` in 2.10–2.11, ``window_size`` later), or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    return varlen_attn, causal
+
+
+def flash_eligible(q: torch.Tensor) -> bool:
+    """Whether softmax attention over documents, context pieces or a cached context runs q [.., D] through the
+    varlen flash kernel: CUDA, fp16/bf16, D ≤ 256 and a
+    multiple of 8, torch ≥ 2.10. Otherwise it runs SDPA with an explicit mask (CPU, fp32)."""
+    D = q.shape[-1]
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and D <= 256 and D % 8 == 0
+            and _varlen_flash() is not None)
+
+
+def varlen_causal(q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int) -> torch.Tensor:
+    """Causal flash attention over variable-length sequences laid end to end: q [Nq, H, D], k, v [Nk, H, D];
+    sequence i holds queries cu_q[i]:cu_q[i + 1] and keys cu_k[i]:cu_k[i + 1] (int32 [N + 1]), its queries the
+    last ones of its keys (query t sees keys ≤ t + len_k − len_q) -> [Nq, H, D]. Needs ``flash_eligible(q)``."""
+    varlen_attn, causal = _varlen_flash()
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **causal)
+
+
 class SoftmaxAttention(nn.Module):
     """Multi-head causal softmax attention with rotary position embeddings.
 
@@ -29,7 +62,8 @@ class SoftmaxAttention(nn.Module):
     buffers that grow by doubling); the mask then covers the whole context [B, S]. T = 0 gives an empty output
     [B, 0, d_model] and leaves the cache unchanged. Packed documents (``cu_seqlens`` over the flattened B·T
     tokens, every row start among them; no cache): each token attends within its own document (a block-diagonal
-    causal mask) and its rotary position counts from its document's start. While ``context_split`` is set (a
+    causal mask) and its rotary position counts from its document's start; on CUDA in fp16/bf16 this and the
+    context-split case below run torch's varlen flash kernel (``flash_eligible``), elsewhere SDPA with a mask. While ``context_split`` is set (a
     sequence split across ranks, ``kalmix.distributed.context_parallel_model``; no cache, mask or documents) the
     call's queries attend over the keys and values all-gathered from every rank, their positions counted from the
     sequence's start.
@@ -77,6 +111,12 @@ class SoftmaxAttention(nn.Module):
             past_key_values = KalmixCache()
         if past_key_values is not None:
             k, v = past_key_values.context_kv(self.layer_idx, k, v, store=use_cache)
+        if attention_mask is None and 0 < start and T > 1 and flash_eligible(q):    # chunked prefill
+            S, H, D = k.shape[1], self.num_heads, self.head_dim
+            rows = torch.arange(B + 1, device=q.device, dtype=torch.int32)
+            o = varlen_causal(q.reshape(B * T, H, D), k.reshape(B * S, H, D), v.reshape(B * S, H, D), rows * T,
+                              rows * S, T, S)
+            return self.o_proj(o.reshape(B, T, self.d_model)), None, past_key_values
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if attention_mask is None and start == 0:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -92,24 +132,35 @@ class SoftmaxAttention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.d_model)), None, past_key_values
 
     def _documents(self, q, k, v, docs: Documents) -> torch.Tensor:
-        """Attention within each packed document: rotary positions from ``docs.doc_pos``, a block-diagonal
-        causal mask [B, 1, T, T]."""
-        B, T = q.shape[:2]
+        """Attention within each packed document, rotary positions from ``docs.doc_pos``: the varlen flash kernel
+        over the documents (``flash_eligible``), else SDPA with a block-diagonal causal mask [B, 1, T, T]."""
+        B, T, H, D = q.shape
         q, k = rotary(q, docs.doc_pos, self.rope_theta), rotary(k, docs.doc_pos, self.rope_theta)
+        if flash_eligible(q):
+            flat = (B * T, H, D)
+            o = varlen_causal(q.reshape(flat), k.reshape(flat), v.reshape(flat), docs.cu_seqlens, docs.cu_seqlens,
+                              docs.max_len, docs.max_len)
+            return self.o_proj(o.reshape(B, T, self.d_model))
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=docs.attention_mask())
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.d_model))
 
     def _split(self, q, k, v) -> torch.Tensor:
         """This rank's piece of a split sequence: q, k, v [B, T, H, D] of the piece; its queries over the keys and
-        values of every rank up to its own (all-gathered, [B, S, H, D]), rotary positions and the causal mask
-        offset by the piece's start."""
-        B, T = q.shape[:2]
+        values of every rank up to its own (all-gathered, [B, S, H, D], S = start + T), rotary positions counted
+        from the sequence's start and the causal mask offset by ``start``: the varlen flash kernel with each row's
+        queries the last T of its S keys (``flash_eligible``), else SDPA with the offset mask."""
+        B, T, H, D = q.shape
         kv, start = self.context_split.gather(torch.cat([k, v], -1))
         k, v = kv.chunk(2, -1)
         S = kv.shape[1]
         q = rotary(q, torch.arange(start, start + T, device=q.device).expand(B, T), self.rope_theta)
         k = rotary(k, torch.arange(S, device=q.device).expand(B, S), self.rope_theta)
+        if flash_eligible(q):
+            rows = torch.arange(B + 1, device=q.device, dtype=torch.int32)
+            o = varlen_causal(q.reshape(B * T, H, D), k.reshape(B * S, H, D), v.reshape(B * S, H, D), rows * T,
+                              rows * S, T, S)
+            return self.o_proj(o.reshape(B, T, self.d_model))
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(start)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.d_model))

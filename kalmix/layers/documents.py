@@ -11,7 +11,7 @@ class Documents:
     0 first, B·T last, strictly increasing, every row start (a multiple of T) among them. fla's layout, one row
     [1, total] with ``cu_seqlens``, is the case B = 1.
 
-    Attributes: ``cu_seqlens`` [N + 1] (int32); ``doc_pos`` [B, T] (int32), each token's position in its
+    Attributes: ``cu_seqlens`` [N + 1] (int32); ``max_len`` (int), the longest document's length; ``doc_pos`` [B, T] (int32), each token's position in its
     document; ``doc_id`` [B, T] (int64), the index of its document.
     """
 
@@ -32,6 +32,7 @@ class Documents:
             raise ValueError(f"{name}: `cu_seqlens` must contain every row start of the [{B}, {T}] batch (a "
                              f"document cannot span rows); missing {missing[:4]}")
         self.B, self.T = B, T
+        self.max_len = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))    # the longest document (host int)
         self.cu_seqlens = cu_seqlens.to(torch.int32)
         idx = torch.arange(total, device=cu_seqlens.device, dtype=torch.int32)
         doc = torch.searchsorted(self.cu_seqlens, idx, right=True) - 1

@@ -1,0 +1,150 @@
+"""Data-parallel scaling of `kalmix train` on the GPUs of one host: each (mixer, parallelism, GPU count) trains the
+``gpu-125m`` preset (or ``--size 1b``) for a few steps under torchrun at the same global batch, and the table
+gives tokens/s (median of the logged windows after the first), scaling efficiency against one GPU, MFU and peak
+memory.
+
+    python benchmarks/scaling.py run OUT --mixers gdn gka --gpus 1 2 4 --parallel ddp fsdp [--steps 40]
+    python benchmarks/scaling.py table OUT/scaling.jsonl            # the markdown table, from committed rows
+
+``run`` launches the runs (one-GPU runs side by side, one per free GPU), appends one JSON row per run to
+OUT/scaling.jsonl (skipping runs already there, so a cut call resumes) and prints the table. Every run shares
+one data cache (OUT/data: the standard library's sources, the preset's 32,768-token BPE), prepared first.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SIZES = {  # extra `kalmix train` flags per model size (the gpu-125m preset underneath)
+    "125m": [],
+    "1b": ["--model.hidden_size", "2048", "--model.num_hidden_layers", "18", "--train.micro_batch_size", "4",
+           "--model.mixer_kwargs", "{attention: {num_heads: 16}, gdn: {num_heads: 16}, kaczmarz: {num_heads: 16}, "
+           "gka: {num_heads: 16}, vla: {num_heads: 16}, kalman: {d_state: 16, expand: 1, num_heads: 1}}"],
+}
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _cmd(out: Path, mixer: str, size: str, parallel: str, gpus: int, steps: int, run_dir: Path) -> list[str]:
+    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
+            "-m", "kalmix.cli"] if gpus > 1 else [sys.executable, "-m", "kalmix.cli"]
+    return base + ["train", "gpu-125m", "--model.mixer", mixer, "--run_dir", str(run_dir),
+                   "--data_dir", str(out / "data"), "--data.source", "stdlib", "--train.steps", str(steps),
+                   "--train.parallel", parallel, "--log.every", "10", "--log.progress", "false",
+                   "--eval.every", "100000", "--eval.rows", "8", "--checkpoint.every", "100000",
+                   "--optim.warmup_steps", "10", "--resume", "never"] + SIZES[size]
+
+
+def _summary(run_dir: Path) -> dict:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    start = next(r for r in rows if r["kind"] == "start")
+    train = [r for r in rows if r["kind"] == "train"][1:]            # the first window holds compilation
+    if not train:
+        raise RuntimeError(f"{run_dir}: no timed window after the first; train longer")
+    return {"params": start["params"], "tok_s": statistics.median(r["tok_s"] for r in train),
+            "mfu": statistics.median(r["mfu"] for r in train) if train[0]["mfu"] is not None else None,
+            "mem_gib": max(r["mem_gib"] or 0 for r in train), "loss": train[-1]["loss"],
+            "tokens_per_step": start["tokens_per_step"]}
+
+
+def run(args) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = out / "scaling.jsonl"
+    done = set()
+    if results.exists():
+        done = {(r["mixer"], r["size"], r["parallel"], r["gpus"]) for r in map(json.loads, results.open())}
+    import torch
+    n_gpus = torch.cuda.device_count()
+    if max(args.gpus) > n_gpus:
+        raise SystemExit(f"scaling.py: --gpus {max(args.gpus)} asked for but {n_gpus} GPU(s) are visible")
+    if not (out / "data" / "shards").exists():                     # the shared data cache, made once
+        subprocess.run(_cmd(out, "gdn", "125m", "ddp", 1, 1, out / "prepare") + ["--train.device", "cpu",
+                       "--model.hidden_size", "64", "--model.num_hidden_layers", "1", "--train.seq_len", "64",
+                       "--train.global_batch_size", "8", "--train.micro_batch_size", "8", "--train.dtype", "fp32",
+                       "--model.mixer_kwargs", "{gdn: {num_heads: 1}}"], check=True)
+    todo = [(m, s, p, g) for s in args.size for p in args.parallel for g in sorted(args.gpus) for m in args.mixers
+            if (m, s, p, g) not in done]
+    commit, gpu = _git("rev-parse", "--short", "HEAD"), torch.cuda.get_device_name(0)
+    while todo:
+        batch, free = [], n_gpus                                    # runs that fit the free GPUs, side by side
+        for job in list(todo):
+            if job[3] <= free:
+                batch.append((job, n_gpus - free))
+                free -= job[3]
+                todo.remove(job)
+        procs = []
+        for (mixer, size, parallel, gpus), first in batch:
+            run_dir = out / f"{mixer}-{size}-{parallel}-{gpus}"
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(first + i) for i in range(gpus)))
+            cmd = _cmd(out, mixer, size, parallel, gpus, args.steps, run_dir)
+            log = open(out / f"{run_dir.name}.log", "w")
+            procs.append(((mixer, size, parallel, gpus), run_dir, subprocess.Popen(cmd, stdout=log, stderr=log,
+                                                                                   env=env), time.time()))
+        for key, run_dir, proc, t0 in procs:
+            code = proc.wait()
+            row = {"mixer": key[0], "size": key[1], "parallel": key[2], "gpus": key[3], "commit": commit,
+                   "gpu": gpu, "wall_s": round(time.time() - t0, 1)}
+            try:
+                row.update(_summary(run_dir) if code == 0 else {"error": f"exit {code}, see {run_dir.name}.log"})
+            except (OSError, RuntimeError, StopIteration) as e:
+                row["error"] = str(e)
+            with results.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(json.dumps(row), flush=True)
+    print(table(results))
+
+
+def table(path) -> str:
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    one = {(r["mixer"], r["size"], r["parallel"]): r for r in rows if r["gpus"] == 1 and "tok_s" in r}
+    one_any = {(r["mixer"], r["size"]): r for r in rows if r["gpus"] == 1 and "tok_s" in r}
+    lines = ["| mixer | size | params | parallel | GPUs | tokens/s | scaling efficiency | MFU | peak memory (GiB) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["size"], r["mixer"], r["parallel"], r["gpus"])):
+        if "tok_s" not in r:
+            lines.append(f"| {r['mixer']} | {r['size']} | | {r['parallel']} | {r['gpus']} | {r['error']} | | | |")
+            continue
+        base = one.get((r["mixer"], r["size"], r["parallel"])) or one_any.get((r["mixer"], r["size"]))
+        eff = f"{r['tok_s'] / (r['gpus'] * base['tok_s']):.0%}" if base else "–"
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "–"
+        lines.append(f"| {r['mixer']} | {r['size']} | {r['params'] / 1e6:.0f}M | {r['parallel']} | {r['gpus']} | "
+                     f"{r['tok_s']:,.0f} | {eff} | {mfu} | {r['mem_gib']:.1f} |")
+    stamp = sorted({(r["commit"], r["gpu"]) for r in rows})
+    lines.append("")
+    lines.append("Measured at " + "; ".join(f"commit {c} on {g}" for c, g in stamp) + ".")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="what", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("out")
+    r.add_argument("--mixers", nargs="+", default=["attention", "gdn", "kaczmarz", "gka", "vla", "kalman"])
+    r.add_argument("--gpus", nargs="+", type=int, default=[1, 2, 4])
+    r.add_argument("--parallel", nargs="+", choices=["ddp", "fsdp"], default=["ddp"])
+    r.add_argument("--size", nargs="+", choices=list(SIZES), default=["125m"])
+    r.add_argument("--steps", type=int, default=40)
+    t = sub.add_parser("table")
+    t.add_argument("results")
+    args = p.parse_args(argv)
+    if args.what == "run":
+        run(args)
+    else:
+        print(table(args.results))
+
+
+if __name__ == "__main__":
+    main()
