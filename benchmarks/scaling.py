@@ -58,6 +58,16 @@ def _summary(run_dir: Path) -> dict:
             "tokens_per_step": start["tokens_per_step"]}
 
 
+def prepare(out: Path) -> None:
+    """The shared data cache OUT/data (tokenizer and shards), made once by a one-step CPU run of a tiny model."""
+    if (out / "data" / "shards" / "meta.json").exists():
+        return
+    subprocess.run(_cmd(out, "gdn", "125m", "ddp", 1, 1, out / "prepare") + [
+        "--train.device", "cpu", "--model.hidden_size", "64", "--model.num_hidden_layers", "1",
+        "--train.seq_len", "64", "--train.global_batch_size", "8", "--train.micro_batch_size", "8",
+        "--train.dtype", "fp32", "--model.mixer_kwargs", "{gdn: {num_heads: 1}}"], check=True)
+
+
 def run(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -69,11 +79,7 @@ def run(args) -> None:
     n_gpus = torch.cuda.device_count()
     if max(args.gpus) > n_gpus:
         raise SystemExit(f"scaling.py: --gpus {max(args.gpus)} asked for but {n_gpus} GPU(s) are visible")
-    if not (out / "data" / "shards").exists():                     # the shared data cache, made once
-        subprocess.run(_cmd(out, "gdn", "125m", "ddp", 1, 1, out / "prepare") + ["--train.device", "cpu",
-                       "--model.hidden_size", "64", "--model.num_hidden_layers", "1", "--train.seq_len", "64",
-                       "--train.global_batch_size", "8", "--train.micro_batch_size", "8", "--train.dtype", "fp32",
-                       "--model.mixer_kwargs", "{gdn: {num_heads: 1}}"], check=True)
+    prepare(out)
     todo = [(m, s, p, g) for s in args.size for p in args.parallel for g in sorted(args.gpus) for m in args.mixers
             if (m, s, p, g) not in done]
     commit, gpu = _git("rev-parse", "--short", "HEAD"), torch.cuda.get_device_name(0)
@@ -137,11 +143,15 @@ def main(argv=None) -> None:
     r.add_argument("--parallel", nargs="+", choices=["ddp", "fsdp"], default=["ddp"])
     r.add_argument("--size", nargs="+", choices=list(SIZES), default=["125m"])
     r.add_argument("--steps", type=int, default=40)
+    pr = sub.add_parser("prepare")
+    pr.add_argument("out")
     t = sub.add_parser("table")
     t.add_argument("results")
     args = p.parse_args(argv)
     if args.what == "run":
         run(args)
+    elif args.what == "prepare":
+        prepare(Path(args.out))
     else:
         print(table(args.results))
 

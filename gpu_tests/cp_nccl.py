@@ -105,9 +105,10 @@ def step_time(model, ids, reps, split=False):
                 loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         if split:                                   # one flat all-reduce of every gradient, as DDP's buckets
-            flat = torch.cat([p.grad.flatten() for p in params])
+            have = [p for p in params if p.grad is not None]
+            flat = torch.cat([p.grad.flatten() for p in have])
             dist.all_reduce(flat)
-            for p, g in zip(params, flat.split([p.numel() for p in params])):
+            for p, g in zip(have, flat.split([p.numel() for p in have])):
                 p.grad.copy_(g.view_as(p))
         torch.cuda.synchronize()
         if i >= 2:
