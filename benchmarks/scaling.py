@@ -40,7 +40,7 @@ def _cmd(out: Path, mixer: str, size: str, parallel: str, gpus: int, steps: int,
     base = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
             "-m", "kalmix.cli"] if gpus > 1 else [sys.executable, "-m", "kalmix.cli"]
     return base + ["train", "gpu-125m", "--model.mixer", mixer, "--run_dir", str(run_dir),
-                   "--data_dir", str(out / "data"), "--data.source", "stdlib", "--train.steps", str(steps),
+                   "--data_dir", str(out / "data"), "--data.source", "stdlib", "--data.val_fraction", "0.05", "--train.steps", str(steps),
                    "--train.parallel", parallel, "--log.every", "10", "--log.progress", "false",
                    "--eval.every", "100000", "--eval.rows", "8", "--checkpoint.every", "100000",
                    "--optim.warmup_steps", "10", "--resume", "never"] + SIZES[size]

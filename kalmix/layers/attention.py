@@ -147,13 +147,14 @@ class SoftmaxAttention(nn.Module):
 
     def _split(self, q, k, v) -> torch.Tensor:
         """This rank's piece of a split sequence: q, k, v [B, T, H, D] of the piece; its queries over the keys and
-        values of every rank up to its own (all-gathered, [B, S, H, D], S = start + T), rotary positions counted
-        from the sequence's start and the causal mask offset by ``start``: the varlen flash kernel with each row's
-        queries the last T of its S keys (``flash_eligible``), else SDPA with the offset mask."""
+        values of every rank up to its own (all-gathered, the later ranks' dropped: [B, S, H, D], S = start + T),
+        rotary positions counted from the sequence's start and the causal mask offset by ``start``: the varlen
+        flash kernel with each row's queries the last T of its S keys (``flash_eligible``), else SDPA with the
+        offset mask."""
         B, T, H, D = q.shape
         kv, start = self.context_split.gather(torch.cat([k, v], -1))
-        k, v = kv.chunk(2, -1)
-        S = kv.shape[1]
+        S = start + T                                   # the later pieces' keys are never attended
+        k, v = kv[:, :S].chunk(2, -1)
         q = rotary(q, torch.arange(start, start + T, device=q.device).expand(B, T), self.rope_theta)
         k = rotary(k, torch.arange(S, device=q.device).expand(B, S), self.rope_theta)
         if flash_eligible(q):
