@@ -42,7 +42,7 @@ def _cmd(out: Path, mixer: str, size: str, parallel: str, gpus: int, steps: int,
     return base + ["train", "gpu-125m", "--model.mixer", mixer, "--run_dir", str(run_dir),
                    "--data_dir", str(out / "data"), "--data.source", "stdlib", "--data.val_fraction", "0.05", "--train.steps", str(steps),
                    "--train.parallel", parallel, "--log.every", "10", "--log.progress", "false",
-                   "--eval.every", "100000", "--eval.rows", "8", "--checkpoint.every", "100000",
+                   "--eval.every", "100000", "--eval.rows", "64", "--checkpoint.every", "100000",
                    "--optim.warmup_steps", "10", "--resume", "never"] + SIZES[size]
 
 
@@ -82,7 +82,7 @@ def run(args) -> None:
     prepare(out)
     todo = [(m, s, p, g) for s in args.size for p in args.parallel for g in sorted(args.gpus) for m in args.mixers
             if (m, s, p, g) not in done]
-    commit, gpu = _git("rev-parse", "--short", "HEAD"), torch.cuda.get_device_name(0)
+    commit, gpu = args.commit or _git("rev-parse", "--short", "HEAD"), torch.cuda.get_device_name(0)
     while todo:
         batch, free = [], n_gpus                                    # runs that fit the free GPUs, side by side
         for job in list(todo):
@@ -143,6 +143,8 @@ def main(argv=None) -> None:
     r.add_argument("--parallel", nargs="+", choices=["ddp", "fsdp"], default=["ddp"])
     r.add_argument("--size", nargs="+", choices=list(SIZES), default=["125m"])
     r.add_argument("--steps", type=int, default=40)
+    r.add_argument("--commit", default=None, help="the commit the rows are stamped with (default: git's HEAD; "
+                   "give it where the tree was copied without its history)")
     pr = sub.add_parser("prepare")
     pr.add_argument("out")
     t = sub.add_parser("table")

@@ -9,7 +9,8 @@ whole batch on one device: logits, loss and the summed parameter gradients (all 
 vector; the worst single parameter is printed beside), relative error ≤ 1e-5 in fp32
 (matmuls without TF32); the hybrid also in bf16 through the flash kernel (≤ 2e-2). ``speed``: forward + backward
 + the gradient all-reduce of an 8-layer d_model 1024 model (bf16 autocast) on one sequence of T tokens, on rank
-0 alone and then split over all ranks; prints a table and appends JSON rows to ``$OUT``/cp_speed.jsonl if set.
+0 alone and then split over all ranks; prints a table and appends JSON rows to ``$OUT``/cp_speed.jsonl if set
+(stamped with ``$KALMIX_COMMIT``).
 """
 from __future__ import annotations
 
@@ -156,7 +157,7 @@ def speed(rank, world, T=65536, only=None, reps=3):
         except torch.OutOfMemoryError:
             many, memn = float("nan"), float("nan")
         if rank == 0:
-            row = {"model": name, "T": T, "gpus": world, "ms_1gpu": one, "ms_cp": many, "speedup": one / many,
+            row = {"model": name, "T": T, "gpus": world, "commit": os.environ.get("KALMIX_COMMIT", "unknown"), "ms_1gpu": one, "ms_cp": many, "speedup": one / many,
                    "mem_1gpu_gib": mem1, "mem_cp_gib": memn, "gpu": torch.cuda.get_device_name()}
             rows.append(row)
             print(f"cp speed {name:18s} T={T} 1 GPU {one:8.1f} ms {mem1:5.1f} GiB | {world} GPUs {many:8.1f} ms "

@@ -48,9 +48,19 @@ def _batch(world: int):
     return ids, labels
 
 
-def _case(rank: int, world: int, name: str, mode: str = "relay") -> str:
+def _case(rank: int, world: int, name: str, mode: str = "relay", varlen: bool = False) -> str:
     """One model on this rank, its mixers' states passed in ``mode``; on rank 0 returns "ok" or what differs from
-    the single process."""
+    the single process. ``varlen``: attention's pieces go through the varlen flash path, its kernel played by the
+    CPU stand-in of tests/layers/test_attention_varlen.py."""
+    if varlen:
+        import kalmix.layers.attention as attention
+        from tests.layers.test_attention_varlen import varlen_stand_in
+        saved = attention.flash_eligible, attention.varlen_causal
+        attention.flash_eligible, attention.varlen_causal = (lambda q: True), varlen_stand_in
+        try:
+            return _case(rank, world, name, mode)
+        finally:
+            attention.flash_eligible, attention.varlen_causal = saved
     model = _model(MODELS[name])
     params = [p for p in model.parameters() if p.requires_grad]
     ids, labels = _batch(world)
@@ -131,7 +141,7 @@ def _refusals(rank: int, world: int) -> str:
 def _cases() -> dict:
     return {**{name: functools.partial(_case, name=name) for name in MODELS},
             **{f"{name}-combine": functools.partial(_case, name=name, mode="combine") for name in COMBINE},
-            "ddp": _ddp, "refusals": _refusals}
+            "hybrid-varlen": functools.partial(_case, name="hybrid", varlen=True), "ddp": _ddp, "refusals": _refusals}
 
 
 @functools.cache
@@ -151,6 +161,13 @@ def test_matches_single_process(world, name):
 def test_combine_matches_single_process(world, name):
     """The same with mode="combine": the mixers' ops all-gather and compose their pieces' state maps."""
     assert _results(world)[f"{name}-combine"] == "ok"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_attention_varlen_pieces_match_single_process(world):
+    """The hybrid with attention's pieces through the varlen flash path (its CPU stand-in): each piece's queries
+    are the last of the keys up to the piece's end."""
+    assert _results(world)["hybrid-varlen"] == "ok"
 
 
 @pytest.mark.parametrize("world", [2, 4])
