@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 4 gpu_tests/cp_nccl.py check      # CP equal to one device (fp32 and bf16)
     torchrun --nproc-per-node 4 gpu_tests/cp_nccl.py speed [T] [MODELS]   # a training step at T tokens, 1 GPU vs N
+    python gpu_tests/cp_nccl.py table docs/results/multigpu/cp_speed.jsonl     # the markdown table of speed's rows
 
 ``check``: every kalmix mixer, the baselines and a GDN + attention hybrid, each rank's piece of a [2, 2048]
 batch through ``context_parallel_model`` (relay, and combine for the affine ops) on the Triton path, against the
@@ -170,8 +171,23 @@ def speed(rank, world, T=65536, only=None, reps=3):
                 f.write(json.dumps(r) + "\n")
 
 
+def table(path: str) -> str:
+    """The markdown table of ``speed``'s JSON rows."""
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    lines = ["| model | T | GPUs | 1 GPU (ms) | CP (ms) | speed-up | memory 1 GPU / CP per GPU (GiB) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["model"], r["gpus"])):
+        lines.append(f"| {r['model']} | {r['T']:,} | {r['gpus']} | {r['ms_1gpu']:.0f} | {r['ms_cp']:.0f} | "
+                     f"{r['speedup']:.2f}× | {r['mem_1gpu_gib']:.1f} / {r['mem_cp_gib']:.1f} |")
+    stamps = sorted({(r["commit"], r["gpu"]) for r in rows})
+    return "\n".join(lines + ["", "Measured at " + "; ".join(f"commit {c} on {g}" for c, g in stamps) + "."])
+
+
 def main():
     what = sys.argv[1] if len(sys.argv) > 1 else "check"
+    if what == "table":
+        print(table(sys.argv[2]))
+        return
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
