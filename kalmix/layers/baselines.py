@@ -11,6 +11,8 @@ from kalmix.layers.common import DecayGate, GatedRMSNorm, ShortConv, gated_norm_
 from kalmix.layers.documents import Documents
 from kalmix.ops import gated_linear_attention
 
+NORMALIZERS = ("denominator", "rmsnorm")
+
 
 class _GatedLinearLayer(MixerLayer):
     """What the three baselines on ``gated_linear_attention`` share: the op call, the impl check, ``state_size``.
@@ -43,28 +45,52 @@ class _GatedLinearLayer(MixerLayer):
 
 
 class LinearAttention(_GatedLinearLayer):
-    """Causal linear attention without decay or denominator (the VLA paper's "standard linear attention" baseline,
-    Katharopoulos et al.'s feature map): q, k, v projections; φ = elu + 1 on q and k; S_t = S_{t−1} + φ(k_t) v_tᵀ;
-    o = Sᵀφ(q) / √K; per-head RMSNorm; out projection.
+    """Causal linear attention without decay (Katharopoulos et al.'s, with their feature map; the VLA paper's
+    "standard linear attention" baseline): q, k, v projections; φ = elu + 1 on q and k; S_t = S_{t−1} + φ(k_t) v_tᵀ;
+    out projection. ``normalizer`` sets how the readout is scaled:
+
+    - ``"denominator"`` (default): o_t = S_tᵀφ(q_t) / max(φ(q_t)·Σ_{s≤t} φ(k_s), eps), no output norm: Katharopoulos
+      et al.'s layer, the VLA paper's §2.2 and its authors' released baseline (eps = 1e-6 there). The running key
+      sum rides in the state as one more value column (v gets a column of ones), so decoding, padding and packed
+      documents carry it: the state is [H, K, V + 1].
+    - ``"rmsnorm"``: o = Sᵀφ(q) / √K through a per-head RMSNorm, no denominator (fla's LinearAttention default).
 
     Args:
-        d_model: width; num_heads: H (K = V = d_model / H); norm_eps: of the output RMSNorm.
+        d_model: width; num_heads: H (K = V = d_model / H); normalizer: "denominator" | "rmsnorm"; eps: of the
+        denominator; norm_eps: of the RMSNorm; bias: biases on the q, k, v and out projections (the VLA release has
+        them, zero at init).
     """
 
-    def __init__(self, d_model: int, num_heads: int = 4, norm_eps: float = 1e-5, layer_idx: int = 0,
-                 impl: str | None = None):
+    def __init__(self, d_model: int, num_heads: int = 4, normalizer: str = "denominator", eps: float = 1e-6,
+                 norm_eps: float = 1e-5, bias: bool = False, layer_idx: int = 0, impl: str | None = None):
+        if normalizer not in NORMALIZERS:
+            raise ValueError(f"LinearAttention: normalizer must be one of {NORMALIZERS}, got {normalizer!r}")
         super().__init__(d_model, num_heads, d_model // num_heads, d_model // num_heads, layer_idx, impl)
+        self.normalizer, self.eps = normalizer, eps
         width = num_heads * self.head_k_dim
-        self.qkv_proj = nn.Linear(d_model, 3 * width, bias=False)
-        self.o_norm = GatedRMSNorm(self.head_v_dim, eps=norm_eps)
-        self.o_proj = nn.Linear(width, d_model, bias=False)
+        self.qkv_proj = nn.Linear(d_model, 3 * width, bias=bias)
+        if normalizer == "denominator":
+            self.scale = 1.0                            # the ratio is scale-free; 1 keeps eps on the raw sum
+        else:
+            self.o_norm = GatedRMSNorm(self.head_v_dim, eps=norm_eps)
+        self.o_proj = nn.Linear(width, d_model, bias=bias)
 
     def project(self, x, conv_state, doc_pos=None):
         q, k, v = self.qkv_proj(x).unflatten(-1, (3, self.num_heads, self.head_k_dim)).unbind(2)
+        if self.normalizer == "denominator":
+            v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)            # its readout: φ(q)·Σφ(k)
         return [F.elu(q) + 1, F.elu(k) + 1, v], None, conv_state
 
     def readout(self, o, extra, ctx, **kwargs):
-        return self.o_proj(self.o_norm(o).flatten(2)), None
+        if self.normalizer == "denominator":
+            o = (upcast(o[..., :-1]) / upcast(o[..., -1:]).clamp_min(self.eps)).to(o.dtype)
+        else:
+            o = self.o_norm(o)
+        return self.o_proj(o.flatten(2)), None
+
+    def state_size(self) -> int:
+        """Recurrent-state elements per sequence: S [H, K, V] (and the key sum [H, K] with the denominator)."""
+        return self.num_heads * self.head_k_dim * (self.head_v_dim + (self.normalizer == "denominator"))
 
 
 class GatedLinearAttention(_GatedLinearLayer):

@@ -121,12 +121,14 @@ class DecayGate(nn.Module):
     """Mamba-2 style data-dependent log decay g = −exp(A_log) · softplus(dt + dt_bias), one per head, from the
     pre-activation dt [B, T, H] that the owning layer's input projection computes.
 
-    Init: A ~ U(1, 16), Δ log-uniform in [dt_min, dt_max] (stored through the inverse softplus).
+    Init: A ~ U(a_init) (Mamba-2's (1, 16) by default; the released Gated DeltaNet, Kaczmarz and GKA layers draw
+    from (0, 16)), Δ log-uniform in [dt_min, dt_max] (stored through the inverse softplus).
     """
 
-    def __init__(self, num_heads: int, dt_min: float = 1e-3, dt_max: float = 0.1):
+    def __init__(self, num_heads: int, dt_min: float = 1e-3, dt_max: float = 0.1,
+                 a_init: tuple[float, float] = (1.0, 16.0)):
         super().__init__()
-        self.A_log = nn.Parameter(torch.empty(num_heads).uniform_(1, 16).log())
+        self.A_log = nn.Parameter(torch.empty(num_heads).uniform_(*a_init).log())
         dt = torch.exp(torch.rand(num_heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
         dt = dt.clamp_min(1e-4)
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))

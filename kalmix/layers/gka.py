@@ -10,77 +10,94 @@ from kalmix.layers.common import DecayGate, GatedRMSNorm, ShortConv, gated_norm_
 from kalmix.ops import gated_kalmanet
 
 
-BETA_SCALINGS = ("linear", "squared")
+BETA_SCALINGS = ("squared", "linear", "none")
 _BETA_EPS = 1e-6    # the released layer's offset: k and v are scaled by β + 1e-6
 
 
 class GatedKalmaNet(MixerLayer):
     """One input projection (q, k, v, output gate, β, α and decay pre-activations) + short conv (4, SiLU) over
-    q, k, v; q, k L2-normalised; β = sigmoid, α = sigmoid, Mamba-2 decay;
-    x_t = Chebyshev solve of (H_t + ridge·‖H_t‖_F I) x = q_t; o = U_tᵀ (q + α(x − q)) / √D;
+    q, k, v; q, k L2-normalised; β = sigmoid, α = sigmoid, Mamba-2 decay (A ~ U(0, 16), the released layer's
+    init); x_t = Chebyshev solve of (H_t + ridge·‖H_t‖_F I) x = q_t; o = U_tᵀ (q + α(x − q)) / √D;
     per-head gated RMSNorm; out projection.
 
     ``beta_scaling`` sets the weight w_t each token gets in H_t = γ_t H_{t-1} + w_t k_t k_tᵀ and
     U_t = γ_t U_{t-1} + w_t k_t v_tᵀ (the op's ``beta``):
 
-    - ``"linear"`` (default): w_t = β_t, the regression weight η_t of the paper's objective (3) and DESIGN §1.2.
-    - ``"squared"``: w_t = (β_t + 1e-6)², what the authors' released layer computes by scaling both k_t and v_t
-      by β_t + 1e-6 before its kernels.
+    - ``"squared"`` (default): w_t = (β_t + 1e-6)², what the authors' released layer computes by scaling both k_t
+      and v_t by β_t + 1e-6 before its kernels (its ``use_beta_gate``, on by default).
+    - ``"linear"``: w_t = β_t, the same range with β itself as the weight.
+    - ``"none"``: w_t = 1, no β projection: the paper's objective (3), whose weights come from the decay alone
+      (§4.1), as in its MQAR experiments (Fig. 3a).
 
-    Both reach every weight in (0, 1), so the choice changes the parameterisation (and its gradients), not what
-    the layer can express. The default is ``"linear"``: it is the paper's weighted ridge regression with β as the
-    weight, so the op's ``beta`` is that weight; ``"squared"`` reproduces the released layer.
+    The default is the released layer's: the paper's equations have no β, and its authors train with the β gate.
+    ``use_decay=False`` (γ = 1) and ``use_alpha=False`` (α = 1: the pure solve) drop those gates and their
+    projections; with ``beta_scaling="none"`` they give the layer of the paper's Fig. 3a ("without any gating or
+    α-connection").
 
     Args:
         d_model: width; num_heads: H; head_dim: D (K = V = D); ridge, num_iters: of the solve (DESIGN §1.2);
-        beta_scaling: "linear" | "squared".
+        norm_eps: of the output norm (the released layer's 1e-6); beta_scaling: "squared" | "linear" | "none";
+        use_decay, use_alpha: keep the decay gate and the α-connection.
     """
 
     def __init__(self, d_model: int, num_heads: int = 4, head_dim: int | None = None, conv_size: int = 4,
-                 ridge: float = 0.02, num_iters: int | None = 30, norm_eps: float = 1e-5,
-                 beta_scaling: str = "linear", layer_idx: int = 0, impl: str | None = None):
+                 ridge: float = 0.02, num_iters: int | None = 30, norm_eps: float = 1e-6,
+                 beta_scaling: str = "squared", use_decay: bool = True, use_alpha: bool = True, layer_idx: int = 0,
+                 impl: str | None = None):
         super().__init__()
         if beta_scaling not in BETA_SCALINGS:
             raise ValueError(f"GatedKalmaNet: beta_scaling must be one of {BETA_SCALINGS}, got {beta_scaling!r}")
-        self.beta_scaling = beta_scaling
+        self.beta_scaling, self.use_decay, self.use_alpha = beta_scaling, use_decay, use_alpha
         self.d_model, self.layer_idx, self.impl = d_model, layer_idx, impl
         self.num_heads = num_heads
         self.head_dim = head_dim or d_model // num_heads
         self.ridge, self.num_iters = ridge, num_iters
         width = num_heads * self.head_dim
-        self.splits = (3 * width, width, num_heads, num_heads, num_heads)      # q|k|v, gate, β, α, decay
+        on = {"beta": beta_scaling != "none", "alpha": use_alpha, "g": use_decay}
+        self.proj_gates = tuple(n for n in ("beta", "alpha", "g") if on[n])    # their pre-activations' order
+        self.gates = tuple(n for n in ("g", "beta", "alpha") if on[n])         # the op's arguments, in its order
+        self.splits = (3 * width, width) + (num_heads,) * len(self.proj_gates)  # q|k|v, gate, β, α, decay
         self.in_proj = nn.Linear(d_model, sum(self.splits), bias=False)
         self.conv = ShortConv(3 * width, conv_size)                        # q, k, v channels in one conv
-        self.beta_bias = nn.Parameter(torch.zeros(num_heads))
-        self.alpha_bias = nn.Parameter(torch.zeros(num_heads))
-        self.decay = DecayGate(num_heads)
+        if on["beta"]:
+            self.beta_bias = nn.Parameter(torch.zeros(num_heads))
+        if use_alpha:
+            self.alpha_bias = nn.Parameter(torch.zeros(num_heads))
+        if use_decay:
+            self.decay = DecayGate(num_heads, a_init=(0.0, 16.0))
         self.o_norm = GatedRMSNorm(self.head_dim, eps=norm_eps)
         self.o_proj = nn.Linear(width, d_model, bias=False)
 
     def project(self, x, conv_state, doc_pos=None):
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
-        qkv, gate, beta, alpha, dt = self.in_proj(x).split(self.splits, dim=-1)
+        qkv, gate, *pre = self.in_proj(x).split(self.splits, dim=-1)
+        pre = dict(zip(self.proj_gates, pre))
         qkv, conv_state = self.conv(qkv, conv_state, doc_pos=doc_pos)
         q, k, v = qkv.view(B, T, 3, H, D).unbind(2)
         q = F.normalize(q, dim=-1, eps=1e-6)
         k = F.normalize(k, dim=-1, eps=1e-6)
-        beta = torch.sigmoid(beta + self.beta_bias)
-        if self.beta_scaling == "squared":
-            beta = (beta + _BETA_EPS) ** 2
-        alpha = torch.sigmoid(alpha + self.alpha_bias)
-        g = self.decay(dt)                                             # fp32 (at least)
-        return [q, k, v, g, beta, alpha], gate, conv_state
+        gates = {}
+        if "beta" in pre:
+            beta = torch.sigmoid(pre["beta"] + self.beta_bias)
+            gates["beta"] = (beta + _BETA_EPS) ** 2 if self.beta_scaling == "squared" else beta
+        if "alpha" in pre:
+            gates["alpha"] = torch.sigmoid(pre["alpha"] + self.alpha_bias)
+        if "g" in pre:
+            gates["g"] = self.decay(pre["g"])                          # fp32 (at least)
+        return [q, k, v, *(gates[n] for n in self.gates)], gate, conv_state
 
     def step_impl(self, device):
         """Decoding runs the op's Triton step (one launch per token) wherever the layer runs Triton."""
         return "triton" if self.impl == "triton" or (self.impl is None and device.type == "cuda") else "naive"
 
     def mix(self, inputs, initial_state, output_final_state, cu_seqlens, impl, **kwargs):
-        # g <= 0 and β = sigmoid >= 0 by construction: no host sync for checking them
-        o, state = self.run_op(gated_kalmanet, *inputs, ridge=self.ridge, num_iters=self.num_iters,
-                               initial_state=initial_state, output_final_state=output_final_state,
-                               cu_seqlens=cu_seqlens, impl=impl, check_values=False)
+        # g <= 0 and β = sigmoid >= 0 by construction: no host sync for checking them; a gate left out is the op's
+        # default (γ = 1, β = 1, α = 1)
+        o, state = self.run_op(gated_kalmanet, *inputs[:3], **dict(zip(self.gates, inputs[3:])), ridge=self.ridge,
+                               num_iters=self.num_iters, initial_state=initial_state,
+                               output_final_state=output_final_state, cu_seqlens=cu_seqlens, impl=impl,
+                               check_values=False)
         return o, None, state
 
     def readout(self, o, extra, gate, **kwargs):

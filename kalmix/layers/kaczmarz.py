@@ -13,8 +13,9 @@ from kalmix.ops import kaczmarz_attention
 
 class KaczmarzAttention(MixerLayer):
     """One input projection (q, k, v, output gate, η and decay pre-activations) + short conv (4, SiLU) over q, k, v;
-    q L2-normalised, k raw; η = sigmoid, Mamba-2 decay;
+    q L2-normalised, k raw; η = sigmoid, Mamba-2 decay (A ~ U(0, 16), the released layer's init);
     S_t = γS + η/(‖k‖² + eps) · k (v − γSᵀk)ᵀ; o = Sᵀq / √K; per-head gated RMSNorm; out projection.
+    The released MQAR configs use K = 0.75 · d_model / H and V = 2K (``head_k_dim``, ``expand_v=2``).
 
     Args:
         d_model: width; num_heads: H; head_k_dim: K; expand_v: V = expand_v · K; eps: of the Kaczmarz step.
@@ -36,7 +37,7 @@ class KaczmarzAttention(MixerLayer):
         self.in_proj = nn.Linear(d_model, sum(self.splits), bias=False)
         self.conv = ShortConv(2 * kw + vw, conv_size)                      # q, k, v channels in one conv
         self.eta_bias = nn.Parameter(torch.zeros(num_heads))
-        self.decay = DecayGate(num_heads)
+        self.decay = DecayGate(num_heads, a_init=(0.0, 16.0))
         self.o_norm = GatedRMSNorm(self.head_v_dim, eps=norm_eps)
         self.o_proj = nn.Linear(vw, d_model, bias=False)
 
