@@ -7,9 +7,9 @@ weights (as ``kalmix train`` runs it: ``build_model``, ``param_groups``) — on 
   (gka with softmax attention in every 4th layer), fla's own ``DeltaNetForCausalLM`` (CUDA only) and transformers'
   ``LlamaForCausalLM`` with ``attn_implementation="sdpa"``; every one with SwiGLU MLPs and tied embeddings;
 * parameter counts matched: each model is counted on the meta device before it is built; one whose count differs
-  from Llama's by more than the tolerance is sized — Kalman first tries its paper's layer (expand 2), then expand 1;
-  then its SwiGLU width is set to the multiple of 64 that brings the count nearest to Llama's — and a set that
-  still misses is refused (``ParamMismatchError``);
+  from Llama's by more than the tolerance is sized — its SwiGLU width set to the multiple of 64 that brings the
+  count nearest to Llama's, for Kalman with its paper's layer (expand 2) first, then with expand 1 — and a set
+  that still misses is refused (``ParamMismatchError``);
 * plain rows, and packed rows: documents laid end to end in each row (``packed_cu_seqlens``: lengths drawn from a
   log-normal distribution of median ``doc_median`` tokens and σ = 1, seed 0, the last document of a row cut at its
   end; the same documents for every model). kalmix models take ``cu_seqlens``, fla's model its packed layout
@@ -67,16 +67,16 @@ class LMBenchConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    models: list[str] = Field(default_factory=lambda: list(MODELS))
+    models: list[str] = Field(default_factory=lambda: list(MODELS), min_length=1)
     preset: Literal["default", "125m"] = "default"
     layers: int | None = Field(None, ge=1)
     d_model: int | None = Field(None, ge=8)
     vocab_size: int | None = Field(None, ge=2)
     num_heads: int | None = Field(None, ge=1)
     attention_heads: int | None = Field(None, ge=1)
-    seq_lens: list[int] = [2048, 16384, 65536]
+    seq_lens: list[int] = Field([2048, 16384, 65536], min_length=1)
     tokens: int = Field(65536, ge=1)
-    packing: list[Literal["plain", "packed"]] = ["plain", "packed"]
+    packing: list[Literal["plain", "packed"]] = Field(["plain", "packed"], min_length=1)
     doc_median: int = Field(1024, ge=1)
     prefill: bool = False
     warmup: int = Field(3, ge=0)
@@ -93,8 +93,6 @@ class LMBenchConfig(BaseModel):
         unknown = [m for m in self.models if m not in MODELS]
         if unknown:
             raise ValueError(f"bench lm: unknown model(s) {unknown}; expected any of {', '.join(MODELS)}")
-        if not self.models:
-            raise ValueError(f"bench lm: no models given; expected any of {', '.join(MODELS)}")
         for T in self.seq_lens:
             if T < 2 or self.tokens % T:
                 raise ValueError(f"bench lm: T = {T} does not divide the {self.tokens} tokens per step (B = tokens "
@@ -204,8 +202,10 @@ def size_to(spec: Spec, shape: LMShape, target: int, tolerance: float) -> Spec:
     within ``tolerance`` (else the nearest)."""
     best = None
     for variant in _VARIANTS.get(spec.name, ({},)):
-        s = replace(spec, mixer_kwargs={**spec.mixer_kwargs, spec.mixer: {**spec.mixer_kwargs[spec.mixer], **variant}}
-                    ) if variant else spec
+        s = spec
+        if variant:
+            s = replace(spec, mixer_kwargs={**spec.mixer_kwargs, spec.mixer: {**spec.mixer_kwargs[spec.mixer],
+                                                                              **variant}})
         n0 = count_params(s, shape)
         per_step = count_params(replace(s, intermediate_size=s.intermediate_size + _MLP_MULTIPLE), shape) - n0
         width = max(_MLP_MULTIPLE, s.intermediate_size + _MLP_MULTIPLE * round((target - n0) / per_step))
@@ -470,6 +470,7 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     paths = []
     ok = [r for r in rows if r["status"] == "ok"]
@@ -481,10 +482,11 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
             for name in dict.fromkeys(r["model"] for r in sel):
                 pts = sorted((r["T"], r["tokens_per_s"]) for r in sel if r["model"] == name)
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name,
-                        linestyle="--" if name in REFERENCES else "-")
+                        color=f"C{MODELS.index(name)}", linestyle="--" if name in REFERENCES else "-")
             ax.set(xscale="log", yscale="log", xlabel="T (tokens per row)", ylabel="tokens/s",
                    title=f"{mode}, {packing} rows ({sel[0]['tokens']} tokens per step)")
             ax.set_xticks(sorted({r["T"] for r in sel}), [str(t) for t in sorted({r["T"] for r in sel})])
+            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
             ax.legend(fontsize=7, loc="best")
         fig.suptitle(f"kalmix bench lm: {ok[0]['device_name']}, git {ok[0]['git']}", fontsize=9)
         fig.tight_layout()

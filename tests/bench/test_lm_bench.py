@@ -94,15 +94,22 @@ def test_mfu_uses_the_trainers_flop_model(cpu_run):
             assert float(r["mfu"]) == pytest.approx(float(r["tokens_per_s"]) * fpt / (PEAK_TFLOPS * 1e12))
 
 
-def test_llama_flops_equal_the_same_kalmix_attention_models():
-    """Llama (q, k, v, o; SwiGLU; tied head) and a kalmix attention model of the same shape hold the same linear
-    weights and attention: the same FLOPs per token."""
+def test_reference_flops_equal_the_same_kalmix_models():
+    """Llama (q, k, v, o; SwiGLU; tied head) holds the linear weights and attention of a kalmix attention model of
+    the same shape, fla's DeltaNetForCausalLM those of a kalmix model of fla's DeltaNet layer: the same FLOPs per
+    token under the trainer's model."""
+    from kalmix.models import KalmixConfig, KalmixForCausalLM
     shape = LMBenchConfig(device="cpu").shape()
-    sp = specs(shape, ["attention", "llama"])
+    sp = specs(shape, ["attention", "fla_deltanet", "llama"])
     with torch.device("meta"):
         llama, attention = lm.build(sp["llama"], shape), lm.build(sp["attention"], shape)
+        fla = lm.build(sp["fla_deltanet"], shape)
+        deltanet = KalmixForCausalLM(KalmixConfig(vocab_size=shape.vocab_size, hidden_size=shape.d_model,
+                                                  num_hidden_layers=shape.layers, mixer="deltanet",
+                                                  mixer_kwargs={"deltanet": {"num_heads": shape.num_heads}}))
     for T in (2048, 65536):
         assert flops_per_token(llama, sp["llama"], T) == lm_flops_per_token(attention, T)
+        assert flops_per_token(fla, sp["fla_deltanet"], T) == lm_flops_per_token(deltanet, T)
 
 
 def test_markdown_table_from_csv(cpu_run):
@@ -218,6 +225,7 @@ def test_failing_row_is_reported_and_the_exit_status_says_so(monkeypatch, tmp_pa
     (["--num-heads", "3"], r"num_heads = 3 must split d_model = 1024 into heads of an even size"),
     (["--tolerance", "0"], r"tolerance"),
     (["--steps", "0"], r"steps"),
+    (["--seq-lens"], r"expected at least one argument"),
     (["--preset", "7b"], r"invalid choice: '7b'"),
 ])
 def test_bad_arguments_are_named(args, message, capsys):
