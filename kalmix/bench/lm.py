@@ -420,8 +420,8 @@ def run(cfg: LMBenchConfig, progress: bool | None = None) -> list[dict]:
                 row["status"] = f"error: {type(err).__name__}: {first}"
             _free(device)
         rows.append({**row, "peak_TFLOPs": peak / 1e12 if peak else math.nan, "dtype": "bf16 autocast",
-                     "device_name": meta["device_name"], "git": meta["git"], "torch": meta["torch"],
-                     "triton": meta["triton"], "fla": meta["fla"]})
+                     "device": device.type, "device_name": meta["device_name"], "git": meta["git"],
+                     "torch": meta["torch"], "triton": meta["triton"], "fla": meta["fla"]})
         add_ratios(rows)
         write_csv(rows, csv_path)                         # after every row: an interrupted run keeps its rows
     if cfg.plots:
@@ -448,7 +448,7 @@ def format_table(rows: list[dict], device: torch.device) -> str:
     """The printed table: one line per row, with the versions, GPU and commit of the run."""
     r0 = rows[0]
     lines = [f"{r0['device_name']}  torch {r0['torch']}  triton {r0['triton']}  fla {r0['fla']}  git {r0['git']}  "
-             f"{r0['tokens']} tokens per step, bf16 autocast, fused AdamW"]
+             f"{r0['tokens']} tokens per step, bf16 autocast, AdamW (fused on CUDA)"]
     if device.type != "cuda":
         lines.append("NOTE: CPU run - these times say nothing about GPU speed.")
     head = (f"{'model':13s} {'params':>8s} {'×llama':>6s} {'mode':7s} {'packing':7s} {'T':>6s} {'B':>4s} "
@@ -498,7 +498,8 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
 
 
 _TABLE_COLUMNS = ("model", "mode", "packing", "T", "tokens", "params", "params_vs_llama", "tokens_per_s", "mfu",
-                  "peak_GiB", "vs_fla_deltanet", "vs_llama", "status", "device_name", "git", "torch", "triton", "fla")
+                  "peak_GiB", "vs_fla_deltanet", "vs_llama", "status", "device", "device_name", "git", "torch",
+                  "triton", "fla")
 
 
 def _num(s: str) -> float:
@@ -520,8 +521,9 @@ def markdown_table(csv_path: str) -> str:
     r0 = rows[0]
     out = [f"`kalmix bench lm` on {r0['device_name']}, commit {r0['git']} (torch {r0['torch']}, triton "
            f"{r0['triton']}, fla {r0['fla'] or '-'}); {int(r0['tokens']):,} tokens per step, bf16 autocast, fp32 "
-           f"weights, fused AdamW. Each cell: tokens/s (× fla's DeltaNetForCausalLM, × Llama at the same T and "
-           f"packing) · MFU · peak memory."]
+           f"weights, AdamW (fused on CUDA). Each cell: tokens/s (× fla's DeltaNetForCausalLM, × Llama at the same T "
+           f"and packing) · MFU · peak memory."
+           + (" A CPU run: these times say nothing about GPU speed." if r0["device"] == "cpu" else "")]
     for mode in dict.fromkeys(r["mode"] for r in rows):
         sel = [r for r in rows if r["mode"] == mode]
         cols = sorted({(int(r["T"]), r["packing"]) for r in sel}, key=lambda c: (c[0], c[1] != "plain"))

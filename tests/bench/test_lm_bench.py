@@ -42,7 +42,7 @@ def test_cpu_run_writes_one_row_per_model_T_packing_and_mode(cpu_run):
     rows, out, printed = cpu_run
     assert {"model", "source", "layers", "mode", "packing", "T", "B", "tokens", "documents", "params",
             "params_vs_llama", "intermediate_size", "sized", "steps", "ms_median", "tokens_per_s", "mfu",
-            "peak_GiB", "vs_fla_deltanet", "vs_llama", "status", "peak_TFLOPs", "device_name", "git", "torch",
+            "peak_GiB", "vs_fla_deltanet", "vs_llama", "status", "peak_TFLOPs", "device", "device_name", "git", "torch",
             "triton", "fla"} <= set(rows[0])
     keys = [(r["model"], r["T"], r["packing"], r["mode"]) for r in rows]
     assert len(keys) == len(set(keys)) == 4 * 2 * 2 * 2
@@ -118,6 +118,7 @@ def test_markdown_table_from_csv(cpu_run):
     r0 = rows[0]
     assert f"on {r0['device_name']}, commit {r0['git']}" in text and f"torch {r0['torch']}" in text
     assert "**training step**" in text and "**prefill (forward)**" in text
+    assert "A CPU run: these times say nothing about GPU speed." in text
     assert "| model | params (× Llama) | T = 32 | T = 32 packed | T = 64 | T = 64 packed |" in text
     lines = {line.split(" | ")[0][2:]: line for line in text.splitlines() if line.startswith("| ")}
     assert lines["fla_deltanet"].count("unavailable: needs CUDA") == 4
