@@ -426,7 +426,7 @@ def run(cfg: LMBenchConfig, progress: bool | None = None) -> list[dict]:
         write_csv(rows, csv_path)                         # after every row: an interrupted run keeps its rows
     if cfg.plots:
         plot(rows, cfg.out)
-    print(format_table(rows, device))
+    print(format_table(rows))
     return rows
 
 
@@ -444,12 +444,12 @@ def _fmt(x, spec: str) -> str:
     return format(x, spec) if x == x else "-"
 
 
-def format_table(rows: list[dict], device: torch.device) -> str:
+def format_table(rows: list[dict]) -> str:
     """The printed table: one line per row, with the versions, GPU and commit of the run."""
     r0 = rows[0]
     lines = [f"{r0['device_name']}  torch {r0['torch']}  triton {r0['triton']}  fla {r0['fla']}  git {r0['git']}  "
              f"{r0['tokens']} tokens per step, bf16 autocast, AdamW (fused on CUDA)"]
-    if device.type != "cuda":
+    if r0["device"] == "cpu":
         lines.append("NOTE: CPU run - these times say nothing about GPU speed.")
     head = (f"{'model':13s} {'params':>8s} {'×llama':>6s} {'mode':7s} {'packing':7s} {'T':>6s} {'B':>4s} "
             f"{'tokens/s':>11s} {'MFU %':>5s} {'peak GiB':>8s} {'×fla':>5s} {'×llama':>6s}  status")
