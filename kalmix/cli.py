@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
                               "the kernels' GPU time", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_decode_flags(decode)
     _add_recipe_parsers(tasks)
+    _add_lm_parser(tasks)
     _add_speed_parser(sub)
     _add_generate_parser(sub)
     _add_train_parsers(sub)
@@ -61,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         return _run_plot(args, parser)
     if args.task == "decode":
         return _run_decode(args, parser)
+    if args.task == "lm":
+        from kalmix.bench.lm import main as run_lm
+        return run_lm(args, parser)
     if args.task == "run":
         return _run_recipe(args, parser)
     if args.task == "report":
@@ -111,6 +115,16 @@ def _run_decode(args, parser) -> int:
         parser.error(str(e))
     run_decode(cfg)
     return 0
+
+
+def _add_lm_parser(tasks) -> None:
+    from kalmix.bench.lm import add_arguments
+    add_arguments(tasks.add_parser(
+        "lm", help="training throughput of whole models side by side (every mixer, a hybrid, fla's DeltaNet, "
+        "Llama) at matched parameter counts", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Times each model's training step (forward, backward, fused AdamW; bf16 autocast) at each T "
+        "with B x T tokens per step, on plain and packed rows; writes lm.csv and PNG plots to --out and prints a "
+        "table. --table CSV prints the markdown table of a CSV instead."))
 
 
 def _add_recipe_parsers(tasks) -> None:

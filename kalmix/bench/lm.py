@@ -1,0 +1,609 @@
+"""`kalmix bench lm`: training throughput of whole language models side by side, at matched parameter counts.
+
+Each row times one model's training step — forward, backward and a fused AdamW step, under bf16 autocast with fp32
+weights (as ``kalmix train`` runs it: ``build_model``, ``param_groups``) — on B × T tokens, B = tokens // T:
+
+* the models: a ``KalmixForCausalLM`` of every kalmix mixer (attention, gdn, kaczmarz, gka, vla, kalman), a hybrid
+  (gka with softmax attention in every 4th layer), fla's own ``DeltaNetForCausalLM`` (CUDA only) and transformers'
+  ``LlamaForCausalLM`` with ``attn_implementation="sdpa"``; every one with SwiGLU MLPs and tied embeddings;
+* parameter counts matched: each model is counted on the meta device before it is built; one whose count differs
+  from Llama's by more than the tolerance is sized — its SwiGLU width set to the multiple of 64 that brings the
+  count nearest to Llama's, for Kalman with its paper's layer (expand 2) first, then with expand 1 — and a set
+  that still misses is refused (``ParamMismatchError``);
+* plain rows, and packed rows: documents laid end to end in each row (``packed_cu_seqlens``: lengths drawn from a
+  log-normal distribution of median ``doc_median`` tokens and σ = 1, seed 0, the last document of a row cut at its
+  end; the same documents for every model). kalmix models take ``cu_seqlens``, fla's model its packed layout
+  [1, B·T] with ``cu_seqlens``, Llama ``position_ids`` that restart at each document (transformers' padding-free
+  convention, a block-diagonal mask under SDPA);
+* metrics: tokens/s from the median of ``steps`` timed steps after ``warmup`` (CUDA events on a GPU), MFU under the
+  trainer's FLOP model (``lm_flops_per_token``: attention counts a row's whole causal triangle, packed or not; fla's
+  DeltaNet as the delta rule, Llama's attention as causal SDPA) against the GPU's bf16 dense peak, peak memory
+  (``torch.cuda.max_memory_allocated``, reset before each row's model is built: weights, gradients, optimizer state
+  and activations), and tokens/s as a ratio to fla's DeltaNet and to Llama at the same T and packing. A row that
+  runs out of memory is "oom"; the run goes on.
+
+``--prefill`` adds rows timing the forward alone (no gradients; the last position's logits), as a prompt's prefill.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import importlib.util
+import math
+import os
+import statistics
+import sys
+import time
+import typing
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import torch
+import torch.nn as nn
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from kalmix.bench.models import Shape, lm_flops_per_token, op_flops
+from kalmix.bench.speed import versions, write_csv
+
+KALMIX_MODELS = ("attention", "gdn", "kaczmarz", "gka", "vla", "kalman")
+MODELS = (*KALMIX_MODELS, "hybrid", "fla_deltanet", "llama")
+HYBRID_ATTENTION_EVERY = 4                # the hybrid: gka, softmax attention in layers 3, 7, ...
+REFERENCES = ("fla_deltanet", "llama")    # tokens/s ratios are taken against these; Llama's count is the target
+# the model shapes: the issue's (8 blocks of width 1024, 8 heads of 128) and `kalmix train gpu-125m`'s
+PRESETS = {"default": dict(layers=8, d_model=1024, vocab_size=32000, num_heads=8, attention_heads=8),
+           "125m": dict(layers=12, d_model=768, vocab_size=32768, num_heads=6, attention_heads=12)}
+# mixer arguments tried in turn when a model is sized, before its SwiGLU width: the paper's layer first
+_VARIANTS = {"kalman": ({}, {"expand": 1})}
+_MLP_MULTIPLE = 64
+
+
+class ParamMismatchError(ValueError):
+    """A set of models whose parameter counts are not within the tolerance of Llama's."""
+
+
+class LMBenchConfig(BaseModel):
+    """One run; every field is a CLI flag (kebab-case). Shape fields left None come from ``preset``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    models: list[str] = Field(default_factory=lambda: list(MODELS), min_length=1)
+    preset: Literal["default", "125m"] = "default"
+    layers: int | None = Field(None, ge=1)
+    d_model: int | None = Field(None, ge=8)
+    vocab_size: int | None = Field(None, ge=2)
+    num_heads: int | None = Field(None, ge=1)
+    attention_heads: int | None = Field(None, ge=1)
+    seq_lens: list[int] = Field([2048, 16384, 65536], min_length=1)
+    tokens: int = Field(65536, ge=1)
+    packing: list[Literal["plain", "packed"]] = Field(["plain", "packed"], min_length=1)
+    doc_median: int = Field(1024, ge=1)
+    prefill: bool = False
+    warmup: int = Field(3, ge=0)
+    steps: int = Field(10, ge=1)
+    tolerance: float = Field(0.05, gt=0, lt=1)
+    size: bool = True
+    device: str = "cuda"
+    peak_tflops: float | None = Field(None, gt=0)
+    out: str = "runs/bench_lm"
+    plots: bool = True
+
+    @model_validator(mode="after")
+    def _check(self):
+        unknown = [m for m in self.models if m not in MODELS]
+        if unknown:
+            raise ValueError(f"bench lm: unknown model(s) {unknown}; expected any of {', '.join(MODELS)}")
+        for T in self.seq_lens:
+            if T < 2 or self.tokens % T:
+                raise ValueError(f"bench lm: T = {T} does not divide the {self.tokens} tokens per step (B = tokens "
+                                 f"// T rows of T tokens; T >= 2); pick T among the divisors of --tokens")
+        s = self.shape()
+        for heads, what in ((s.num_heads, "num_heads"), (s.attention_heads, "attention_heads")):
+            if s.d_model % heads or (s.d_model // heads) % 2:
+                raise ValueError(f"bench lm: {what} = {heads} must split d_model = {s.d_model} into heads of an "
+                                 f"even size")
+        return self
+
+    def shape(self) -> "LMShape":
+        """The preset's shape with the fields given here."""
+        return LMShape(**{k: getattr(self, k) if getattr(self, k) is not None else v
+                          for k, v in PRESETS[self.preset].items()})
+
+
+@dataclass(frozen=True)
+class LMShape:
+    """Blocks, width, vocabulary; heads of the recurrent mixers and fla's DeltaNet (head size d_model / num_heads)
+    and of softmax attention (Llama's, kalmix attention's, the hybrid's)."""
+    layers: int
+    d_model: int
+    vocab_size: int
+    num_heads: int
+    attention_heads: int
+
+
+@dataclass
+class Spec:
+    """One benchmarked model: ``source`` "kalmix" (a ``KalmixForCausalLM`` of ``mixer``, attention every
+    ``attention_every``-th layer if set), "fla" or "transformers"; SwiGLU width ``intermediate_size``; ``sized``
+    says what matching the parameter count changed."""
+    name: str
+    source: str
+    intermediate_size: int
+    mixer: str | None = None
+    attention_every: int | None = None
+    mixer_kwargs: dict = field(default_factory=dict)
+    sized: str = ""
+
+    def layers(self, shape: LMShape) -> str:
+        """What its blocks hold, e.g. "gka ×6, attention ×2"."""
+        if self.source == "fla":
+            return f"fla DeltaNet ×{shape.layers}"
+        if self.source == "transformers":
+            return f"Llama SDPA attention ×{shape.layers}"
+        n_attn = shape.layers // self.attention_every if self.attention_every else 0
+        return f"{self.mixer} ×{shape.layers - n_attn}" + (f", attention ×{n_attn}" if n_attn else "")
+
+
+def specs(shape: LMShape, names=MODELS) -> dict[str, Spec]:
+    """The unsized models of ``names`` (Llama is always among them: its count is the target). The recurrent mixers
+    and fla's DeltaNet get ``num_heads`` heads, softmax attention ``attention_heads``; Kalman its paper's layer
+    (expand 2, N = 16, H = 1)."""
+    from kalmix.models import KalmixConfig
+    width = KalmixConfig(hidden_size=shape.d_model).intermediate_size       # 8/3 · d rounded up to 64, everywhere
+    attn = {"num_heads": shape.attention_heads}
+    out = {}
+    for name in dict.fromkeys([*names, "llama"]):
+        if name in KALMIX_MODELS:
+            kw = {} if name == "kalman" else attn if name == "attention" else {"num_heads": shape.num_heads}
+            out[name] = Spec(name, "kalmix", width, mixer=name, mixer_kwargs={name: kw})
+        elif name == "hybrid":
+            out[name] = Spec(name, "kalmix", width, mixer="gka", attention_every=HYBRID_ATTENTION_EVERY,
+                             mixer_kwargs={"gka": {"num_heads": shape.num_heads}, "attention": attn})
+        elif name == "fla_deltanet":
+            out[name] = Spec(name, "fla", width)
+        else:
+            out[name] = Spec(name, "transformers", width)
+    return out
+
+
+def build(spec: Spec, shape: LMShape, max_len: int = 65536) -> nn.Module:
+    """The model of ``spec`` (fp32 weights on torch's current default device; ``with torch.device("meta")`` to
+    count it)."""
+    if spec.source == "kalmix":
+        from kalmix.train.config import TrainConfig
+        from kalmix.train.loop import build_model
+        model = dict(mixer=spec.mixer, attention_every=spec.attention_every, hidden_size=shape.d_model,
+                     num_hidden_layers=shape.layers, intermediate_size=spec.intermediate_size,
+                     mixer_kwargs=spec.mixer_kwargs)
+        return build_model(TrainConfig(model=model), shape.vocab_size)
+    if spec.source == "fla":
+        from fla.models import DeltaNetConfig, DeltaNetForCausalLM
+        return DeltaNetForCausalLM(DeltaNetConfig(
+            vocab_size=shape.vocab_size, hidden_size=shape.d_model, num_hidden_layers=shape.layers,
+            num_heads=shape.num_heads, intermediate_size=spec.intermediate_size, tie_word_embeddings=True,
+            norm_eps=1e-5))
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=shape.vocab_size, hidden_size=shape.d_model, num_hidden_layers=shape.layers,
+        num_attention_heads=shape.attention_heads, num_key_value_heads=shape.attention_heads,
+        intermediate_size=spec.intermediate_size, tie_word_embeddings=True, rms_norm_eps=1e-5,
+        max_position_embeddings=max_len, attn_implementation="sdpa", use_cache=False))
+
+
+def count_params(spec: Spec, shape: LMShape) -> int:
+    """Parameters of ``spec``'s model (tied embeddings once), built on the meta device (no memory)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in build(spec, shape).parameters())
+
+
+def size_to(spec: Spec, shape: LMShape, target: int, tolerance: float) -> Spec:
+    """``spec`` sized to ``target`` parameters: for each mixer variant in turn (``_VARIANTS``; Kalman: its paper's
+    layer, then expand 1), the SwiGLU width (a multiple of 64, at least 64) nearest to the target; the first variant
+    within ``tolerance`` (else the nearest)."""
+    best = None
+    for variant in _VARIANTS.get(spec.name, ({},)):
+        s = spec
+        if variant:
+            s = replace(spec, mixer_kwargs={**spec.mixer_kwargs, spec.mixer: {**spec.mixer_kwargs[spec.mixer],
+                                                                              **variant}})
+        n0 = count_params(s, shape)
+        per_step = count_params(replace(s, intermediate_size=s.intermediate_size + _MLP_MULTIPLE), shape) - n0
+        width = max(_MLP_MULTIPLE, s.intermediate_size + _MLP_MULTIPLE * round((target - n0) / per_step))
+        changes = [f"{k}={v}" for k, v in variant.items()]
+        if width != spec.intermediate_size:
+            changes.append(f"intermediate_size {spec.intermediate_size} -> {width}")
+        s = replace(s, intermediate_size=width, sized=", ".join(changes))
+        miss = abs(count_params(s, shape) - target)
+        if miss <= tolerance * target:
+            return s
+        if best is None or miss < best[0]:
+            best = (miss, s)
+    return best[1]
+
+
+def check_matched(counts: dict[str, int], target: int, tolerance: float) -> None:
+    """Raise ``ParamMismatchError`` naming every model whose count is not within ``tolerance`` of ``target``."""
+    off = {k: n for k, n in counts.items() if abs(n - target) > tolerance * target}
+    if off:
+        listed = ", ".join(f"{k} {n:,} ({n / target:.3f}×)" for k, n in off.items())
+        raise ParamMismatchError(f"bench lm: parameter counts must be within {tolerance:.1%} of Llama's {target:,}; "
+                                 f"{listed} are not (--size sizes outliers by Kalman's expand and the SwiGLU width; "
+                                 f"--tolerance sets the limit)")
+
+
+def matched_specs(cfg: LMBenchConfig) -> tuple[dict[str, Spec], dict[str, int]]:
+    """The models of ``cfg`` sized to Llama's count (if ``cfg.size``) and their counts; ``ParamMismatchError``
+    if a count is not within ``cfg.tolerance``."""
+    shape = cfg.shape()
+    out = specs(shape, cfg.models)
+    target = count_params(out["llama"], shape)
+    counts = {}
+    for name, spec in out.items():
+        n = count_params(spec, shape)
+        if cfg.size and abs(n - target) > cfg.tolerance * target:
+            out[name] = spec = size_to(spec, shape, target, cfg.tolerance)
+            n = count_params(spec, shape)
+        counts[name] = n
+    check_matched(counts, target, cfg.tolerance)
+    return {k: out[k] for k in cfg.models}, counts
+
+
+def packed_cu_seqlens(B: int, T: int, doc_median: int, seed: int = 0) -> torch.Tensor:
+    """Documents of a packed [B, T] batch -> cu_seqlens int32 [N + 1] over the flattened B·T tokens: each row filled
+    with documents whose lengths are drawn from LogNormal(ln doc_median, 1) (rounded, at least 1 token; ``seed``
+    fixes them), the last one cut at the row's end."""
+    g = torch.Generator().manual_seed(seed)
+    bounds = [0]
+    for row in range(B):
+        pos = 0
+        while pos < T:
+            length = max(1, round(doc_median * math.exp(torch.randn((), generator=g).item())))
+            pos = min(T, pos + length)
+            bounds.append(row * T + pos)
+    return torch.tensor(bounds, dtype=torch.int32)
+
+
+def flops_per_token(model: nn.Module, spec: Spec, T: int) -> float:
+    """Training FLOPs (forward + backward) per token on rows of T tokens, under the trainer's model: kalmix models
+    by ``lm_flops_per_token``; fla's and Llama's likewise, 6 per linear weight plus each layer's op (the delta rule;
+    causal SDPA) from ``op_flops``."""
+    if spec.source == "kalmix":
+        return lm_flops_per_token(model, T)
+    flops = 6.0 * sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    for layer in model.model.layers:
+        if spec.source == "fla":
+            a = layer.attn
+            s, op = Shape(1, T, a.num_heads, a.head_k_dim, a.head_v_dim), "delta"
+        else:
+            heads, hd = model.config.num_attention_heads, layer.self_attn.head_dim
+            s, op = Shape(1, T, heads, hd, hd), "sdpa"
+        flops += op_flops(op, s, "fwdbwd") / T
+    return flops
+
+
+def peak_flops(device: torch.device, override_tflops: float | None) -> float | None:
+    """FLOP/s MFU is read against: ``override_tflops``, else the trainer's bf16 dense peak of a known GPU (None on
+    CPU or an unknown GPU)."""
+    from kalmix.train.loop import _PEAK_TFLOPS
+    if override_tflops is not None:
+        return override_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((t * 1e12 for key, t in _PEAK_TFLOPS.items() if key in name), None)
+
+
+def _inputs(spec: Spec, ids: torch.Tensor, cu_seqlens: torch.Tensor | None) -> dict:
+    """The model's keyword arguments for tokens ``ids`` [B, T], packed by ``cu_seqlens`` if given."""
+    if cu_seqlens is None:
+        return {"input_ids": ids, "use_cache": False}
+    if spec.source == "kalmix":
+        return {"input_ids": ids, "cu_seqlens": cu_seqlens, "use_cache": False}
+    if spec.source == "fla":                                    # fla's packed layout: one row of B·T tokens
+        return {"input_ids": ids.reshape(1, -1), "cu_seqlens": cu_seqlens.long(), "use_cache": False}
+    from kalmix.layers.documents import Documents
+    doc_pos = Documents("bench lm", cu_seqlens, *ids.shape).doc_pos
+    return {"input_ids": ids, "position_ids": doc_pos.long(), "use_cache": False}
+
+
+def time_steps(fn, device: torch.device, warmup: int, steps: int) -> list[float]:
+    """Milliseconds of each of ``steps`` calls of fn after ``warmup`` untimed ones (CUDA events on a GPU)."""
+    for _ in range(warmup):
+        fn()
+    if device.type != "cuda":
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+        return times
+    torch.cuda.synchronize(device)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(device)
+    return [start.elapsed_time(end) for start, end in events]
+
+
+def measure(spec: Spec, shape: LMShape, mode: str, B: int, T: int, cu_seqlens: torch.Tensor | None,
+            cfg: LMBenchConfig, device: torch.device) -> dict:
+    """Build the model, time ``cfg.steps`` steps of ``mode`` ("train" or "prefill") on B × T random tokens (packed
+    by ``cu_seqlens`` if given): -> {ms_median, tokens_per_s, flops_per_token, peak_GiB}."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = build(spec, shape, max(cfg.seq_lens))
+    ids = torch.randint(0, shape.vocab_size, (B, T), device=device)
+    kw = _inputs(spec, ids, None if cu_seqlens is None else cu_seqlens.to(device))
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+    if mode == "train":
+        from kalmix.train.config import TrainConfig
+        from kalmix.train.loop import param_groups
+        model.train()
+        opt = torch.optim.AdamW(param_groups(model, TrainConfig()), fused=device.type == "cuda" or None)
+
+        def step():
+            with autocast:
+                loss = model(**kw, labels=kw["input_ids"]).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    else:
+        model.eval()
+
+        @torch.no_grad()
+        def step():
+            with autocast:
+                model(**kw, logits_to_keep=1)
+    ms = statistics.median(time_steps(step, device, cfg.warmup, cfg.steps))
+    return {"ms_median": ms, "tokens_per_s": B * T / ms * 1e3,
+            "flops_per_token": flops_per_token(model, spec, T) if mode == "train" else math.nan,
+            "peak_GiB": torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else math.nan}
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run(cfg: LMBenchConfig, progress: bool | None = None) -> list[dict]:
+    """Time every (model, T, packing, mode) of ``cfg``; write ``lm.csv`` (after every row) and the plots under
+    ``cfg.out``; print the table; return the rows. ``progress``: a tqdm bar (None: on a terminal).
+
+    Raises ValueError before anything is timed: no CUDA for a CUDA run, matplotlib missing for the plots, or
+    ``ParamMismatchError``."""
+    from tqdm.auto import tqdm
+
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"bench lm: --device {cfg.device}, but no CUDA device is available; --device cpu runs "
+                         f"(tiny) models on the CPU")
+    if cfg.plots and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("bench lm draws its plot with matplotlib, which is not installed: pip install "
+                         "'kalmix[plots]' (or matplotlib), or pass --no-plots")
+    shape = cfg.shape()
+    models, counts = matched_specs(cfg)
+    target = counts["llama"]
+    peak = peak_flops(device, cfg.peak_tflops)
+    meta = versions()
+    modes = ["train", "prefill"] if cfg.prefill else ["train"]
+    os.makedirs(cfg.out, exist_ok=True)
+    csv_path = os.path.join(cfg.out, "lm.csv")
+    plan = [(m, T, p, mode) for m in models for T in cfg.seq_lens for p in cfg.packing for mode in modes]
+    rows = []
+    bar = tqdm(plan, desc="bench lm", disable=None if progress is None else not progress, dynamic_ncols=True)
+    for name, T, packing, mode in bar:
+        bar.set_postfix_str(f"{name} T={T} {packing} {mode}")
+        spec, B = models[name], cfg.tokens // T
+        cu = packed_cu_seqlens(B, T, cfg.doc_median) if packing == "packed" else None
+        row = {"model": name, "source": spec.source, "layers": spec.layers(shape), "mode": mode, "packing": packing,
+               "T": T, "B": B, "tokens": B * T, "documents": len(cu) - 1 if cu is not None else B,
+               "params": counts[name], "params_vs_llama": counts[name] / target,
+               "intermediate_size": spec.intermediate_size, "sized": spec.sized, "steps": cfg.steps,
+               "ms_median": math.nan, "tokens_per_s": math.nan, "mfu": math.nan, "peak_GiB": math.nan,
+               "vs_fla_deltanet": math.nan, "vs_llama": math.nan, "status": None}
+        if spec.source == "fla" and device.type != "cuda":
+            row["status"] = "unavailable: needs CUDA (fla's Triton kernels)"
+        else:
+            try:
+                m = measure(spec, shape, mode, B, T, cu, cfg, device)
+                row.update(ms_median=m["ms_median"], tokens_per_s=m["tokens_per_s"], peak_GiB=m["peak_GiB"],
+                           mfu=m["tokens_per_s"] * m["flops_per_token"] / peak if peak else math.nan, status="ok")
+            except torch.OutOfMemoryError:
+                row["status"] = "oom"
+            except Exception as err:  # noqa: BLE001 (reported in the row and the exit status; the run goes on)
+                first = str(err).strip().splitlines()[0][:160] if str(err).strip() else ""
+                row["status"] = f"error: {type(err).__name__}: {first}"
+            _free(device)
+        rows.append({**row, "peak_TFLOPs": peak / 1e12 if peak else math.nan, "dtype": "bf16 autocast",
+                     "device": device.type, "device_name": meta["device_name"], "git": meta["git"],
+                     "torch": meta["torch"], "triton": meta["triton"], "fla": meta["fla"]})
+        add_ratios(rows)
+        write_csv(rows, csv_path)                         # after every row: an interrupted run keeps its rows
+    if cfg.plots:
+        plot(rows, cfg.out)
+    print(format_table(rows))
+    return rows
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Set each row's tokens/s ratios to fla's DeltaNet and Llama at the same mode, T and packing (NaN where that
+    reference did not run)."""
+    ok = {(r["model"], r["mode"], r["T"], r["packing"]): r["tokens_per_s"] for r in rows if r["status"] == "ok"}
+    for r in rows:
+        for ref in REFERENCES:
+            base = ok.get((ref, r["mode"], r["T"], r["packing"]))
+            r[f"vs_{ref}"] = r["tokens_per_s"] / base if base and r["status"] == "ok" else math.nan
+
+
+def _fmt(x, spec: str) -> str:
+    return format(x, spec) if x == x else "-"
+
+
+def format_table(rows: list[dict]) -> str:
+    """The printed table: one line per row, with the versions, GPU and commit of the run."""
+    r0 = rows[0]
+    lines = [f"{r0['device_name']}  torch {r0['torch']}  triton {r0['triton']}  fla {r0['fla']}  git {r0['git']}  "
+             f"{r0['tokens']} tokens per step, bf16 autocast, AdamW (fused on CUDA)"]
+    if r0["device"] == "cpu":
+        lines.append("NOTE: CPU run - these times say nothing about GPU speed.")
+    head = (f"{'model':13s} {'params':>8s} {'×llama':>6s} {'mode':7s} {'packing':7s} {'T':>6s} {'B':>4s} "
+            f"{'tokens/s':>11s} {'MFU %':>5s} {'peak GiB':>8s} {'×fla':>5s} {'×llama':>6s}  status")
+    lines += [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['model']:13s} {r['params'] / 1e6:7.2f}M {r['params_vs_llama']:6.3f} {r['mode']:7s} "
+                     f"{r['packing']:7s} {r['T']:>6d} {r['B']:>4d} {_fmt(r['tokens_per_s'], ',.0f'):>11s} "
+                     f"{_fmt(100 * r['mfu'], '.1f'):>5s} {_fmt(r['peak_GiB'], '.1f'):>8s} "
+                     f"{_fmt(r['vs_fla_deltanet'], '.2f'):>5s} {_fmt(r['vs_llama'], '.2f'):>6s}  {r['status']}")
+    sized = [f"{r['model']}: {r['sized']}" for r in {r["model"]: r for r in rows}.values() if r["sized"]]
+    if sized:
+        lines.append("sized to Llama's parameter count: " + "; ".join(sized))
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], out_dir: str) -> list[str]:
+    """tokens/s against T per model, plain and packed side by side, one PNG per mode (``lm_train.png``, ...)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    paths = []
+    ok = [r for r in rows if r["status"] == "ok"]
+    for mode in dict.fromkeys(r["mode"] for r in ok):
+        packings = list(dict.fromkeys(r["packing"] for r in ok if r["mode"] == mode))
+        fig, axes = plt.subplots(1, len(packings), figsize=(6 * len(packings), 4.5), squeeze=False, sharey=True)
+        for ax, packing in zip(axes[0], packings):
+            sel = [r for r in ok if r["mode"] == mode and r["packing"] == packing]
+            for name in dict.fromkeys(r["model"] for r in sel):
+                pts = sorted((r["T"], r["tokens_per_s"]) for r in sel if r["model"] == name)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name,
+                        color=f"C{MODELS.index(name)}", linestyle="--" if name in REFERENCES else "-")
+            ax.set(xscale="log", yscale="log", xlabel="T (tokens per row)", ylabel="tokens/s",
+                   title=f"{mode}, {packing} rows ({sel[0]['tokens']} tokens per step)")
+            ax.set_xticks(sorted({r["T"] for r in sel}), [str(t) for t in sorted({r["T"] for r in sel})])
+            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+            ax.legend(fontsize=7, loc="best")
+        fig.suptitle(f"kalmix bench lm: {ok[0]['device_name']}, git {ok[0]['git']}", fontsize=9)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"lm_{mode}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+_TABLE_COLUMNS = ("model", "mode", "packing", "T", "tokens", "params", "params_vs_llama", "tokens_per_s", "mfu",
+                  "peak_GiB", "vs_fla_deltanet", "vs_llama", "status", "device", "device_name", "git", "torch",
+                  "triton", "fla")
+
+
+def _num(s: str) -> float:
+    return float(s) if s not in ("", None) else math.nan
+
+
+def markdown_table(csv_path: str) -> str:
+    """The markdown table of a ``kalmix bench lm`` CSV: per mode, one line per model, one column per (T, packing);
+    each cell tokens/s (× fla's DeltaNet, × Llama), MFU and peak memory, or the row's status; headed by the run's
+    GPU, commit and versions."""
+    with open(csv_path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        raise ValueError(f"bench lm --table: {csv_path} holds no rows")
+    missing = [c for c in _TABLE_COLUMNS if c not in rows[0]]
+    if missing:
+        raise ValueError(f"bench lm --table: {csv_path} is not a `kalmix bench lm` CSV; it lacks the column(s) "
+                         f"{missing}")
+    r0 = rows[0]
+    out = [f"`kalmix bench lm` on {r0['device_name']}, commit {r0['git']} (torch {r0['torch']}, triton "
+           f"{r0['triton']}, fla {r0['fla'] or '-'}); {int(r0['tokens']):,} tokens per step, bf16 autocast, fp32 "
+           f"weights, AdamW (fused on CUDA). Each cell: tokens/s (× fla's DeltaNetForCausalLM, × Llama at the same T "
+           f"and packing) · MFU · peak memory."
+           + (" A CPU run: these times say nothing about GPU speed." if r0["device"] == "cpu" else "")]
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        sel = [r for r in rows if r["mode"] == mode]
+        cols = sorted({(int(r["T"]), r["packing"]) for r in sel}, key=lambda c: (c[0], c[1] != "plain"))
+        out += ["", f"**{'training step' if mode == 'train' else 'prefill (forward)'}**", "",
+                "| model | params (× Llama) | " + " | ".join(f"T = {T:,}" + (" packed" if p == "packed" else "")
+                                                      for T, p in cols) + " |",
+                "|---|---:|" + "---:|" * len(cols)]
+        for name in dict.fromkeys(r["model"] for r in sel):
+            cells = {(int(r["T"]), r["packing"]): r for r in sel if r["model"] == name}
+            first = next(iter(cells.values()))
+            line = [name, f"{int(first['params']) / 1e6:.2f}M ({_num(first['params_vs_llama']):.2f})"]
+            for c in cols:
+                r = cells.get(c)
+                if r is None:
+                    line.append("")
+                elif r["status"] != "ok":
+                    line.append(r["status"])
+                else:
+                    mfu = _num(r["mfu"])
+                    line.append(f"{_num(r['tokens_per_s']):,.0f} ({_fmt(_num(r['vs_fla_deltanet']), '.2f')}, "
+                                f"{_fmt(_num(r['vs_llama']), '.2f')})" + (f" · {100 * mfu:.0f}%" if mfu == mfu else "")
+                                + (f" · {_num(r['peak_GiB']):.1f} GiB" if _num(r["peak_GiB"]) == _num(r["peak_GiB"])
+                                   else ""))
+            out.append("| " + " | ".join(line) + " |")
+    return "\n".join(out)
+
+
+_HELP = {
+    "models": f"models to time, any of {', '.join(MODELS)} (hybrid: gka with attention in every "
+              f"{HYBRID_ATTENTION_EVERY}th layer; fla_deltanet needs CUDA)",
+    "preset": "model shape: default (8 blocks, width 1024, 8 heads of 128, vocabulary 32,000) or 125m (12 blocks, "
+              "width 768, vocabulary 32,768: `kalmix train gpu-125m`'s)",
+    "layers": "blocks (None: the preset's)", "d_model": "width (None: the preset's)",
+    "vocab_size": "vocabulary (None: the preset's)",
+    "num_heads": "heads of the recurrent mixers and fla's DeltaNet (None: the preset's)",
+    "attention_heads": "heads of softmax attention: Llama's, kalmix attention's (None: the preset's)",
+    "seq_lens": "row lengths T; each must divide --tokens", "tokens": "tokens per step: B = tokens // T rows",
+    "packing": "plain rows and/or packed rows (documents end to end, their boundaries passed to the model)",
+    "doc_median": "median document length of the packed rows (log-normal, σ = 1, seed 0)",
+    "prefill": "also time the forward alone (no gradients)",
+    "warmup": "untimed steps per row", "steps": "timed steps per row (tokens/s from their median)",
+    "tolerance": "largest relative difference of a model's parameter count from Llama's",
+    "size": "size outliers to Llama's count (Kalman's expand, the SwiGLU width); --no-size: refuse them instead",
+    "device": "torch device (cuda; cpu runs tiny models)",
+    "peak_tflops": "peak TFLOP/s for MFU (None: the bf16 dense peak of a known GPU; none on CPU)",
+    "out": "output folder: lm.csv and lm_<mode>.png", "plots": "draw the PNG plot",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``kalmix bench lm``: one per ``LMBenchConfig`` field, plus ``--table``."""
+    for name, f in LMBenchConfig.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        default = f.get_default(call_default_factory=True)
+        if f.annotation is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP[name])
+        else:
+            literal = typing.get_args(f.annotation)[0] if isinstance(default, list) else f.annotation
+            choices = typing.get_args(literal) if typing.get_origin(literal) is Literal else None
+            parser.add_argument(flag, nargs="+" if isinstance(default, list) else None, default=default,
+                                choices=choices, help=_HELP[name])
+    parser.add_argument("--table", metavar="CSV", default=None,
+                        help="print the markdown table of a `kalmix bench lm` CSV (e.g. a committed one) and exit")
+
+
+def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``kalmix bench lm``: bad input -> the parser's error (exit 2); 1 if a row failed with an error."""
+    if args.table:
+        try:
+            print(markdown_table(args.table))
+        except (ValueError, OSError) as e:
+            parser.error(f"bench lm --table: {e}" if isinstance(e, OSError) else str(e))
+        return 0
+    values = {k: v for k, v in vars(args).items() if k in LMBenchConfig.model_fields}
+    try:
+        rows = run(LMBenchConfig.model_validate(values))
+    except (ValidationError, ValueError) as e:
+        parser.error(str(e))
+    failed = [r for r in rows if r["status"].startswith("error")]
+    if failed:
+        print(f"bench lm: {len(failed)} row(s) failed; their status in the table says why", file=sys.stderr)
+        return 1
+    return 0
