@@ -55,10 +55,14 @@ class DirLock:
         self._created = False
 
     def acquire(self) -> DirLock:
-        self._created = not self.folder.exists()
-        self.folder.mkdir(parents=True, exist_ok=True)
-        while True:                 # the file may be removed by its previous owner between open and flock
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        while True:         # the previous owner may remove the file (and an empty folder) between open and flock
+            if not self.folder.exists():
+                self.folder.mkdir(parents=True, exist_ok=True)
+                self._created = True
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except FileNotFoundError:
+                continue
             try:
                 self._flock(fd)
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
