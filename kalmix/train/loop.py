@@ -722,6 +722,7 @@ def train(cfg: TrainConfig) -> dict:
     step finishes, a checkpoint is written, and TrainingInterrupted (a KeyboardInterrupt) is raised; under
     torchrun every process stops after the same step. With ``log.progress`` false no progress bar is shown,
     third-party ones included."""
+    threads = torch.get_num_threads()
     with _Signals() as signals:
         env = Dist(cfg.train.device)
         try:
@@ -737,3 +738,4 @@ def train(cfg: TrainConfig) -> dict:
                 return Trainer(cfg, env, resume).run(signals)
         finally:
             env.close()
+            torch.set_num_threads(threads)

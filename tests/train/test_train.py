@@ -472,6 +472,78 @@ def test_a_signal_finishes_the_step_writes_a_checkpoint_and_resumes_exactly(corp
         assert losses[s] == full_losses[s], (s, losses[s], full_losses[s])      # bit for bit
 
 
+# ---------------------------------------------------------------- data cache, bars, threads
+
+
+def _write_docs(path, n, seed):
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            f.write(json.dumps({"body": " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 60)))}) + "\n")
+
+
+def test_the_data_cache_follows_the_content_of_the_source(corpus, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)                     # the default cache is runs/data/<key> of the working folder
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(corpus / "docs.jsonl", src / "a.jsonl")
+    over = {"data_dir": None, "data.source": str(src), "train.steps": 3}
+    first = data_cache_dir(_cfg(corpus, tmp_path / "a", **over))
+    train(_cfg(corpus, tmp_path / "a", **over))
+    assert (first / "shards" / "meta.json").is_file()
+    _write_docs(src / "b.jsonl", 30, seed=1)        # the source gains a file: a new cache, not an error
+    second = data_cache_dir(_cfg(corpus, tmp_path / "b", **over))
+    assert second != first
+    train(_cfg(corpus, tmp_path / "b", **over))
+    assert (second / "shards" / "meta.json").is_file()
+    train(_cfg(corpus, tmp_path / "a", **{**over, "train.steps": 6}))      # resumes on the data it started on
+    assert ckpt.read_meta(ckpt.checkpoints(tmp_path / "a")[-1])["data_dir"] == str(first.resolve())
+    assert sorted(_losses(tmp_path / "a")) == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_changed_source_in_an_explicit_data_dir_names_data_dir(corpus, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(corpus / "docs.jsonl", src / "a.jsonl")
+    over = {"data_dir": str(tmp_path / "data"), "data.source": str(src), "train.steps": 3}
+    train(_cfg(corpus, tmp_path / "a", **over))
+    _write_docs(src / "b.jsonl", 30, seed=1)
+    with pytest.raises(ValueError, match=rf"the source files .* changed; .* \(it is data_dir = "
+                                         rf"{re.escape(str(tmp_path / 'data'))}: set another data_dir") as e:
+        train(_cfg(corpus, tmp_path / "b", **over))
+    assert "out_dir" not in str(e.value)
+
+
+def test_progress_off_shows_no_third_party_bar(corpus, tmp_path, capfd):
+    from transformers.utils import logging as hf_logging
+    train(_cfg(corpus, tmp_path / "run", **{"train.steps": 1, "eval.every": 1, "checkpoint.every": 1}))
+    err = capfd.readouterr().err
+    assert "Writing model shards" not in err and "it/s" not in err, err     # transformers' save_pretrained bar
+    assert hf_logging.is_progress_bar_enabled()                            # the setting is restored after the run
+
+
+def test_cpu_threads_by_default_and_logged(corpus, tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        run = tmp_path / "run"
+        train(_cfg(corpus, run, **{"train.threads": None, "train.steps": 1}))
+        start = next(json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+                     if json.loads(line)["kind"] == "start")
+        assert start["threads"] == 1                        # a small model on CPU: one thread
+        assert torch.get_num_threads() == 2                 # and the caller's setting back afterwards
+        env = SimpleNamespace(device=torch.device("cpu"), local_world=2)
+        big = _cfg(corpus, run, **{"train.threads": None})
+        assert cpu_threads(big, env, 10**8) == max(1, len(os.sched_getaffinity(0)) // 2)
+        assert cpu_threads(_cfg(corpus, run, **{"train.threads": 3}), env, 10) == 3
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")          # the user's choice is kept
+        torch.set_num_threads(2)
+        assert cpu_threads(big, env, 10) == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 # ---------------------------------------------------------------- bad input stops before any step
 
 
@@ -589,3 +661,21 @@ def test_two_processes_follow_one_process_curve(corpus, tmp_path, parallel):
         again = [r for r in rows if r["kind"] == "train"][4:]
         assert [r["step"] for r in again] == [3, 4]
         assert [r["loss"] for r in again] == [b[3], b[4]]
+
+
+def test_under_torchrun_every_process_stops_after_the_same_step(corpus, tmp_path):
+    """SIGTERM reaches rank 1 alone, during step 2: both processes finish step 2, write its checkpoint together and
+    exit with 143; rank 0 says so in one line."""
+    run, script = tmp_path / "run", tmp_path / "signal_at.py"
+    script.write_text(_SIGNAL_AT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+           "1", "SIGTERM", "1", "train", *_flags(_over(corpus, run))]
+    r = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
+    assert r.returncode != 0
+    assert r.stderr.count("kalmix train: interrupted") == 1, r.stderr[-3000:]
+    assert (f"kalmix train: interrupted (SIGTERM) at step 2; checkpoint written to "
+            f"{run / 'checkpoints' / 'step_0000002'}; rerun the same command to resume") in r.stderr
+    assert "TrainingInterrupted" not in r.stderr and "exitcode  : 143" in r.stderr
+    assert [p.name for p in ckpt.checkpoints(run)] == ["step_0000002"]
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line)["kind"] == "train"] == [1, 2]
