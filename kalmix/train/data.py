@@ -47,6 +47,10 @@ _SUFFIXES = {"text": ".txt", "jsonl": ".jsonl", "parquet": ".parquet"}
 _COPY_TOKENS = 1 << 24  # tokens per chunk when prepare copies documents into their split
 
 
+class StaleDataset(ValueError):
+    """``prepare``'s folder holds a dataset prepared from other source files, data config or tokenizer."""
+
+
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
@@ -369,7 +373,7 @@ def prepare(cfg: DataConfig, tokenizer, out_dir: str | os.PathLike, *, batch_siz
     at least 1 and at most N − 1) and keep their source order within each split.
 
     When ``out_dir`` already holds a dataset with the same fingerprint (source files, data config, tokenizer) it is
-    reused as it is; one with another fingerprint raises ValueError rather than being overwritten.
+    reused as it is; one with another fingerprint raises StaleDataset (a ValueError) rather than being overwritten.
     """
     out = Path(out_dir)
     if tokenizer.eos_token_id is None:
@@ -418,8 +422,9 @@ def _reuse(out: Path, fingerprint: dict[str, str]) -> dict[str, Any]:
     if changed:
         what = {"source": "source files (paths, sizes or modification times)", "config": "data config",
                 "tokenizer": "tokenizer"}
-        raise ValueError(f"{out} already holds a dataset prepared with a different fingerprint: the "
-                         f"{', '.join(what[k] for k in changed)} changed; delete it, or prepare into another folder")
+        raise StaleDataset(f"{out} already holds a dataset prepared with a different fingerprint: the "
+                           f"{', '.join(what[k] for k in changed)} changed; delete it, or prepare into another "
+                           f"folder")
     for split in SPLITS:
         _read_split_meta(out / split)  # checks that the shards are whole
     log.info("reusing the dataset prepared in %s", out)

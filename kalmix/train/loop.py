@@ -272,11 +272,11 @@ def prepare_data(cfg: TrainConfig, env: Dist, root: Path, resumed: bool = False)
                                        tok_dir, progress=cfg.log.progress)
                 try:
                     data.prepare(cfg.data, tk.load_tokenizer(tok_dir), shards, progress=cfg.log.progress)
-                except ValueError as e:
-                    if not cfg.data_dir or "different fingerprint" not in str(e):
+                except data.StaleDataset as e:
+                    if not cfg.data_dir:
                         raise
-                    raise ValueError(f"{e} (it is data_dir = {cfg.data_dir}: set another data_dir, or leave it "
-                                     f"unset to keep one cache per content of the data)") from None
+                    raise data.StaleDataset(f"{e} (it is data_dir = {cfg.data_dir}: set another data_dir, or "
+                                            f"leave it unset to keep one cache per content of the data)") from None
     env.barrier()
     return tk.load_tokenizer(tok_dir), shards
 
@@ -720,8 +720,8 @@ def train(cfg: TrainConfig) -> dict:
 
     Holds ``run_dir``'s lock for the run (RunDirInUse when a live process holds it). SIGINT / SIGTERM: the current
     step finishes, a checkpoint is written, and TrainingInterrupted (a KeyboardInterrupt) is raised; under
-    torchrun every process stops after the same step. With ``log.progress`` false no progress bar is shown,
-    third-party ones included."""
+    torchrun every process stops after the same step (signals are handled when ``train`` runs in the main thread).
+    With ``log.progress`` false no progress bar is shown, third-party ones included."""
     threads = torch.get_num_threads()
     with _Signals() as signals:
         env = Dist(cfg.train.device)

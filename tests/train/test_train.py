@@ -332,11 +332,12 @@ def test_resume_refuses_the_changes_it_cannot_apply_naming_each(corpus, tmp_path
     over = {"train.steps": 6, "model.hidden_size": 64, "seed": 1, "train.seq_len": 16, "data.val_fraction": 0.3,
             "tokenizer.vocab_size": 320, "train.global_batch_size": 8, "train.dtype": "bf16",
             "model.mixer_kwargs": {"kaczmarz": {"num_heads": 4}}}
-    with pytest.raises(ValueError, match=r"cannot resume from .*step_0000003: a run in progress cannot change ") as e:
+    with pytest.raises(ValueError, match=r"cannot resume from .*step_0000003: a run in progress cannot change ") \
+            as e:
         train(_cfg(corpus, run, **over))
-    for change in ("model.hidden_size 32 → 64", "seed 0 → 1", "train.seq_len 32 → 16", "data.val_fraction 0.2 → 0.3",
-                   "tokenizer.vocab_size 300 → 320", "train.global_batch_size 4 → 8", 'train.dtype "fp32" → "bf16"',
-                   "model.mixer_kwargs.kaczmarz.num_heads 2 → 4"):
+    for change in ("model.hidden_size 32 → 64", "seed 0 → 1", "train.seq_len 32 → 16",
+                   "data.val_fraction 0.2 → 0.3", "tokenizer.vocab_size 300 → 320", "train.global_batch_size 4 → 8",
+                   'train.dtype "fp32" → "bf16"', "model.mixer_kwargs.kaczmarz.num_heads 2 → 4"):
         assert change in str(e.value)
     assert "train.steps" not in str(e.value)                         # a change that applies is not refused
     with pytest.raises(ValueError, match=r"train\.steps = 2 is fewer than the 3 steps done \(.*step_0000003\); "
@@ -374,8 +375,9 @@ def test_a_run_dir_in_use_is_refused_and_a_dead_owners_lock_taken_over(corpus, t
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(ckpt.RunDirInUse, match=rf"run_dir {re.escape(str(run))} is in use by pid {holder.pid} "
-                                                   rf"on .*; wait for it to finish, stop it, or choose another run_dir"):
+        with pytest.raises(ckpt.RunDirInUse, match=rf"run_dir {re.escape(str(run))} is in use by pid "
+                                                   rf"{holder.pid} on .*; wait for it to finish, stop it, or choose "
+                                                   rf"another run_dir"):
             train(_cfg(corpus, run))
         assert cli(["train", *_flags(_over(corpus, run))]) == 2
         assert f"kalmix train: error: run_dir {run} is in use by pid {holder.pid}" in capfd.readouterr().err
@@ -446,6 +448,21 @@ Trainer.train_step = train_step
 from kalmix.cli import main
 sys.exit(main(sys.argv[4:]))
 """
+
+
+def test_a_signal_before_the_first_step_stops_at_once_and_leaves_nothing(corpus, tmp_path, monkeypatch):
+    from kalmix.train import loop
+    prepare = loop.prepare_data
+
+    def interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)        # e.g. while the tokenizer trains
+        return prepare(*args, **kwargs)
+    monkeypatch.setattr(loop, "prepare_data", interrupted)
+    with pytest.raises(loop.TrainingInterrupted, match=r"interrupted \(SIGTERM\); no checkpoint was written now") as e:
+        train(_cfg(corpus, tmp_path / "run", data_dir=str(tmp_path / "data")))
+    assert e.value.exit_code == 143 and e.value.step is None
+    assert not (tmp_path / "run").exists()          # lock released, the folder it made removed
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL     # the handlers are the caller's again
 
 
 @pytest.mark.parametrize("name, code", [("SIGINT", 130), ("SIGTERM", 143)])
