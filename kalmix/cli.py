@@ -287,7 +287,8 @@ def _add_train_parsers(sub) -> None:
 
 def _run_train(args, parser) -> int:
     """Exit 0 when the run is done (or was already complete); 2 with a one-line error for a bad config, data,
-    checkpoint or a run_dir in use; 130 / 143 when SIGINT / SIGTERM stopped it (after writing a checkpoint)."""
+    checkpoint or a run_dir in use; 1 when a step's gradient was not finite; 130 / 143 when SIGINT / SIGTERM stopped
+    it (after writing a checkpoint)."""
     from kalmix.train.checkpoint import CheckpointError, RunDirInUse
     from kalmix.train.config import load_config
     overrides = {k[4:]: v for k, v in vars(args).items() if k.startswith("cfg:")}
@@ -301,6 +302,9 @@ def _run_train(args, parser) -> int:
     except (ValueError, FileNotFoundError, CheckpointError, RunDirInUse) as e:    # found before any step
         print(f"kalmix train: error: {e}", file=sys.stderr)
         return 2
+    except FloatingPointError as e:                 # a diverged step, not written: the checkpoints are intact
+        print(f"kalmix train: error: {e}", file=sys.stderr)
+        return 1
     except TrainingInterrupted as e:
         if os.environ.get("RANK", "0") == "0":      # under torchrun, one line for the run
             print(f"kalmix train: {e}", file=sys.stderr)

@@ -612,7 +612,7 @@ def test_corrupt_foreign_and_mismatched_checkpoints(corpus, tmp_path):
         train(_cfg(corpus, run, resume="never"))
 
 
-def test_non_finite_gradients_stop_the_run(corpus, tmp_path, monkeypatch):
+def test_non_finite_gradients_stop_the_run(corpus, tmp_path, monkeypatch, capsys):
     run = tmp_path / "run"
     real = Trainer._loss_sums
 
@@ -623,6 +623,8 @@ def test_non_finite_gradients_stop_the_run(corpus, tmp_path, monkeypatch):
     with pytest.raises(FloatingPointError, match="step 5"):
         train(_cfg(corpus, run))
     assert [p.name for p in ckpt.checkpoints(run)] == ["step_0000003"]
+    assert cli(["train", *_flags(_over(corpus, tmp_path / "cli"))]) == 1       # one line, no traceback
+    assert capsys.readouterr().err.startswith("kalmix train: error: non-finite gradient norm at step 5")
 
 
 def test_plot_draws_several_runs(corpus, tmp_path):
