@@ -253,14 +253,16 @@ def data_cache_dir(cfg: TrainConfig) -> Path:
 
 def prepare_data(cfg: TrainConfig, env: Dist, root: Path, resumed: bool = False):
     """Tokenizer and shards in ``root`` (made by the first process under root's lock, which another run preparing
-    the same folder waits for; read by all): -> (tokenizer, shards dir). A resumed run reads the shards already
-    in ``root`` as they are (the checkpoint's loader state checks that they are the data the run started on), so
-    a source edited since does not stop it; the tokenizer must still be the one they were made with."""
+    the same folder waits for; read by all, and without the lock once complete, so a prepared folder may be
+    read-only): -> (tokenizer, shards dir). A resumed run reads the shards already in ``root`` as they are (the
+    checkpoint's loader state checks that they are the data the run started on), so a source edited since does not
+    stop it; the tokenizer must still be the one they were made with."""
     from kalmix.train import data, tokenizer as tk
     tok_dir = Path(cfg.tokenizer.path) if cfg.tokenizer.path else root / "tokenizer"
     shards = root / "shards"
     if env.main:
-        with ckpt.DirLock(root, wait=True, what="data_dir"):
+        complete = (shards / "meta.json").is_file() and (tok_dir / "tokenizer.json").is_file()
+        with contextlib.nullcontext() if complete else ckpt.DirLock(root, wait=True, what="data_dir"):
             if resumed and (shards / "meta.json").is_file():
                 made_with = json.loads((shards / "meta.json").read_text())["fingerprint"]["tokenizer"]
                 if tk.tokenizer_fingerprint(tk.load_tokenizer(tok_dir)) != made_with:
