@@ -271,6 +271,7 @@ def _run_speed(args) -> int:
 
 def _add_train_parsers(sub) -> None:
     from kalmix.train.config import add_flags, presets
+    from kalmix.train.data import DataConfig
     t = sub.add_parser("train", help="pretrain a language model on local text (one process, or torchrun for "
                        "several: DDP or FSDP2)", description="Pretrain a KalmixForCausalLM. CONFIG is a YAML file or "
                        f"a preset name ({', '.join(presets())}); every key can be overridden by its dotted flag, "
@@ -285,7 +286,8 @@ def _add_train_parsers(sub) -> None:
                          "tokenizer folder", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     tt.add_argument("--source", default="stdlib", help="'stdlib' (the Python standard library's source), a text "
                     "file or folder, JSONL, parquet or a saved datasets folder")
-    tt.add_argument("--format", default="auto", help="auto, text, jsonl, parquet or datasets")
+    tt.add_argument("--format", default="auto", choices=typing.get_args(DataConfig.model_fields["format"].annotation),
+                    help="how to read --source (auto: from its suffix or contents)")
     tt.add_argument("--text-field", default="text", help="JSONL field / parquet or datasets column of the text")
     tt.add_argument("--vocab-size", type=int, default=8192, help="vocabulary size")
     tt.add_argument("--out", required=True, help="output folder")
@@ -298,25 +300,29 @@ def _add_train_parsers(sub) -> None:
 
 
 def _run_train(args, parser) -> int:
-    from kalmix.train.config import load_config, presets
+    """Exit 0 when the run is done (or was already complete); 2 with a one-line error for a bad config, data,
+    checkpoint or a run_dir in use; 1 when a step's gradient was not finite; 130 / 143 when SIGINT / SIGTERM stopped
+    it (after writing a checkpoint)."""
+    from kalmix.train.checkpoint import CheckpointError, RunDirInUse
+    from kalmix.train.config import load_config
     overrides = {k[4:]: v for k, v in vars(args).items() if k.startswith("cfg:")}
-    path, preset = args.config, None
-    if path is not None and path in presets() and not os.path.exists(path):
-        path, preset = None, args.config
     try:
-        cfg = load_config(path, overrides, preset=preset)
-    except (ValueError, FileNotFoundError) as e:
-        parser.error(str(e))
-    if args.print_config:
-        print(cfg.dump(), end="")
-        return 0
-    from kalmix.train.checkpoint import CheckpointError
-    from kalmix.train.loop import train
-    try:
+        cfg = load_config(args.config, overrides)
+        if args.print_config:
+            print(cfg.dump(), end="")
+            return 0
+        from kalmix.train.loop import TrainingInterrupted, train
         train(cfg)
-    except (ValueError, FileNotFoundError, CheckpointError) as e:   # bad input, found before any step
+    except (ValueError, FileNotFoundError, CheckpointError, RunDirInUse) as e:    # found before any step
         print(f"kalmix train: error: {e}", file=sys.stderr)
         return 2
+    except FloatingPointError as e:                 # a diverged step, not written: the checkpoints are intact
+        print(f"kalmix train: error: {e}", file=sys.stderr)
+        return 1
+    except TrainingInterrupted as e:
+        if os.environ.get("RANK", "0") == "0":      # under torchrun, one line for the run
+            print(f"kalmix train: {e}", file=sys.stderr)
+        return e.exit_code
     return 0
 
 
@@ -325,9 +331,14 @@ def _run_tokenizer(args, parser) -> int:
     from kalmix.train.tokenizer import train_tokenizer
     try:
         data = DataConfig(source=args.source, format=args.format, text_field=args.text_field)
+        train_tokenizer(iter_documents(data), args.vocab_size, args.out)
     except ValidationError as e:
-        parser.error(str(e))
-    train_tokenizer(iter_documents(data), args.vocab_size, args.out)
+        why = "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())
+        print(f"kalmix tokenizer train: error: {why}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"kalmix tokenizer train: error: {e}", file=sys.stderr)
+        return 2
     print(f"tokenizer written to {args.out}")
     return 0
 

@@ -19,16 +19,17 @@ import itertools
 import json
 import logging
 import os
+import re
 import site
 import sysconfig
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Annotated, Any, BinaryIO, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
@@ -46,10 +47,34 @@ _SUFFIXES = {"text": ".txt", "jsonl": ".jsonl", "parquet": ".parquet"}
 _COPY_TOKENS = 1 << 24  # tokens per chunk when prepare copies documents into their split
 
 
-class DataConfig(BaseModel):
+class StaleDataset(ValueError):
+    """``prepare``'s folder holds a dataset prepared from other source files, data config or tokenizer."""
+
+
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def _number_text(value):
+    # YAML 1.1 reads a float without a dot (1e-3) as a string; that spelling is taken as the number it shows
+    return float(value) if isinstance(value, str) and _NUMBER.fullmatch(value.strip()) else value
+
+
+Float = Annotated[float, BeforeValidator(_number_text)]
+"""A config float: an int or a float, or a string that spells one (``"1e-3"``); never a bool, inf or nan."""
+
+
+class StrictConfig(BaseModel):
+    """Base of the training configs: unknown keys are errors, and values keep their types (an int field takes
+    only ints, not ``true`` or ``3.0``; a str field only strings; a ``Float`` field ints, floats and their
+    spellings as strings; inf and nan nowhere)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class DataConfig(StrictConfig):
     """Where the documents come from and how they are split into train / validation."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(frozen=True)
 
     source: str = Field(STDLIB, description="'stdlib' (the Python standard library's *.py files), 'python' (those "
                                             "and every installed package's *.py files) or a path: a file "
@@ -63,7 +88,7 @@ class DataConfig(BaseModel):
     text_docs: Literal["file", "blocks"] = Field(
         "file", description="text sources: one document per file, or per block of lines between blank lines")
     max_docs: int | None = Field(None, gt=0, description="read only the first max_docs documents")
-    val_fraction: float = Field(0.01, gt=0, lt=1, description="fraction of documents held out for validation "
+    val_fraction: Float = Field(0.01, gt=0, lt=1, description="fraction of documents held out for validation "
                                                               "(at least one in each split)")
     seed: int = Field(0, ge=0, description="seed of the train / validation assignment of documents")
 
@@ -91,7 +116,7 @@ def resolve_format(cfg: DataConfig) -> str:
     if cfg.format != "auto":
         return cfg.format
     if path.is_dir():
-        if _is_saved_dataset(path):
+        if is_saved_dataset(path):
             return "datasets"
         found = [fmt for fmt, suffix in _SUFFIXES.items() if _files_under(path, suffix)]
         if len(found) != 1:
@@ -113,10 +138,11 @@ def iter_documents(cfg: DataConfig, split: Literal["train", "val"] | None = None
 
     'stdlib': one document per ``*.py`` file under the standard library (site-packages skipped; the few files that
     are not UTF-8 skipped), in sorted path order. 'python': those, then every ``*.py`` file of the site-packages
-    folders, in sorted path order (what is installed decides the corpus). text: one per file (UTF-8), or per block with text_docs='blocks'
-    (blocks are separated by lines holding only whitespace; their surrounding newlines are removed). jsonl: one per
-    line, the string in ``text_field`` (blank lines skipped). parquet / datasets: one per row of ``text_field``.
-    Directories are read in sorted path order, recursively, skipping hidden files and directories.
+    folders, in sorted path order (what is installed decides the corpus). text: one per file (UTF-8), or per block
+    with text_docs='blocks' (blocks are separated by lines holding only whitespace; their surrounding newlines are
+    removed). jsonl: one per line, the string in ``text_field`` (blank lines skipped). parquet / datasets: one per
+    row of ``text_field``. Directories are read in sorted path order, recursively, skipping hidden files and
+    directories.
     """
     if split is not None and split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS} or None, got {split!r}")
@@ -136,6 +162,11 @@ def source_fingerprint(cfg: DataConfig) -> str:
         files = _files_under(_source_path(cfg), "")
     else:
         files = _source_files(_source_path(cfg), _SUFFIXES[fmt])
+    return files_fingerprint(files)
+
+
+def files_fingerprint(files: Iterable[Path]) -> str:
+    """A hash of the files' resolved paths, sizes and modification times (cheap: no file is read)."""
     h = hashlib.sha256()
     for f in files:
         st = f.stat()
@@ -167,7 +198,7 @@ def _source_path(cfg: DataConfig) -> Path:
     return path
 
 
-def _is_saved_dataset(path: Path) -> bool:
+def is_saved_dataset(path: Path) -> bool:
     # what datasets' save_to_disk writes: dataset_dict.json for a DatasetDict, state.json for a Dataset
     return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
 
@@ -302,7 +333,7 @@ def _read_saved_dataset(path: Path, column: str, split: str) -> Iterator[str]:
         import datasets
     except ImportError as e:
         raise ImportError("reading a datasets.save_to_disk directory needs datasets: pip install datasets") from e
-    if not _is_saved_dataset(path):
+    if not is_saved_dataset(path):
         raise ValueError(f"{path} is not a directory written by datasets' save_to_disk (no state.json or "
                          f"dataset_dict.json)")
     ds = datasets.load_from_disk(str(path))
@@ -342,7 +373,7 @@ def prepare(cfg: DataConfig, tokenizer, out_dir: str | os.PathLike, *, batch_siz
     at least 1 and at most N − 1) and keep their source order within each split.
 
     When ``out_dir`` already holds a dataset with the same fingerprint (source files, data config, tokenizer) it is
-    reused as it is; one with another fingerprint raises ValueError rather than being overwritten.
+    reused as it is; one with another fingerprint raises StaleDataset (a ValueError) rather than being overwritten.
     """
     out = Path(out_dir)
     if tokenizer.eos_token_id is None:
@@ -385,14 +416,15 @@ def _reuse(out: Path, fingerprint: dict[str, str]) -> dict[str, Any]:
     meta = json.loads((out / "meta.json").read_text())
     if meta.get("version") != FORMAT_VERSION:
         raise ValueError(f"{out} holds a dataset of format version {meta.get('version')}, this kalmix writes "
-                         f"{FORMAT_VERSION}; delete it or choose another out_dir")
+                         f"{FORMAT_VERSION}; delete it, or prepare into another folder")
     old = meta["fingerprint"]
     changed = [k for k in ("source", "config", "tokenizer") if old.get(k) != fingerprint[k]]
     if changed:
         what = {"source": "source files (paths, sizes or modification times)", "config": "data config",
                 "tokenizer": "tokenizer"}
-        raise ValueError(f"{out} already holds a dataset prepared with a different fingerprint: the "
-                         f"{', '.join(what[k] for k in changed)} changed; choose another out_dir or delete it")
+        raise StaleDataset(f"{out} already holds a dataset prepared with a different fingerprint: the "
+                           f"{', '.join(what[k] for k in changed)} changed; delete it, or prepare into another "
+                           f"folder")
     for split in SPLITS:
         _read_split_meta(out / split)  # checks that the shards are whole
     log.info("reusing the dataset prepared in %s", out)

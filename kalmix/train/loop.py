@@ -1,4 +1,9 @@
-"""The training loop of `kalmix train`: one process, or N under torchrun with DDP or FSDP2."""
+"""The training loop of `kalmix train`: one process, or N under torchrun with DDP or FSDP2.
+
+A run owns its ``run_dir`` for its life (``checkpoint.DirLock``; under torchrun rank 0 holds it); SIGINT and
+SIGTERM stop it after the current optimizer step with a checkpoint (``TrainingInterrupted``); what a resumed run
+may change is in ``kalmix.train.config``'s docstring.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -6,7 +11,12 @@ import hashlib
 import json
 import math
 import os
+import shutil
+import signal
+import threading
 import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,32 +26,94 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from kalmix.bench.models import lm_flops_per_token
-from kalmix.models import KalmixConfig, KalmixForCausalLM
+from kalmix.models import KalmixForCausalLM
 from kalmix.train import checkpoint as ckpt
-from kalmix.train.config import TrainConfig
-from kalmix.train.data import atomic_write
+from kalmix.train.config import TrainConfig, describe_changes, resume_changes
+from kalmix.train.data import (DataConfig, atomic_write, files_fingerprint, is_saved_dataset,
+                               source_fingerprint)
 
 # dense bf16 tensor-core peaks (TFLOP/s) of the GPUs MFU is reported for; others: log.peak_tflops
 _PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
-# the config keys a resumed run must share with its checkpoint
-_SAME_ON_RESUME = ("seed", "model", "tokenizer", "data", "train.seq_len", "train.global_batch_size")
+# CPU runs of models below this many parameters take one thread (see cpu_threads)
+SMALL_MODEL_PARAMS = 20_000_000
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped the run. ``step``: the step whose checkpoint was written (None: no checkpoint was
+    written now, e.g. the signal came before the first step or a second one came while stopping); ``exit_code``:
+    128 + the signal's number (130 for SIGINT, 143 for SIGTERM)."""
+
+    def __init__(self, signum: int, step: int | None = None, checkpoint: Path | None = None):
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        name = signal.Signals(signum).name
+        if checkpoint is None:
+            msg = (f"interrupted ({name}); no checkpoint was written now; rerun the same command to continue from "
+                   f"the newest checkpoint, if any")
+        else:
+            msg = (f"interrupted ({name}) at step {step}; checkpoint written to {checkpoint}; rerun the same "
+                   f"command to resume")
+        super().__init__(msg)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+class _Signals:
+    """SIGINT / SIGTERM handlers for a run (main thread only; the previous handlers come back on exit). Until
+    ``defer()`` a signal raises TrainingInterrupted at once (the ``finally`` blocks remove what was half-written);
+    after it, the first signal is noted in ``signum`` for the loop to stop after its step, and a second one raises
+    at once."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._deferred = False
+        self._previous: dict = {}
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def defer(self) -> None:
+        self._deferred = True
+
+    def _handle(self, signum, frame) -> None:
+        if self._deferred and self.signum is None:
+            self.signum = signum
+            return
+        raise TrainingInterrupted(signum)
 
 
 class Dist:
     """This process's place in the run: rank, world size, device; torchrun's environment starts a process group
-    (NCCL on CUDA, gloo on CPU)."""
+    (NCCL on CUDA, gloo on CPU). A device that is not there is a ValueError naming it."""
 
     def __init__(self, device: str):
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
+        self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         local = int(os.environ.get("LOCAL_RANK", "0"))
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cuda":
+        if device.startswith("cuda"):
             if not torch.cuda.is_available():
-                raise ValueError("train.device = cuda, but no CUDA device is available")
-            torch.cuda.set_device(local)
-            self.device = torch.device("cuda", local)
+                build = "a CPU-only build of torch" if torch.version.cuda is None else "no CUDA device is visible"
+                raise ValueError(f"train.device = {device}, but CUDA is not available ({build}); use cpu or auto")
+            if device != "cuda" and self.world > 1:
+                raise ValueError(f"train.device = {device} under torchrun would put every process on one GPU; use "
+                                 f"cuda (each process its local GPU)")
+            index = local if device == "cuda" else int(device.split(":")[1])
+            if index >= torch.cuda.device_count():
+                raise ValueError(f"train.device = {device}: process {self.rank} needs CUDA device {index}, and "
+                                 f"{torch.cuda.device_count()} are visible")
+            torch.cuda.set_device(index)
+            self.device = torch.device("cuda", index)
         else:
             self.device = torch.device(device)
         if self.world > 1 and not dist.is_initialized():
@@ -63,9 +135,65 @@ class Dist:
             dist.all_reduce(t)
         return t.cpu().tolist()
 
+    def broadcast(self, obj):
+        """Rank 0's ``obj`` (picklable) on every process."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def close(self):
         if self.world > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def cpu_threads(cfg: TrainConfig, env: Dist, n_params: int) -> int:
+    """Set and return torch's CPU threads for this process: ``train.threads`` when given; else, when
+    OMP_NUM_THREADS is set, what torch took from it; else on CPU 1 for models under SMALL_MODEL_PARAMS parameters
+    (their ops are too small to share out, and on a busy machine threads spin waiting for each other: cpu-tiny,
+    0.7M parameters, trained at about 4,000 tokens/s with one thread and 120 with torch's default two on a shared
+    2-core machine) and otherwise the CPUs this process may run on (``os.sched_getaffinity``) shared among the
+    processes of this machine; on CUDA torch's default."""
+    if cfg.train.threads is not None:
+        torch.set_num_threads(cfg.train.threads)
+    elif "OMP_NUM_THREADS" not in os.environ and env.device.type == "cpu":
+        share = max(1, len(os.sched_getaffinity(0)) // env.local_world)
+        torch.set_num_threads(1 if n_params < SMALL_MODEL_PARAMS else share)
+    return torch.get_num_threads()
+
+
+@contextlib.contextmanager
+def third_party_progress(enabled: bool, datasets: bool = False):
+    """With ``enabled`` False, no progress bars of transformers and the HF hub (and of ``datasets`` when it reads
+    the source) while the block runs; the previous settings come back after it."""
+    if enabled:
+        yield
+        return
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from transformers.utils import logging as hf_logging
+    restore = []
+    if hf_logging.is_progress_bar_enabled():
+        hf_logging.disable_progress_bar()
+        restore.append(hf_logging.enable_progress_bar)
+    if not are_progress_bars_disabled():
+        disable_progress_bars()
+        restore.append(enable_progress_bars)
+    if datasets:
+        import datasets as ds
+        if ds.is_progress_bar_enabled():
+            ds.disable_progress_bars()
+            restore.append(ds.enable_progress_bars)
+    try:
+        yield
+    finally:
+        for undo in restore:
+            undo()
+
+
+def _reads_datasets(d: DataConfig) -> bool:
+    """Whether the source is a datasets.save_to_disk folder (read with the datasets package)."""
+    return d.format == "datasets" or (d.format == "auto" and is_saved_dataset(Path(d.source).expanduser()))
 
 
 def param_groups(model: nn.Module, cfg: TrainConfig) -> list[dict]:
@@ -108,41 +236,55 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
 
 
 def data_cache_dir(cfg: TrainConfig) -> Path:
-    """Where the tokenizer and the shards of this data + tokenizer setting live (shared by runs that share it)."""
+    """``data_dir``, or by default ``runs/data/<key>``: the key hashes the data and tokenizer settings and the
+    content they read, as the paths, sizes and modification times of the source files and of the tokenizer.path
+    folder (``data.files_fingerprint``; no file is read). A source that gains or changes a file therefore gets a
+    new cache (the old one stays until deleted), and runs of the same data share one."""
     if cfg.data_dir:
         return Path(cfg.data_dir)
-    key = json.dumps({"data": cfg.data.model_dump(), "tokenizer": cfg.tokenizer.model_dump()}, sort_keys=True)
+    content = {"source": source_fingerprint(cfg.data)}
+    if cfg.tokenizer.path is not None:
+        folder = Path(cfg.tokenizer.path)
+        content["tokenizer"] = files_fingerprint(sorted(p for p in folder.rglob("*") if p.is_file()))
+    key = json.dumps({"data": cfg.data.model_dump(), "tokenizer": cfg.tokenizer.model_dump(), **content},
+                     sort_keys=True)
     return Path("runs/data") / hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-def prepare_data(cfg: TrainConfig, env: Dist):
-    """Tokenizer and shards (made by the first process, read by all): -> (tokenizer, train dir, val dir)."""
+def prepare_data(cfg: TrainConfig, env: Dist, root: Path, resumed: bool = False):
+    """Tokenizer and shards in ``root`` (made by the first process under root's lock, which another run preparing
+    the same folder waits for; read by all, and without the lock once complete, so a prepared folder may be
+    read-only): -> (tokenizer, shards dir). A resumed run reads the shards already in ``root`` as they are (the
+    checkpoint's loader state checks that they are the data the run started on), so a source edited since does not
+    stop it; the tokenizer must still be the one they were made with."""
     from kalmix.train import data, tokenizer as tk
-    root = data_cache_dir(cfg)
     tok_dir = Path(cfg.tokenizer.path) if cfg.tokenizer.path else root / "tokenizer"
+    shards = root / "shards"
     if env.main:
-        if cfg.tokenizer.path is None and not (tok_dir / "tokenizer.json").is_file():
-            tk.train_tokenizer(data.iter_documents(cfg.data, split="train"), cfg.tokenizer.vocab_size, tok_dir,
-                               progress=cfg.log.progress)
-        tok = tk.load_tokenizer(tok_dir)
-        data.prepare(cfg.data, tok, root / "shards", progress=cfg.log.progress)
+        complete = (shards / "meta.json").is_file() and (tok_dir / "tokenizer.json").is_file()
+        with contextlib.nullcontext() if complete else ckpt.DirLock(root, wait=True, what="data_dir"):
+            if resumed and (shards / "meta.json").is_file():
+                made_with = json.loads((shards / "meta.json").read_text())["fingerprint"]["tokenizer"]
+                if tk.tokenizer_fingerprint(tk.load_tokenizer(tok_dir)) != made_with:
+                    raise ValueError(f"the tokenizer in {tok_dir} is not the one the run's shards in {shards} "
+                                     f"were made with; restore it")
+            else:
+                if cfg.tokenizer.path is None and not (tok_dir / "tokenizer.json").is_file():
+                    tk.train_tokenizer(data.iter_documents(cfg.data, split="train"), cfg.tokenizer.vocab_size,
+                                       tok_dir, progress=cfg.log.progress)
+                try:
+                    data.prepare(cfg.data, tk.load_tokenizer(tok_dir), shards, progress=cfg.log.progress)
+                except data.StaleDataset as e:
+                    if not cfg.data_dir:
+                        raise
+                    raise data.StaleDataset(f"{e} (it is data_dir = {cfg.data_dir}: set another data_dir, or "
+                                            f"leave it unset to keep one cache per content of the data)") from None
     env.barrier()
-    tok = tk.load_tokenizer(tok_dir)
-    return tok, root / "shards"
+    return tk.load_tokenizer(tok_dir), shards
 
 
 def build_model(cfg: TrainConfig, vocab_size: int) -> KalmixForCausalLM:
-    m = cfg.model
-    kw = dict(vocab_size=vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,
-              mixer_kwargs=m.mixer_kwargs, intermediate_size=m.intermediate_size,
-              tie_word_embeddings=m.tie_word_embeddings, impl=m.impl)
-    if m.mixers is not None:
-        if m.attention_every is not None or m.attention_layers:
-            raise ValueError("model: give either `mixers` or `mixer` with `attention_every` / `attention_layers`")
-        kw["mixers"] = m.mixers
-    else:
-        kw.update(mixer=m.mixer, attention_every=m.attention_every, attention_layers=m.attention_layers)
-    return KalmixForCausalLM(KalmixConfig(**kw))
+    return KalmixForCausalLM(cfg.model.kalmix_config(vocab_size))
 
 
 def model_vocab(cfg: TrainConfig, tokenizer_vocab: int) -> int:
@@ -156,43 +298,103 @@ def model_vocab(cfg: TrainConfig, tokenizer_vocab: int) -> int:
     return cfg.model.vocab_size
 
 
-def _differences(a: dict, b: dict, keys) -> list[str]:
-    out = []
-    for key in keys:
-        va, vb = a, b
-        for part in key.split("."):
-            va, vb = (va or {}).get(part), (vb or {}).get(part)
-        if va != vb:
-            out.append(f"{key}: checkpoint {va!r}, now {vb!r}")
-    return out
+@dataclass
+class Resume:
+    """Where a run continues: the newest checkpoint, its metadata, the config changes that apply (key, old, new),
+    and whether the run was complete at that step with nothing more to do."""
+
+    checkpoint: Path
+    meta: dict
+    changes: list
+    complete: bool
+
+    @property
+    def step(self) -> int:
+        return self.meta["step"]
+
+
+def resume_point(cfg: TrainConfig) -> Resume | None:
+    """The checkpoint of ``cfg.run_dir`` the run continues from (None: a new run), checked against ``cfg`` by the
+    rules of ``kalmix.train.config`` before anything is built: a ValueError names the keys that cannot change
+    (old → new) or a ``train.steps`` below the checkpoint's; a CheckpointError a foreign or corrupt checkpoint."""
+    run_dir = Path(cfg.run_dir)
+    existing = ckpt.checkpoints(run_dir)
+    if cfg.resume == "never" and existing:
+        raise ValueError(f"{run_dir} already holds checkpoints ({existing[-1].name}) and resume = never: "
+                         f"choose another run_dir, or resume = auto")
+    if cfg.resume == "required" and not existing:
+        raise ValueError(f"resume = required, but {run_dir} holds no checkpoint")
+    if not existing:
+        return None
+    path = existing[-1]
+    meta = ckpt.read_meta(path)
+    refused, applied = resume_changes(meta["config"], cfg)
+    if refused:
+        raise ValueError(f"cannot resume from {path}: a run in progress cannot change "
+                         f"{describe_changes(refused)}; restore them, or choose another run_dir for a new run")
+    if cfg.train.steps < meta["step"]:
+        raise ValueError(f"train.steps = {cfg.train.steps} is fewer than the {meta['step']} steps done ({path}); "
+                         f"set train.steps >= {meta['step']} to continue this run, or choose another run_dir")
+    complete = (meta.get("complete", False) and cfg.train.steps == meta["step"]
+                and (run_dir / "model" / "config.json").is_file())
+    return Resume(path, meta, applied, complete)
+
+
+def run_data_dir(cfg: TrainConfig, resume: Resume | None) -> Path:
+    """The data folder of the run: ``data_dir`` when set; a resumed run keeps the folder its checkpoint read
+    while that still holds its shards (so a source edited since does not matter); else ``data_cache_dir``."""
+    if not cfg.data_dir and resume is not None and resume.meta.get("data_dir"):
+        saved = Path(resume.meta["data_dir"])
+        if (saved / "shards" / "meta.json").is_file():
+            return saved
+    return data_cache_dir(cfg)
+
+
+def _remove_stale_writes(run_dir: Path) -> None:
+    """The temporary folders of checkpoint writes and model exports a killed process left (with the lock held)."""
+    for stale in [*(run_dir / "checkpoints").glob(".tmp_step_*"), *run_dir.glob(".model.*.tmp"),
+                  *run_dir.glob(".model.*.old")]:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def own_run_dir(run_dir: str | Path, env: Dist):
+    """Hold ``run_dir``'s lock for the block (rank 0 takes it, the others wait for its answer); a RunDirInUse on
+    every process when a live process holds it."""
+    lock, error = None, None
+    if env.main:
+        try:
+            lock = ckpt.DirLock(run_dir).acquire()
+            _remove_stale_writes(Path(run_dir))
+        except Exception as e:  # noqa: BLE001 - every process raises rank 0's error
+            error = e
+    error = env.broadcast(error)
+    if error is not None:
+        raise error
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 class Trainer:
     """Owns one run: builds everything from the config, checks the inputs before any step, then trains."""
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, env: Dist, resume: Resume | None = None):
         from kalmix.train import data
-        self.cfg = cfg
-        if cfg.train.threads:
-            torch.set_num_threads(cfg.train.threads)
-        self.env = env = Dist(cfg.train.device)
+        self.cfg, self.env, self.resume = cfg, env, resume
         self.run_dir = Path(cfg.run_dir)
         self.accum = cfg.accumulation(env.world)
-        existing = ckpt.checkpoints(self.run_dir)
-        if cfg.resume == "never" and existing:
-            raise ValueError(f"{self.run_dir} already holds checkpoints ({existing[-1].name}) and resume = never: "
-                             f"choose another run_dir, or resume = auto")
-        if cfg.resume == "required" and not existing:
-            raise ValueError(f"resume = required, but {self.run_dir} holds no checkpoint")
-        self.resume_from = existing[-1] if existing else None
-        if self.resume_from is not None:            # a foreign or corrupt checkpoint stops here, before any step
-            meta = ckpt.read_meta(self.resume_from)
-            diff = _differences(meta["config"], json.loads(cfg.model_dump_json()), _SAME_ON_RESUME)
-            if diff:
-                raise ValueError(f"{self.resume_from} was written by a run of another configuration; a resumed "
-                                 f"run must keep " + "; ".join(diff))
+        try:                                    # the layers' own checks, before any data is prepared
+            with torch.device("meta"):
+                probe = build_model(cfg, cfg.model.vocab_size or 64)
+        except Exception as e:  # noqa: BLE001 - any layer's refusal, reported as the config's
+            raise ValueError(f"the model of this config cannot be built: {type(e).__name__}: {e}") from e
+        self.threads = cpu_threads(cfg, env, sum(p.numel() for p in probe.parameters()))
 
-        self.tokenizer, shards = prepare_data(cfg, env)
+        self.data_dir = run_data_dir(cfg, resume)
+        self.tokenizer, shards = prepare_data(cfg, env, self.data_dir, resumed=resume is not None)
         tok_vocab = len(self.tokenizer)
         vocab = model_vocab(cfg, tok_vocab)
         self.train_set = data.PackedDataset(shards / "train", cfg.train.seq_len)
@@ -218,18 +420,19 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(param_groups(self.raw, cfg), lr=cfg.optim.lr,
                                            betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
                                            fused=fused or None)
-        mults = [g["lr_mult"] for g in self.optimizer.param_groups]
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, [lambda s, m=m: m * lr_factor(s, cfg) for m in mults])
         self.autocast = (torch.autocast(env.device.type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}
                                         [cfg.train.dtype]) if cfg.train.dtype != "fp32" else contextlib.nullcontext())
         self.scaler = torch.amp.GradScaler(env.device.type) if cfg.train.dtype == "fp16" else None
         self.peak = self._peak_flops()
         self.step = 0
         self._check_shapes()
-        if self.resume_from is not None:
-            meta = ckpt.load(self.resume_from, self.model if self.sharded else self.raw, self.optimizer,
-                             self.scheduler, self.sharded)
+        if resume is not None:
+            # the checkpoint's optimizer state, with this config's hyperparameters (lr, betas, eps, weight decay)
+            hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+            meta = ckpt.load(resume.checkpoint, self.model if self.sharded else self.raw, self.optimizer,
+                             self.sharded)
+            for group, h in zip(self.optimizer.param_groups, hyper):
+                group.update(h)
             self.step = meta["step"]
             self.loader.load_state_dict(meta["loader"])
 
@@ -355,16 +558,23 @@ class Trainer:
             raise FloatingPointError(f"non-finite gradient norm at step {self.step + 1} (loss "
                                      f"{loss_total / total_count:.4g}); the weights were not updated, and the "
                                      f"newest checkpoint is the one to resume from")
+        lr = self._set_lr()
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
             self.optimizer.step()
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return {"loss": loss_total / total_count, "lr": lr, "tokens": total_count, "grad_norm": grad_norm}
+
+    def _set_lr(self) -> float:
+        """Set every group's learning rate for this step from the config (optim.lr · the group's multiplier · the
+        schedule); returns the first group's."""
+        factor = lr_factor(self.step, self.cfg)
+        for g in self.optimizer.param_groups:
+            g["lr"] = self.cfg.optim.lr * (g["lr_mult"] * factor)
+        return self.optimizer.param_groups[0]["lr"]
 
     def _sync(self, last: bool):
         """Gradient synchronisation only on the last micro-batch of a step."""
@@ -382,13 +592,14 @@ class Trainer:
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
 
-    def save(self):
-        ckpt.save(self.run_dir, self.step, self.model if self.sharded else self.raw, self.optimizer,
-                  self.scheduler, self.loader.state_dict(), json.loads(self.cfg.model_dump_json()), self.sharded,
-                  self.cfg.checkpoint.keep)
+    def save(self, complete: bool = False) -> Path:
+        return ckpt.save(self.run_dir, self.step, self.model if self.sharded else self.raw, self.optimizer,
+                         self.loader.state_dict(), self.cfg.to_dict(), self.sharded, self.cfg.checkpoint.keep,
+                         data_dir=str(self.data_dir.resolve()), complete=complete)
 
     def export(self) -> Path:
-        """The final model as a Hugging Face folder (safetensors, config, tokenizer) in ``RUN/model``."""
+        """The final model as a Hugging Face folder (safetensors, config, tokenizer) in ``RUN/model``, written
+        beside it and renamed into place."""
         out = self.run_dir / "model"
         if self.sharded:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -401,37 +612,71 @@ class Trainer:
             if state is not None:
                 model = build_model(self.cfg, self.raw.config.vocab_size)
                 model.load_state_dict(state)
-            tmp = self.run_dir / ".model.tmp"
-            model.save_pretrained(tmp)
-            self.tokenizer.save_pretrained(tmp)
-            if out.exists():
-                import shutil
-                shutil.rmtree(out)
-            os.replace(tmp, out)
+            tag = uuid.uuid4().hex[:8]
+            tmp, old = self.run_dir / f".model.{tag}.tmp", self.run_dir / f".model.{tag}.old"
+            try:
+                model.save_pretrained(tmp)
+                self.tokenizer.save_pretrained(tmp)
+                if out.exists():
+                    os.replace(out, old)
+                os.replace(tmp, out)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+                shutil.rmtree(old, ignore_errors=True)
         self.env.barrier()
         return out
 
-    def run(self) -> dict:
+    def _stop_signal(self, signals: _Signals) -> int | None:
+        """The signal every process agrees to stop on (SIGTERM over SIGINT), or None: one collective."""
+        ints, terms = self.env.sum(signals.signum == signal.SIGINT, signals.signum == signal.SIGTERM)
+        return signal.SIGTERM if terms else signal.SIGINT if ints else None
+
+    def _announce(self) -> None:
         cfg, env = self.cfg, self.env
-        if env.main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write(self.run_dir / "config.yaml", lambda f: f.write(cfg.dump().encode()))
-            if self.resume_from is None:
-                (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
-        env.barrier()
-        if self.resume_from is not None and env.main:
-            tqdm.write(f"resuming from {self.resume_from} (step {self.step})")
+        if self.resume is not None:
+            changed = {k: [a, b] for k, a, b in self.resume.changes}
+            self._log({"kind": "resume", "step": self.step, "checkpoint": str(self.resume.checkpoint),
+                       "changed": changed})
+            if env.main:
+                tqdm.write(f"resuming from {self.resume.checkpoint} (step {self.step})")
+                for key, old, new in self.resume.changes:
+                    tqdm.write(f"changed on resume: {describe_changes([(key, old, new)])}")
         self._log({"kind": "start", "step": self.step, "params": self.n_params, "world_size": env.world,
-                   "flops_per_token": self.flops_per_token, "device": str(env.device),
+                   "flops_per_token": self.flops_per_token, "device": str(env.device), "threads": self.threads,
                    "tokens_per_step": cfg.train.seq_len * cfg.train.global_batch_size,
                    "mixers": self.raw.config.mixers})
+        if env.main:
+            tqdm.write(f"{self.n_params / 1e6:.2f}M parameters on {env.device} × {env.world} process"
+                       f"{'es' if env.world > 1 else ''}, {self.threads} CPU thread{'s' if self.threads > 1 else ''}"
+                       f" each; data in {self.data_dir}")
+
+    def run(self, signals: _Signals | None = None) -> dict:
+        """Train from ``self.step`` to ``train.steps``, export the model, write the final checkpoint; returns the
+        last step's metrics. With ``signals``, a SIGINT / SIGTERM ends the loop after the current step with a
+        checkpoint and raises TrainingInterrupted."""
+        cfg, env = self.cfg, self.env
+        if env.main:
+            atomic_write(self.run_dir / "config.yaml", lambda f: f.write(cfg.dump().encode()))
+            if self.resume is None:
+                (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        env.barrier()
+        self._announce()
         bar = tqdm(total=cfg.train.steps, initial=self.step, disable=not (env.main and cfg.log.progress),
                    desc="train", dynamic_ncols=True)
         last = {}
+        saved = self.step if self.resume is not None else None
+        if signals is not None:
+            signals.defer()
         t0, tokens0, step0 = time.perf_counter(), 0.0, self.step
         if env.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(env.device)
         while self.step < cfg.train.steps:
+            signum = self._stop_signal(signals) if signals is not None else None
+            if signum is not None:
+                bar.close()
+                path = self.save() if saved != self.step else ckpt.checkpoints(self.run_dir)[-1]
+                self._log({"kind": "interrupt", "step": self.step, "signal": signal.Signals(signum).name})
+                raise TrainingInterrupted(signum, self.step, path)
             last = self.train_step()
             tokens0 += last["tokens"]
             bar.update(1)
@@ -459,21 +704,40 @@ class Trainer:
                     tqdm.write(f"step {self.step} | val loss {ev['val_loss']:.4f} | val ppl {ev['val_ppl']:.2f}")
                 last.update(ev)
                 t0, step0 = time.perf_counter(), self.step
-            if self.step % cfg.checkpoint.every == 0 or self.step == cfg.train.steps:
+            if self.step % cfg.checkpoint.every == 0 and self.step < cfg.train.steps:
                 self.save()
+                saved = self.step
                 t0, step0 = time.perf_counter(), self.step
         bar.close()
         out = self.export()
+        self.save(complete=True)        # after the export: a complete checkpoint means the model is in RUN/model
         if env.main:
             tqdm.write(f"model written to {out}")
         return last
 
 
 def train(cfg: TrainConfig) -> dict:
-    """Run ``cfg`` (resuming from the run directory's newest checkpoint if ``resume`` allows) and return the
-    last step's metrics."""
-    trainer = Trainer(cfg)
-    try:
-        return trainer.run()
-    finally:
-        trainer.env.close()
+    """Run ``cfg``, resuming from the run directory's newest checkpoint if ``resume`` allows; returns the last
+    step's metrics ({} when the run was already complete: it says so and does nothing).
+
+    Holds ``run_dir``'s lock for the run (RunDirInUse when a live process holds it). SIGINT / SIGTERM: the current
+    step finishes, a checkpoint is written, and TrainingInterrupted (a KeyboardInterrupt) is raised; under
+    torchrun every process stops after the same step (signals are handled when ``train`` runs in the main thread).
+    With ``log.progress`` false no progress bar is shown, third-party ones included."""
+    threads = torch.get_num_threads()
+    with _Signals() as signals:
+        env = Dist(cfg.train.device)
+        try:
+            with own_run_dir(cfg.run_dir, env), \
+                    third_party_progress(cfg.log.progress, datasets=_reads_datasets(cfg.data)):
+                resume = resume_point(cfg)
+                if resume is not None and resume.complete:
+                    if env.main:
+                        tqdm.write(f"{cfg.run_dir} is already complete: {resume.step} of train.steps = "
+                                   f"{cfg.train.steps} steps done, the model in {Path(cfg.run_dir) / 'model'}; "
+                                   f"raise train.steps to train further")
+                    return {}
+                return Trainer(cfg, env, resume).run(signals)
+        finally:
+            env.close()
+            torch.set_num_threads(threads)

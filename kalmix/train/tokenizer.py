@@ -28,7 +28,8 @@ def train_tokenizer(documents: Iterable[str], vocab_size: int, out_dir: str | os
     tokenizer, which ``AutoTokenizer.from_pretrained(out_dir)`` loads back with the same eos token.
     """
     if vocab_size < _BYTES + 1:
-        raise ValueError(f"vocab_size must be >= {_BYTES + 1} (256 bytes + {eos_token}), got {vocab_size}")
+        raise ValueError(f"a vocabulary of {vocab_size} is too small: a byte-level BPE needs at least {_BYTES + 1} "
+                         f"(256 bytes + {eos_token})")
     out = Path(out_dir)
     _check_free(out)
     tok = Tokenizer(models.BPE())
@@ -93,4 +94,4 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerFast) -> str:
 def _check_free(out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} already exists and is not an empty directory; load the tokenizer there with "
-                              f"load_tokenizer or choose another out_dir")
+                              f"load_tokenizer, or write the new one to another folder")

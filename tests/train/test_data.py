@@ -244,7 +244,7 @@ def test_tokenizer_round_trip(tok_dir):
 def test_tokenizer_errors(tmp_path, tok_dir):
     with pytest.raises(FileExistsError, match="already exists and is not an empty directory"):
         train_tokenizer(DOCS, 300, tok_dir, progress=False)
-    with pytest.raises(ValueError, match="vocab_size must be >= 257"):
+    with pytest.raises(ValueError, match="a vocabulary of 256 is too small: a byte-level BPE needs at least 257"):
         train_tokenizer(DOCS, 256, tmp_path / "small", progress=False)
     with pytest.raises(ValueError, match="no documents"):
         train_tokenizer([], 300, tmp_path / "none", progress=False)
@@ -303,7 +303,7 @@ def test_prepare_reuses_same_fingerprint(prepared, tok, monkeypatch):
 
 def test_prepare_refuses_another_fingerprint(prepared, tok, tmp_path):
     cfg, shards, _ = prepared
-    with pytest.raises(ValueError, match="different fingerprint: the data config changed; choose another out_dir"):
+    with pytest.raises(ValueError, match="different fingerprint: the data config changed; delete it, or prepare into"):
         prepare(cfg.model_copy(update={"seed": 2}), tok, shards, progress=False)
     other = train_tokenizer(DOCS[:10], 270, tmp_path / "other", progress=False)
     with pytest.raises(ValueError, match="different fingerprint: the tokenizer changed"):

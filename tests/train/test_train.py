@@ -1,21 +1,29 @@
-"""`kalmix train` end to end on CPU: config validation, a tiny run and its outputs, exact resume after a kill,
-atomic checkpoints, the bad inputs that must stop before any step, and 2-process DDP / FSDP2 runs (gloo) that
-give one process's loss curve."""
+"""`kalmix train` end to end on CPU: strict config, a tiny run and its outputs, exact resume after a kill, what a
+resumed run may change, a run's lock on its run_dir, SIGINT / SIGTERM, atomic checkpoints, the data cache keyed on
+content, quiet bars and CPU threads, the bad inputs that must stop before any step, and 2-process DDP / FSDP2 runs
+(gloo) that give one process's loss curve."""
 import json
 import os
 import random
+import re
+import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import kalmix  # noqa: F401
 from kalmix.cli import main as cli
+from kalmix.layers import ALL_MIXERS
 from kalmix.train import checkpoint as ckpt
 from kalmix.train.config import load_config, presets
-from kalmix.train.loop import Trainer, lr_factor, param_groups, train
+from kalmix.train.loop import Dist, Trainer, cpu_threads, data_cache_dir, lr_factor, param_groups, resume_point, train
 
 WORDS = ("alpha beta gamma delta kalman filter state mean noise gain ridge solve chebyshev step key value query "
          "token layer model train loss").split()
@@ -33,7 +41,8 @@ def corpus(tmp_path_factory):
     return root
 
 
-def _cfg(corpus, run_dir, **over):
+def _over(corpus, run_dir, **over) -> dict:
+    """The dotted keys of a tiny CPU run in ``run_dir`` on the module's corpus, with ``over``."""
     base = {
         "run_dir": str(run_dir), "data_dir": str(corpus / "data"),
         "data.source": str(corpus / "docs.jsonl"), "data.text_field": "body", "data.val_fraction": 0.2,
@@ -45,8 +54,11 @@ def _cfg(corpus, run_dir, **over):
         "optim.warmup_steps": 2, "eval.every": 3, "eval.rows": 8, "checkpoint.every": 3, "log.every": 1,
         "log.progress": False,
     }
-    base.update(over)
-    return load_config(None, base)
+    return {**base, **over}
+
+
+def _cfg(corpus, run_dir, **over):
+    return load_config(None, _over(corpus, run_dir, **over))
 
 
 def _losses(run_dir):
@@ -76,6 +88,100 @@ def test_overrides_parse_as_yaml_and_presets_load(capsys):
     assert cli(["train", "gpu-125m", "--print-config", "--model.mixer", "kalman", "--train.steps", "7"]) == 0
     out = capsys.readouterr().out
     assert "mixer: kalman" in out and "steps: 7" in out and "hidden_size: 768" in out
+
+
+def test_a_yaml_file_that_does_not_parse_names_file_line_and_column(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  steps: 3\n  seq_len: [1, 2\n")
+    with pytest.raises(ValueError, match=rf"config file {re.escape(str(bad))}, line 4, column 1: expected ','") as e:
+        load_config(str(bad))
+    assert "<unicode string>" not in str(e.value)
+    (tmp_path / "dup.yaml").write_text("train:\n  steps: 3\n  steps: 4\n")     # PyYAML keeps the last silently
+    with pytest.raises(ValueError, match=r"dup\.yaml, line 3, column 3: key 'steps' is given twice \(first on line 2"):
+        load_config(str(tmp_path / "dup.yaml"))
+    with pytest.raises(ValueError, match=r"--model\.mixer_kwargs '\{a: ', line 1, column 5"):
+        load_config(None, {"model.mixer_kwargs": "{a: "})
+    assert cli(["train", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kalmix train: error: config file {bad}, line 4, column 1") and "Traceback" not in err
+
+
+@pytest.mark.parametrize("over, match", [
+    ({"train.steps": True}, r"train\.steps: Input should be a valid integer \(got True\)"),      # not 1
+    ({"train.steps": "true"}, r"train\.steps: Input should be a valid integer \(got True\)"),    # a flag's text
+    ({"train.steps": "3.0"}, r"train\.steps: Input should be a valid integer \(got 3\.0\)"),    # ints stay ints
+    ({"log.progress": "1"}, r"log\.progress: Input should be a valid boolean \(got 1\)"),
+    ({"optim.lr": "true"}, r"optim\.lr: Input should be a valid number \(got True\)"),
+    ({"optim.lr": ".nan"}, r"optim\.lr: Input should be a finite number"),
+    ({"model.attention_layers": ["0", "true"]}, r"model\.attention_layers\.1: Input should be a valid integer"),
+    ({"data.max_docs": "yes"}, r"data\.max_docs: Input should be a valid integer \(got True\)"),
+    ({"train.device": "tpu"}, r"train\.device: 'tpu' is not a device kalmix trains on; allowed: auto, cpu, cuda, "
+                              r"cuda:N"),
+    ({"train.device": "cuda:x"}, r"train\.device: 'cuda:x' is not a device"),
+    ({"model.mixer": "kaczmarzz"}, r"model\.mixer: unknown mixer 'kaczmarzz'; the mixers are attention, "),
+    ({"model.mixers": ["gka", "foo"], "model.num_hidden_layers": 2}, r"model\.mixers: unknown mixer 'foo' \(layer 1"),
+    ({"model.mixer_kwargs": "{gkaa: {num_heads: 2}}"}, r"model\.mixer_kwargs: unknown mixer 'gkaa'"),
+    ({"model.mixer_kwargs": "{gka: {num_head: 2}}"}, r"model: .*unknown argument\(s\) \['num_head'\]"),
+    ({"model.mixers": ["gka", "gka"]}, r"model: .*`mixers` has 2 entries for num_hidden_layers = 4"),
+    ({"train.stepz": 3}, r"train\.stepz: unknown key \(known: steps, seq_len, "),
+])
+def test_config_values_keep_their_types_and_names_are_checked_at_load(over, match):
+    with pytest.raises(ValueError, match=match) as e:
+        load_config(None, over)
+    if "unknown mixer" in match:
+        assert all(name in str(e.value) for name in ALL_MIXERS)      # the models package's registry
+
+
+def test_config_floats_take_ints_and_number_strings(tmp_path):
+    cfg = load_config(None, {"optim.lr": "1e-3", "optim.weight_decay": 0, "data.val_fraction": "5e-2",
+                             "run_dir": "2024", "tokenizer.path": "null", "train.device": "cuda:1"})
+    assert cfg.optim.lr == 1e-3 and cfg.optim.weight_decay == 0.0 and isinstance(cfg.optim.weight_decay, float)
+    assert cfg.data.val_fraction == 0.05 and cfg.run_dir == "2024" and cfg.tokenizer.path is None
+    assert cfg.train.device == "cuda:1"
+    (tmp_path / "c.yaml").write_text("optim: {lr: 1e-3, eps: 1}\ntrain: {steps: 1e3}\n")      # YAML 1.1: '1e3'
+    with pytest.raises(ValueError, match=r"c\.yaml\):\n  train\.steps: Input should be a valid integer \(got '1e3'"):
+        load_config(str(tmp_path / "c.yaml"))
+
+
+def test_cli_config_errors_are_one_message_before_any_data(tmp_path, capsys):
+    data_dir = tmp_path / "data"
+    assert cli(["train", "--train.device", "tpu", "--data_dir", str(data_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kalmix train: error: invalid training config:\n  train.device: 'tpu' is not a device")
+    assert cli(["train", "--model.mixer", "gkaa", "--data_dir", str(data_dir), "--run_dir", str(tmp_path / "r")]) == 2
+    assert "model.mixer: unknown mixer 'gkaa'" in capsys.readouterr().err
+    assert cli(["train", str(tmp_path / "nope.yaml")]) == 2
+    assert "config file '" + str(tmp_path / "nope.yaml") + "' does not exist; give a YAML file or a preset (cpu-tiny" \
+        in capsys.readouterr().err
+    assert not data_dir.exists() and not (tmp_path / "r").exists()
+
+
+def test_a_layer_that_refuses_its_arguments_stops_before_the_data(corpus, tmp_path):
+    data_dir = tmp_path / "data"
+    with pytest.raises(ValueError, match="3 heads"):
+        train(_cfg(corpus, tmp_path / "run", data_dir=str(data_dir), **{
+            "model.mixer": "attention", "model.mixer_kwargs": {"attention": {"num_heads": 3}}}))
+    assert not data_dir.exists() and not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_a_cuda_device_without_cuda_stops_before_the_data(corpus, tmp_path):
+    for device in ("cuda", "cuda:0"):
+        with pytest.raises(ValueError, match=f"train.device = {device}, but CUDA is not available"):
+            train(_cfg(corpus, tmp_path / "run", data_dir=str(tmp_path / "data"), **{"train.device": device}))
+    assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()
+
+
+def test_tokenizer_cli_errors(corpus, tmp_path, capsys):
+    out = tmp_path / "tok"
+    assert cli(["tokenizer", "train", "--source", str(tmp_path / "nope"), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == f"kalmix tokenizer train: error: data source not found: {tmp_path / 'nope'}\n"
+    assert cli(["tokenizer", "train", "--source", str(corpus / "docs.jsonl"), "--text-field", "body",
+                "--vocab-size", "100", "--out", str(out)]) == 2
+    assert "a vocabulary of 100 is too small: a byte-level BPE needs at least 257" in capsys.readouterr().err
+    assert cli(["tokenizer", "train", "--format", "jsonl", "--out", str(out)]) == 2
+    assert "source 'stdlib' is read as Python files" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_batch_must_divide_over_processes():
@@ -146,9 +252,15 @@ def test_option_trains_the_same(corpus, tmp_path, option, steps, rel):
         assert lb[s] == pytest.approx(la[s], rel=rel), (s, la[s], lb[s])
 
 
-def test_killed_run_resumes_exactly(corpus, tmp_path, monkeypatch):
-    full = tmp_path / "full"
-    train(_cfg(corpus, full))
+@pytest.fixture(scope="module")
+def full_losses(corpus, tmp_path_factory):
+    """The train losses by step of an uninterrupted run of ``_cfg``'s 6 steps."""
+    run = tmp_path_factory.mktemp("full") / "run"
+    train(_cfg(corpus, run))
+    return _losses(run)
+
+
+def test_killed_run_resumes_exactly(corpus, tmp_path, monkeypatch, full_losses):
     killed = tmp_path / "killed"
     step = Trainer.train_step
 
@@ -165,7 +277,7 @@ def test_killed_run_resumes_exactly(corpus, tmp_path, monkeypatch):
     steps = [json.loads(line)["step"] for line in (killed / "metrics.jsonl").read_text().splitlines()
              if json.loads(line)["kind"] == "train"]
     assert steps == [1, 2, 3, 4, 4, 5, 6]                         # the kill came after step 4; resumed from 3
-    a, b = _losses(full), _losses(killed)
+    a, b = full_losses, _losses(killed)
     for s in (4, 5, 6):
         assert a[s] == b[s], (s, a[s], b[s])                      # bit for bit
 
@@ -186,6 +298,267 @@ def test_interrupted_checkpoint_write_leaves_the_previous_one(corpus, tmp_path, 
     assert calls["n"] == 1
     assert [p.name for p in ckpt.checkpoints(run)] == ["step_0000003"]
     assert ckpt.read_meta(ckpt.checkpoints(run)[-1])["step"] == 3
+
+
+def test_resume_applies_the_changes_it_can_and_logs_them(corpus, tmp_path, capsys):
+    run = tmp_path / "run"
+    train(_cfg(corpus, run, **{"train.steps": 3}))
+    capsys.readouterr()
+    new = _cfg(corpus, run, **{"train.steps": 6, "optim.lr": 1e-3, "eval.every": 2})
+    train(new)
+    out = capsys.readouterr().out
+    for line in ("changed on resume: train.steps 3 → 6", "changed on resume: optim.lr 0.003 → 0.001",
+                 "changed on resume: eval.every 3 → 2"):
+        assert line in out
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    resumed = [r for r in rows if r["kind"] == "resume"]
+    assert len(resumed) == 1 and resumed[0]["step"] == 3
+    assert resumed[0]["changed"] == {"train.steps": [3, 6], "optim.lr": [0.003, 0.001], "eval.every": [3, 2]}
+    lrs = {r["step"]: r["lr"] for r in rows if r["kind"] == "train"}
+    for step in (4, 5, 6):                          # the lr used and logged is the new one (and its schedule)
+        assert lrs[step] == pytest.approx(1e-3 * lr_factor(step - 1, new), rel=1e-12)
+    assert [r["step"] for r in rows if r["kind"] == "eval"] == [3, 4, 6]
+    assert load_config(str(run / "config.yaml")).optim.lr == 1e-3       # config.yaml: the config now in force
+    more = _cfg(corpus, run, **{"train.steps": 9, "optim.lr": 1e-3, "optim.weight_decay": 0.05, "optim.beta2": 0.9})
+    groups = {g["name"]: g for g in Trainer(more, Dist("cpu"), resume_point(more)).optimizer.param_groups}
+    assert groups["decay"]["weight_decay"] == 0.05 and groups["no_decay"]["weight_decay"] == 0.0
+    assert tuple(groups["decay"]["betas"]) == (0.9, 0.9)
+
+
+def test_resume_refuses_the_changes_it_cannot_apply_naming_each(corpus, tmp_path):
+    run = tmp_path / "run"
+    train(_cfg(corpus, run, **{"train.steps": 3}))
+    before = (run / "metrics.jsonl").read_text()
+    over = {"train.steps": 6, "model.hidden_size": 64, "seed": 1, "train.seq_len": 16, "data.val_fraction": 0.3,
+            "tokenizer.vocab_size": 320, "train.global_batch_size": 8, "train.dtype": "bf16",
+            "model.mixer_kwargs": {"kaczmarz": {"num_heads": 4}}}
+    with pytest.raises(ValueError, match=r"cannot resume from .*step_0000003: a run in progress cannot change ") \
+            as e:
+        train(_cfg(corpus, run, **over))
+    for change in ("model.hidden_size 32 → 64", "seed 0 → 1", "train.seq_len 32 → 16",
+                   "data.val_fraction 0.2 → 0.3", "tokenizer.vocab_size 300 → 320", "train.global_batch_size 4 → 8",
+                   'train.dtype "fp32" → "bf16"', "model.mixer_kwargs.kaczmarz.num_heads 2 → 4"):
+        assert change in str(e.value)
+    assert "train.steps" not in str(e.value)                         # a change that applies is not refused
+    with pytest.raises(ValueError, match=r"train\.steps = 2 is fewer than the 3 steps done \(.*step_0000003\); "
+                                         r"set train\.steps >= 3"):
+        train(_cfg(corpus, run, **{"train.steps": 2}))
+    assert (run / "metrics.jsonl").read_text() == before
+
+
+def test_a_finished_run_started_again_says_so_and_does_nothing(corpus, tmp_path, capsys):
+    run = tmp_path / "run"
+    train(_cfg(corpus, run, **{"train.steps": 3}))
+    metrics, model = (run / "metrics.jsonl").read_text(), run / "model" / "model.safetensors"
+    mtime = model.stat().st_mtime_ns
+    capsys.readouterr()
+    assert cli(["train", *_flags(_over(corpus, run, **{"train.steps": 3}))]) == 0
+    assert f"{run} is already complete: 3 of train.steps = 3 steps done, the model in {run / 'model'}" \
+        in capsys.readouterr().out
+    assert train(_cfg(corpus, run, **{"train.steps": 3})) == {}
+    assert (run / "metrics.jsonl").read_text() == metrics and model.stat().st_mtime_ns == mtime    # no re-export
+    shutil.rmtree(run / "model")                    # complete, but its model deleted: exported again
+    train(_cfg(corpus, run, **{"train.steps": 3}))
+    assert model.is_file() and "model written to" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- a run owns its run_dir; signals
+
+
+_HOLD_LOCK = "import sys; from kalmix.train.checkpoint import DirLock; DirLock(sys.argv[1]).acquire(); " \
+             "print('locked', flush=True); sys.stdin.read()"
+
+
+def test_a_run_dir_in_use_is_refused_and_a_dead_owners_lock_taken_over(corpus, tmp_path, capfd):
+    run = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(run)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(ckpt.RunDirInUse, match=rf"run_dir {re.escape(str(run))} is in use by pid "
+                                                   rf"{holder.pid} on .*; wait for it to finish, stop it, or choose "
+                                                   rf"another run_dir"):
+            train(_cfg(corpus, run))
+        assert cli(["train", *_flags(_over(corpus, run))]) == 2
+        assert f"kalmix train: error: run_dir {run} is in use by pid {holder.pid}" in capfd.readouterr().err
+        assert [p.name for p in run.iterdir()] == [".lock"]            # nothing written by the refused runs
+    finally:
+        holder.kill()                                                 # dies holding the lock
+        holder.wait()
+    train(_cfg(corpus, run, **{"train.steps": 3}))
+    assert f"taking over the lock of pid {holder.pid} on" in capfd.readouterr().err
+    assert not (run / ".lock").exists() and (run / "model").is_dir()   # released at the end
+
+
+def test_a_waiting_lock_gets_the_folder_when_its_owner_releases(tmp_path):
+    first = ckpt.DirLock(tmp_path / "data", what="data_dir").acquire()
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(ckpt.DirLock(tmp_path / "data", wait=True).acquire()))
+    waiter.start()
+    time.sleep(0.3)
+    assert not got                                  # still waiting
+    first.release()                                 # removes the lock file the waiter had opened: it retries
+    waiter.join(10)
+    assert got and (tmp_path / "data" / ".lock").is_file()
+    assert json.loads((tmp_path / "data" / ".lock").read_text())["pid"] == os.getpid()
+    got[0].release()
+    assert not (tmp_path / "data").exists()         # created by the first lock, empty: removed
+
+
+def test_checkpoints_leave_no_temporary_folder(tmp_path, monkeypatch):
+    """The same step saved twice (a rerun that trained no step, or the race of two processes) replaces its
+    metadata instead of failing with 'Directory not empty'; a failed write removes its temporary folder."""
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    args = (tmp_path, 3, model, opt, {"epoch": 0}, {"seed": 0}, False, 2)
+    ckpt.save(*args, data_dir="d")
+    ckpt.save(*args, data_dir="d", complete=True)
+    assert ckpt.read_meta(ckpt.checkpoints(tmp_path)[-1])["complete"]
+    real = torch.save
+
+    def disk_full(obj, path, *a, **k):
+        if "rng" in str(path):
+            raise OSError(28, "No space left on device")
+        return real(obj, path, *a, **k)
+    monkeypatch.setattr(ckpt.torch, "save", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        ckpt.save(tmp_path, 6, model, opt, {"epoch": 0}, {"seed": 0}, False, 2, data_dir="d")
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_0000003"]
+
+
+def test_a_new_run_removes_what_a_killed_one_left_half_written(corpus, tmp_path):
+    run = tmp_path / "run"
+    for stale in (run / "checkpoints" / ".tmp_step_0000003_deadbeef", run / ".model.deadbeef.tmp"):
+        stale.mkdir(parents=True)
+        (stale / "half").write_text("x")
+    train(_cfg(corpus, run, **{"train.steps": 3}))
+    assert sorted(p.name for p in run.rglob("*") if ".tmp" in p.name or ".old" in p.name) == []
+
+
+_SIGNAL_AT = """
+import os, signal, sys
+from kalmix.train.loop import Trainer
+at, sig, rank = int(sys.argv[1]), getattr(signal, sys.argv[2]), int(sys.argv[3])
+step = Trainer.train_step
+def train_step(self):
+    if self.step == at and self.env.rank == rank:
+        os.kill(os.getpid(), sig)           # arrives during the step
+    return step(self)
+Trainer.train_step = train_step
+from kalmix.cli import main
+sys.exit(main(sys.argv[4:]))
+"""
+
+
+def test_a_signal_before_the_first_step_stops_at_once_and_leaves_nothing(corpus, tmp_path, monkeypatch):
+    from kalmix.train import loop
+    prepare = loop.prepare_data
+
+    def interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)        # e.g. while the tokenizer trains
+        return prepare(*args, **kwargs)
+    monkeypatch.setattr(loop, "prepare_data", interrupted)
+    with pytest.raises(loop.TrainingInterrupted, match=r"interrupted \(SIGTERM\); no checkpoint was written now") as e:
+        train(_cfg(corpus, tmp_path / "run", data_dir=str(tmp_path / "data")))
+    assert e.value.exit_code == 143 and e.value.step is None
+    assert not (tmp_path / "run").exists()          # lock released, the folder it made removed
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL     # the handlers are the caller's again
+
+
+@pytest.mark.parametrize("name, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_signal_finishes_the_step_writes_a_checkpoint_and_resumes_exactly(corpus, tmp_path, name, code,
+                                                                            full_losses):
+    run, script = tmp_path / "run", tmp_path / "signal_at.py"
+    script.write_text(_SIGNAL_AT)
+    r = subprocess.run([sys.executable, str(script), "3", name, "0", "train", *_flags(_over(corpus, run))],
+                       env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
+    assert r.returncode == code, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last == (f"kalmix train: interrupted ({name}) at step 4; checkpoint written to "
+                    f"{run / 'checkpoints' / 'step_0000004'}; rerun the same command to resume")
+    assert "Traceback" not in r.stderr
+    assert [p.name for p in ckpt.checkpoints(run)] == ["step_0000003", "step_0000004"]
+    assert not (run / "model").exists() and not (run / ".lock").exists()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4]
+    assert rows[-1] == {"kind": "interrupt", "step": 4, "signal": name}
+    train(_cfg(corpus, run))                        # the same command again
+    losses = _losses(run)
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    for s in (5, 6):
+        assert losses[s] == full_losses[s], (s, losses[s], full_losses[s])      # bit for bit
+
+
+# ---------------------------------------------------------------- data cache, bars, threads
+
+
+def _write_docs(path, n, seed):
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            f.write(json.dumps({"body": " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 60)))}) + "\n")
+
+
+def test_the_data_cache_follows_the_content_of_the_source(corpus, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)                     # the default cache is runs/data/<key> of the working folder
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(corpus / "docs.jsonl", src / "a.jsonl")
+    over = {"data_dir": None, "data.source": str(src), "train.steps": 3}
+    first = data_cache_dir(_cfg(corpus, tmp_path / "a", **over))
+    train(_cfg(corpus, tmp_path / "a", **over))
+    assert (first / "shards" / "meta.json").is_file()
+    _write_docs(src / "b.jsonl", 30, seed=1)        # the source gains a file: a new cache, not an error
+    second = data_cache_dir(_cfg(corpus, tmp_path / "b", **over))
+    assert second != first
+    train(_cfg(corpus, tmp_path / "b", **over))
+    assert (second / "shards" / "meta.json").is_file()
+    train(_cfg(corpus, tmp_path / "a", **{**over, "train.steps": 6}))      # resumes on the data it started on
+    assert ckpt.read_meta(ckpt.checkpoints(tmp_path / "a")[-1])["data_dir"] == str(first.resolve())
+    assert sorted(_losses(tmp_path / "a")) == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_changed_source_in_an_explicit_data_dir_names_data_dir(corpus, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(corpus / "docs.jsonl", src / "a.jsonl")
+    over = {"data_dir": str(tmp_path / "data"), "data.source": str(src), "train.steps": 3}
+    train(_cfg(corpus, tmp_path / "a", **over))
+    _write_docs(src / "b.jsonl", 30, seed=1)
+    with pytest.raises(ValueError, match=rf"the source files .* changed; .* \(it is data_dir = "
+                                         rf"{re.escape(str(tmp_path / 'data'))}: set another data_dir") as e:
+        train(_cfg(corpus, tmp_path / "b", **over))
+    assert "out_dir" not in str(e.value)
+
+
+def test_progress_off_shows_no_third_party_bar(corpus, tmp_path, capfd):
+    from transformers.utils import logging as hf_logging
+    train(_cfg(corpus, tmp_path / "run", **{"train.steps": 1, "eval.every": 1, "checkpoint.every": 1}))
+    err = capfd.readouterr().err
+    assert "Writing model shards" not in err and "it/s" not in err, err     # transformers' save_pretrained bar
+    assert hf_logging.is_progress_bar_enabled()                            # the setting is restored after the run
+
+
+def test_cpu_threads_by_default_and_logged(corpus, tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        run = tmp_path / "run"
+        train(_cfg(corpus, run, **{"train.threads": None, "train.steps": 1}))
+        start = next(json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+                     if json.loads(line)["kind"] == "start")
+        assert start["threads"] == 1                        # a small model on CPU: one thread
+        assert torch.get_num_threads() == 2                 # and the caller's setting back afterwards
+        env = SimpleNamespace(device=torch.device("cpu"), local_world=2)
+        big = _cfg(corpus, run, **{"train.threads": None})
+        assert cpu_threads(big, env, 10**8) == max(1, len(os.sched_getaffinity(0)) // 2)
+        assert cpu_threads(_cfg(corpus, run, **{"train.threads": 3}), env, 10) == 3
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")          # the user's choice is kept
+        torch.set_num_threads(2)
+        assert cpu_threads(big, env, 10) == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 # ---------------------------------------------------------------- bad input stops before any step
@@ -239,7 +612,7 @@ def test_corrupt_foreign_and_mismatched_checkpoints(corpus, tmp_path):
         train(_cfg(corpus, run, resume="never"))
 
 
-def test_non_finite_gradients_stop_the_run(corpus, tmp_path, monkeypatch):
+def test_non_finite_gradients_stop_the_run(corpus, tmp_path, monkeypatch, capsys):
     run = tmp_path / "run"
     real = Trainer._loss_sums
 
@@ -250,6 +623,8 @@ def test_non_finite_gradients_stop_the_run(corpus, tmp_path, monkeypatch):
     with pytest.raises(FloatingPointError, match="step 5"):
         train(_cfg(corpus, run))
     assert [p.name for p in ckpt.checkpoints(run)] == ["step_0000003"]
+    assert cli(["train", *_flags(_over(corpus, tmp_path / "cli"))]) == 1       # one line, no traceback
+    assert capsys.readouterr().err.startswith("kalmix train: error: non-finite gradient norm at step 5")
 
 
 def test_plot_draws_several_runs(corpus, tmp_path):
@@ -305,3 +680,21 @@ def test_two_processes_follow_one_process_curve(corpus, tmp_path, parallel):
         again = [r for r in rows if r["kind"] == "train"][4:]
         assert [r["step"] for r in again] == [3, 4]
         assert [r["loss"] for r in again] == [b[3], b[4]]
+
+
+def test_under_torchrun_every_process_stops_after_the_same_step(corpus, tmp_path):
+    """SIGTERM reaches rank 1 alone, during step 2: both processes finish step 2, write its checkpoint together and
+    exit with 143; rank 0 says so in one line."""
+    run, script = tmp_path / "run", tmp_path / "signal_at.py"
+    script.write_text(_SIGNAL_AT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+           "1", "SIGTERM", "1", "train", *_flags(_over(corpus, run))]
+    r = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
+    assert r.returncode != 0
+    assert r.stderr.count("kalmix train: interrupted") == 1, r.stderr[-3000:]
+    assert (f"kalmix train: interrupted (SIGTERM) at step 2; checkpoint written to "
+            f"{run / 'checkpoints' / 'step_0000002'}; rerun the same command to resume") in r.stderr
+    assert "TrainingInterrupted" not in r.stderr and "exitcode  : 143" in r.stderr
+    assert [p.name for p in ckpt.checkpoints(run)] == ["step_0000002"]
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line)["kind"] == "train"] == [1, 2]
