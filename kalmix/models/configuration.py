@@ -150,11 +150,12 @@ def _impl_kwarg(name: str, impl: str | None) -> dict:
 
 
 def _check_layer(name: str, hidden_size: int, kwargs: dict, impl: str | None) -> None:
-    """Build mixer ``name``'s layer on the meta device (no memory, no random numbers drawn), so that its own
-    constructor refuses bad arguments (sizes, heads that do not divide a width, ...) when the config is made.
-    A layer whose package is missing (fla's) is checked up to its import; the model then raises the ImportError."""
+    """Build mixer ``name``'s layer on the meta device (no memory), so that its own constructor refuses bad
+    arguments (sizes, heads that do not divide a width, ...) when the config is made; the CPU random stream is left
+    as it was, so a model seeded before its config is built gets the same weights. A layer whose package is
+    missing (fla's) is checked up to its import; the model then raises the ImportError."""
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), torch.random.fork_rng(devices=[]):
             MIXERS[name](hidden_size, **kwargs, **_impl_kwarg(name, impl))
     except ImportError:
         pass

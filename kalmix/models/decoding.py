@@ -191,8 +191,9 @@ def generate_text(model_dir: str, prompt: str, max_new_tokens: int = 64, tokeniz
     try:
         tok = AutoTokenizer.from_pretrained(tokenizer or model_dir)
     except (OSError, ValueError) as e:
-        raise ValueError(f"generate: no tokenizer could be loaded from {tokenizer or model_dir!r} ({e}); save the "
-                         f"tokenizer beside the model or name its folder with `tokenizer`") from e
+        raise ValueError(f"generate: no tokenizer could be loaded from {tokenizer or model_dir!r} "
+                         f"({str(e).splitlines()[0]}); save the tokenizer beside the model or name its folder with "
+                         f"`tokenizer`") from e
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtypes[dtype]).to(device)
     ids = tok(prompt, return_tensors="pt").input_ids.to(device)
     if ids.shape[1] == 0:

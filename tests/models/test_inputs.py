@@ -36,7 +36,8 @@ V = 37              # the vocabulary of tests.models.test_models.model
     (dict(mixers=["attention", "attention"], mixer_kwargs={"attention": {"num_heads": 16}}),
      "SoftmaxAttention: the head size d_model / num_heads = 16 / 16 = 1 must be even"),
     (dict(mixer_kwargs={"attention": {"num_heads": 3}}), "SoftmaxAttention: `num_heads` = 3 must divide"),
-    (dict(mixers=["mamba2", "mamba2"], impl="triton"), "Mamba2 runs kalmix's pure-PyTorch"),
+    (dict(mixers=["mamba2", "mamba2"], mixer_kwargs={"mamba2": {"num_heads": 2}}, impl="triton"),
+     "Mamba2 runs kalmix's pure-PyTorch"),
 ])
 def test_config_refuses_bad_values_at_construction(kw, match):
     base = dict(vocab_size=V, hidden_size=16, num_hidden_layers=2, mixers=["gka", "gka"], intermediate_size=32)
@@ -56,8 +57,8 @@ def test_layer_pattern_refuses_bad_positions(kw, match):
 
 
 def test_config_checks_draw_no_random_numbers_and_round_trip():
-    """The layers are built on the meta device to check their arguments: the CPU generator is untouched (a model
-    seeded before its config gets the same weights) and to_dict / from_dict round-trips."""
+    """Checking the layers' arguments leaves the CPU generator as it was (a model seeded before its config gets the
+    same weights); to_dict / from_dict round-trips."""
     torch.manual_seed(0)
     want = torch.rand(3)
     torch.manual_seed(0)
@@ -66,6 +67,20 @@ def test_config_checks_draw_no_random_numbers_and_round_trip():
     again = KalmixConfig.from_dict(cfg.to_dict())
     assert again.to_dict() == cfg.to_dict()
     assert KalmixConfig().mixers == ["gka"] * 8                 # transformers builds the defaults
+
+
+def test_config_checks_build_the_layers_on_the_meta_device(monkeypatch):
+    """A width whose layer would take terabytes on the CPU is checked in no memory. The conftest's NaN-filling
+    torch.empty is put back to torch's own for this: the meta device context recognises torch.empty by identity
+    (in a set it caches at first use)."""
+    from torch.utils import _device
+    monkeypatch.setattr(torch, "empty", torch._C._VariableFunctions.empty)
+    _device._device_constructors.cache_clear()
+    try:
+        cfg = KalmixConfig(vocab_size=V, hidden_size=2 ** 20, num_hidden_layers=1, mixers=["gka"])
+    finally:
+        _device._device_constructors.cache_clear()
+    assert cfg.hidden_size == 2 ** 20
 
 
 def test_config_checks_a_layer_whose_package_is_missing_up_to_its_import(monkeypatch):
