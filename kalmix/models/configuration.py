@@ -75,9 +75,8 @@ class KalmixConfig(PretrainedConfig):
                  intermediate_size: int | None = None, mlp: bool = True, norm_eps: float = 1e-5,
                  initializer_range: float | None = None, tie_word_embeddings: bool = True, impl: str | None = None,
                  use_cache: bool = True, mc_samples: int = 0, **kwargs):
-        for arg, value in (("vocab_size", vocab_size), ("hidden_size", hidden_size),
-                           ("num_hidden_layers", num_hidden_layers)):
-            check_int("KalmixConfig", arg, value)
+        vocab_size, hidden_size, num_hidden_layers = (check_int("KalmixConfig", arg, value) for arg, value in (
+            ("vocab_size", vocab_size), ("hidden_size", hidden_size), ("num_hidden_layers", num_hidden_layers)))
         if mixers is None:
             mixers = layer_pattern(num_hidden_layers, mixer, attention_every, attention_layers)
         elif attention_every is not None or len(attention_layers):
@@ -115,7 +114,7 @@ class KalmixConfig(PretrainedConfig):
                              f"layers, and `mixers` has none; set mc_samples = 0")
         if intermediate_size is None:
             intermediate_size = -(-8 * hidden_size // 3 // 64) * 64
-        check_int("KalmixConfig", "intermediate_size", intermediate_size)
+        intermediate_size = check_int("KalmixConfig", "intermediate_size", intermediate_size)
         for arg, value in (("mlp", mlp), ("tie_word_embeddings", tie_word_embeddings), ("use_cache", use_cache)):
             if not isinstance(value, bool):
                 raise ValueError(f"KalmixConfig: `{arg}` must be True or False, got {value!r}")

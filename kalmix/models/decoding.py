@@ -17,11 +17,12 @@ from kalmix.layers.cache import KalmixCache
 from kalmix.layers.common import check_int, check_real, describe, is_integer
 
 
-def check_sampling(name: str, max_new_tokens, do_sample, temperature, top_k, top_p=None) -> None:
-    """Decoding arguments, each refused with a ValueError naming it: max_new_tokens an int >= 1 (None: the caller
-    has another length), do_sample a bool (or None: greedy), temperature > 0 when sampling, top_k None (no top-k
-    filtering) or an int >= 1, top_p None (no nucleus filtering) or in (0, 1]."""
-    if max_new_tokens is not None:
+def check_sampling(name: str, max_new_tokens, do_sample, temperature, top_k, top_p=None,
+                   length_optional: bool = False) -> None:
+    """Decoding arguments, each refused with a ValueError naming it: max_new_tokens an int >= 1 (or None with
+    ``length_optional``: the caller has another length), do_sample a bool (or None: greedy), temperature > 0 when
+    sampling, top_k None (no top-k filtering) or an int >= 1, top_p None (no nucleus filtering) or in (0, 1]."""
+    if max_new_tokens is not None or not length_optional:
         check_int(name, "max_new_tokens", max_new_tokens)
     if do_sample is not None and not isinstance(do_sample, bool):
         raise ValueError(f"{name}: `do_sample` must be True or False, got {do_sample!r}")

@@ -226,10 +226,10 @@ class KalmixModel(KalmixPreTrainedModel):
         weight = self.embed_tokens.weight
         if input_ids is not None:
             x, arg = input_ids, "input_ids"
-            if not isinstance(x, torch.Tensor) or x.dim() != 2 or not is_integer(x):
+            if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in (torch.int64, torch.int32):
                 hint = " (one sequence: input_ids[None])" if isinstance(x, torch.Tensor) and x.dim() == 1 else ""
-                raise ValueError(f"{name}: `input_ids` must be an integer tensor [B, T] of token ids{hint}, got "
-                                 f"{describe(x)}")
+                raise ValueError(f"{name}: `input_ids` must be an int64 or int32 tensor [B, T] of token ids{hint}, "
+                                 f"got {describe(x)}")
         else:
             x, arg, d = inputs_embeds, "inputs_embeds", self.config.hidden_size
             if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != d or not x.is_floating_point():
@@ -413,11 +413,11 @@ class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
                              f"all) or a 1-D integer tensor of positions, got {describe(logits_to_keep)}")
 
     def _check_labels(self, labels, x: torch.Tensor, logits_to_keep) -> None:
-        """labels: an integer tensor of the input's [B, T] on its device, of token ids or -100 (values read as
+        """labels: an int64 tensor of the input's [B, T] on its device, of token ids or -100 (values read as
         ``require`` says); T >= 2 outside a context-parallel forward; every position's logits kept."""
         name, B_T = "KalmixForCausalLM", list(x.shape[:2])
-        if not isinstance(labels, torch.Tensor) or not is_integer(labels) or list(labels.shape) != B_T:
-            raise ValueError(f"{name}: `labels` must be an integer tensor of the input's [B, T] = {B_T} (token ids, "
+        if not isinstance(labels, torch.Tensor) or labels.dtype != torch.int64 or list(labels.shape) != B_T:
+            raise ValueError(f"{name}: `labels` must be an int64 tensor of the input's [B, T] = {B_T} (token ids, "
                              f"-100 = not scored), got {describe(labels)}")
         if labels.device != x.device:
             raise ValueError(f"{name}: `labels` are on {labels.device} but the input is on {x.device}; pass both on "
@@ -444,7 +444,8 @@ class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
                              f"not supported; {_MEAN_DECODING}")
         config = generation_config if generation_config is not None else self.generation_config
         value = lambda arg: kwargs[arg] if arg in kwargs else getattr(config, arg, None)     # noqa: E731
-        check_sampling(name, *(value(a) for a in ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p")))
+        check_sampling(name, *(value(a) for a in ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p")),
+                       length_optional=True)
         ids = inputs if inputs is not None else kwargs.get("input_ids")
         if ids is not None and kwargs.get("inputs_embeds") is None:
             self.model._check_inputs(name, ids, None, kwargs.get("attention_mask"), None, None)

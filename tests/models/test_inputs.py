@@ -104,12 +104,14 @@ META = "meta"           # a device no tensor of the test model is on
     (dict(input_ids=torch.full((2, 5), V)), rf"`input_ids` must be token ids in \[0, vocab_size = {V}\), got ids "
                                             rf"from {V} to {V}"),
     (dict(input_ids=torch.tensor([[0, -1, 3]])), r"token ids in \[0, vocab_size = 37\), got ids from -1 to 3"),
-    (dict(input_ids=IDS[0]), r"`input_ids` must be an integer tensor \[B, T\] of token ids \(one sequence: "
+    (dict(input_ids=IDS[0]), r"`input_ids` must be an int64 or int32 tensor \[B, T\] of token ids \(one sequence: "
                              r"input_ids\[None\]\), got a torch.int64 tensor of shape \[5\]"),
-    (dict(input_ids=IDS[None]), r"`input_ids` must be an integer tensor \[B, T\]"),
-    (dict(input_ids=IDS.float()), r"`input_ids` must be an integer tensor \[B, T\] of token ids, got a torch.float32"),
-    (dict(input_ids=IDS.bool()), r"`input_ids` must be an integer tensor"),
-    (dict(input_ids=IDS.tolist()), r"`input_ids` must be an integer tensor \[B, T\] of token ids, got list"),
+    (dict(input_ids=IDS[None]), r"`input_ids` must be an int64 or int32 tensor \[B, T\]"),
+    (dict(input_ids=IDS.float()), r"`input_ids` must be an int64 or int32 tensor \[B, T\] of token ids, got a "
+                                  r"torch.float32"),
+    (dict(input_ids=IDS.bool()), r"`input_ids` must be an int64 or int32 tensor"),
+    (dict(input_ids=IDS.to(torch.uint8)), r"`input_ids` must be an int64 or int32 tensor .*, got a torch.uint8"),
+    (dict(input_ids=IDS.tolist()), r"`input_ids` must be an int64 or int32 tensor \[B, T\] of token ids, got list"),
     (dict(input_ids=IDS[:0]), r"`input_ids` must hold at least one sequence \(B >= 1\)"),
     (dict(input_ids=IDS.to(META)), "`input_ids` is on meta but the model is on cpu"),
     (dict(), "pass exactly one of `input_ids` .* and `inputs_embeds`"),
@@ -134,9 +136,10 @@ META = "meta"           # a device no tensor of the test model is on
     (dict(input_ids=IDS, attention_mask=torch.tensor([[0.5] * 5] * 2)), "`attention_mask` must hold only 0"),
     (dict(input_ids=IDS, attention_mask=torch.ones(2, 5, device=META)),
      "`attention_mask` is on meta but the input is on cpu"),
-    (dict(input_ids=IDS, labels=IDS[:, :4]), r"`labels` must be an integer tensor of the input's \[B, T\] = \[2, 5\] "
+    (dict(input_ids=IDS, labels=IDS[:, :4]), r"`labels` must be an int64 tensor of the input's \[B, T\] = \[2, 5\] "
                                              r"\(token ids, -100 = not scored\), got a torch.int64 tensor of shape"),
-    (dict(input_ids=IDS, labels=IDS.float()), r"`labels` must be an integer tensor"),
+    (dict(input_ids=IDS, labels=IDS.float()), r"`labels` must be an int64 tensor"),
+    (dict(input_ids=IDS, labels=IDS.int()), r"`labels` must be an int64 tensor .*, got a torch.int32"),
     (dict(input_ids=IDS, labels=torch.full((2, 5), V + 3)),
      rf"`labels` must be token ids in \[0, vocab_size = {V}\) or -100 \(not scored\), got \[{V + 3}\]"),
     (dict(input_ids=IDS, labels=torch.full((2, 5), -5)), r"`labels` must be token ids .*, got \[-5\]"),
@@ -166,9 +169,10 @@ def test_model_without_head_checks_the_same_inputs(lm):
 
 
 def test_edge_inputs_that_are_fine(lm):
-    """T = 0 gives empty logits; a 0/1 mask may be bool, int or float; -100 labels are not scored; a mask with a
+    """T = 0 gives empty logits; ids may be int32; a 0/1 mask may be bool, int or float; -100 labels are not scored; a mask with a
     cache covers the cached tokens and the new ones."""
     assert lm(IDS[:, :0]).logits.shape == (2, 0, V)
+    torch.testing.assert_close(lm(IDS.int()).logits, lm(IDS).logits)
     for mask in (torch.ones(2, 5, dtype=torch.bool), torch.ones(2, 5, dtype=torch.int32), torch.ones(2, 5)):
         torch.testing.assert_close(lm(IDS, attention_mask=mask).logits, lm(IDS).logits)
     labels = IDS.clone()
@@ -262,7 +266,7 @@ def test_layers_leave_mask_values_to_the_model_off_the_cpu(monkeypatch):
     (dict(do_sample=True, top_p=1.5), r"`top_p` must be a number in \(0, 1\]"),
     (dict(do_sample="yes"), r"`do_sample` must be True or False"),
     (dict(generation_config=GenerationConfig(do_sample=True, top_k=0)), r"`top_k` must be an int >= 1"),
-    (dict(inputs=IDS[0]), r"`input_ids` must be an integer tensor \[B, T\] of token ids \(one sequence"),
+    (dict(inputs=IDS[0]), r"`input_ids` must be an int64 or int32 tensor \[B, T\] of token ids \(one sequence"),
     (dict(attention_mask=torch.ones(2, 4)), r"`attention_mask` must be a padding mask \[B, T\] = \[2, 5\]"),
     (dict(inputs=IDS + V), r"`input_ids` must be token ids in \[0, vocab_size = 37\)"),
 ])
@@ -287,6 +291,7 @@ def test_generate_with_sampling_arguments_that_are_fine(lm):
      r"Decoder: `temperature` must be a finite number > 0.0 when sampling"),
     (lambda m: Decoder(m, 2, 10, graph=False).generate(IDS, 2, do_sample=True, top_k=0), r"`top_k` must be an int"),
     (lambda m: Decoder(m, 2, 10, graph=False).decode(torch.zeros(2, V), 0), r"`max_new_tokens` must be an int >= 1"),
+    (lambda m: Decoder(m, 2, 10, graph=False).generate(IDS, None), r"`max_new_tokens` must be an int >= 1, got None"),
     (lambda m: Decoder(m, 2, 10, graph=False).prefill(IDS[0]), r"Decoder: prompts `input_ids` must be an integer "
                                                               r"tensor \[B, T\] with T >= 1"),
     (lambda m: Decoder(m, 2, 10, graph=False).prefill(IDS[:, :0]), r"with T >= 1"),
