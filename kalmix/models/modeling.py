@@ -240,7 +240,7 @@ class KalmixModel(KalmixPreTrainedModel):
                                  f"cast one to the other or run under torch.autocast")
         if x.shape[0] == 0:
             raise ValueError(f"{name}: `{arg}` must hold at least one sequence (B >= 1), got {describe(x)}")
-        if x.device != weight.device:
+        if x.device != weight.device and weight.device.type != "meta":     # meta: offloaded, moved in by hooks
             raise ValueError(f"{name}: `{arg}` is on {x.device} but the model is on {weight.device}; move one to "
                              f"the other's device")
         if attention_mask is not None:
