@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kalmix.layers.cache import KalmixCache
-from kalmix.layers.common import check_hidden
+from kalmix.layers.common import check_hidden, check_layer, check_real, context_mask, head_size
 from kalmix.layers.documents import Documents
 
 
@@ -74,15 +74,22 @@ class SoftmaxAttention(nn.Module):
     def __init__(self, d_model: int, num_heads: int = 4, rope_theta: float = 10000.0, layer_idx: int = 0,
                  impl: str | None = None):
         super().__init__()
-        if d_model % num_heads or (d_model // num_heads) % 2:
-            raise ValueError(f"SoftmaxAttention: d_model = {d_model} must split into {num_heads} heads of even size")
-        self.d_model, self.num_heads, self.head_dim = d_model, num_heads, d_model // num_heads
+        name = type(self).__name__
+        check_layer(name, d_model, layer_idx, impl)
+        self.head_dim = head_size(name, "d_model", d_model, num_heads)
+        if self.head_dim % 2:
+            raise ValueError(f"{name}: the head size d_model / num_heads = {d_model} / {num_heads} = {self.head_dim} "
+                             f"must be even (rotary embeddings turn channel pairs)")
+        check_real(name, "rope_theta", rope_theta)
+        self.d_model, self.num_heads = d_model, num_heads
         self.layer_idx, self.rope_theta = layer_idx, rope_theta
         self.qkv_proj = nn.Linear(d_model, 3 * d_model, bias=False)
         self.o_proj = nn.Linear(d_model, d_model, bias=False)
 
     def forward(self, hidden_states, attention_mask=None, past_key_values=None, use_cache=False, **kwargs):
-        check_hidden(type(self).__name__, hidden_states, self.d_model, None)
+        name = type(self).__name__
+        check_hidden(name, hidden_states, self.d_model)
+        context_mask(name, attention_mask, hidden_states, past_key_values, self.layer_idx)  # attends over all of it
         B, T, _ = hidden_states.shape
         if T == 0:                                          # no tokens: an empty output, the cache unchanged
             if use_cache and past_key_values is None:
@@ -100,9 +107,6 @@ class SoftmaxAttention(nn.Module):
         start = past_key_values.get_seq_length(self.layer_idx) if past_key_values is not None else 0
         S = start + T
         if attention_mask is not None:
-            if attention_mask.shape != (B, S):
-                raise ValueError(f"SoftmaxAttention: `attention_mask` must cover the whole context [B, S] = "
-                                 f"{[B, S]}, got {list(attention_mask.shape)}")
             pos = (attention_mask.long().cumsum(1) - 1).clamp_min(0)[:, -T:]
         else:
             pos = torch.arange(start, S, device=q.device).expand(B, T)

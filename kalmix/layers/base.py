@@ -16,7 +16,8 @@ class MixerLayer(nn.Module):
     ``(o [B, T, d_model], None, past_key_values)`` like fla's layers; T = 0 gives an empty o [B, 0, d_model] and
     leaves the cache unchanged. ``attention_mask`` [B, T] (1 = token,
     0 = padding; left or right padding) runs the padded batch as packed sequences, so padding never touches
-    a state; with a cache it may cover the whole context [B, S] (its last T columns are this call's). With
+    a state; with a cache holding P tokens it covers the whole context [B, P + T] (its last T columns are this
+    call's), as for attention; any other shape, or values other than 0 and 1 (read on CPU), is a ValueError. With
     ``use_cache`` the final recurrent and convolution states go into a ``KalmixCache`` (created when None is
     given); a following call continues from them, and single-token calls run ``step_impl``: the op's recurrent
     step (impl="naive", the function the reference loops over) unless a subclass has a fused one.
@@ -66,9 +67,9 @@ class MixerLayer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 past_key_values: KalmixCache | None = None, use_cache: bool = False, **kwargs):
         name = type(self).__name__
+        check_hidden(name, hidden_states, self.d_model)
         B, T = hidden_states.shape[:2]
-        attention_mask = context_mask(name, attention_mask, hidden_states, past_key_values is not None)
-        check_hidden(name, hidden_states, self.d_model, attention_mask)
+        attention_mask = context_mask(name, attention_mask, hidden_states, past_key_values, self.layer_idx)
         docs = Documents.of_layer_call(name, kwargs, B, T, attention_mask, past_key_values, use_cache)
         if T == 0:                                          # no tokens: nothing to mix, the cache stays as it is
             if use_cache and past_key_values is None:
@@ -84,7 +85,7 @@ class MixerLayer(nn.Module):
             keep = attention_mask.bool()[..., None]                    # [B, 1, 1]: a padded step keeps the state
             x = torch.where(keep, x, 0)                                 # (no host read: decode steps stay async)
         elif attention_mask is not None and not bool(attention_mask.all()):
-            x = x * attention_mask[..., None].to(x.dtype)             # padding enters the convolutions as zeros
+            x = torch.where(attention_mask.bool()[..., None], x, 0)   # padding enters the convolutions as zeros
             packer = Packer(attention_mask)
         inputs, ctx, conv_state = self.project(x, conv_state, docs.doc_pos if docs is not None else None)
         act = activation_dtype(hidden_states)

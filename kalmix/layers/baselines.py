@@ -7,7 +7,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kalmix.layers.base import MixerLayer
-from kalmix.layers.common import DecayGate, GatedRMSNorm, ShortConv, gated_norm_out, upcast
+from kalmix.layers.common import (DecayGate, GatedRMSNorm, ShortConv, check_dt_range, check_int, check_layer,
+                                  check_real, context_mask, gated_norm_out, head_size, upcast)
 from kalmix.layers.documents import Documents
 from kalmix.ops import gated_linear_attention
 
@@ -25,6 +26,7 @@ class _GatedLinearLayer(MixerLayer):
     def __init__(self, d_model: int, num_heads: int, head_k_dim: int, head_v_dim: int, layer_idx: int,
                  impl: str | None):
         super().__init__()
+        check_layer(type(self).__name__, d_model, layer_idx, None)
         if impl not in (None, "naive", "torch"):
             raise ValueError(f"{type(self).__name__} runs kalmix's pure-PyTorch gated_linear_attention op; impl must "
                              f"be None, 'torch' or 'naive' (there is no Triton kernel), got {impl!r}")
@@ -65,7 +67,11 @@ class LinearAttention(_GatedLinearLayer):
                  norm_eps: float = 1e-5, bias: bool = False, layer_idx: int = 0, impl: str | None = None):
         if normalizer not in NORMALIZERS:
             raise ValueError(f"LinearAttention: normalizer must be one of {NORMALIZERS}, got {normalizer!r}")
-        super().__init__(d_model, num_heads, d_model // num_heads, d_model // num_heads, layer_idx, impl)
+        check_int(type(self).__name__, "d_model", d_model)
+        head = head_size(type(self).__name__, "d_model", d_model, num_heads)
+        check_real(type(self).__name__, "eps", eps)
+        check_real(type(self).__name__, "norm_eps", norm_eps)
+        super().__init__(d_model, num_heads, head, head, layer_idx, impl)
         self.normalizer, self.eps = normalizer, eps
         width = num_heads * self.head_k_dim
         self.qkv_proj = nn.Linear(d_model, 3 * width, bias=bias)
@@ -108,8 +114,19 @@ class GatedLinearAttention(_GatedLinearLayer):
     def __init__(self, d_model: int, num_heads: int = 4, expand_k: float = 0.5, expand_v: float = 1.0,
                  gate_low_rank_dim: int = 16, gate_normalizer: float = 16.0, norm_eps: float = 1e-5,
                  layer_idx: int = 0, impl: str | None = None):
-        super().__init__(d_model, num_heads, int(d_model * expand_k) // num_heads,
-                         int(d_model * expand_v) // num_heads, layer_idx, impl)
+        name = type(self).__name__
+        check_int(name, "d_model", d_model)
+        widths = {}
+        for arg, expand in (("expand_k", expand_k), ("expand_v", expand_v)):
+            check_real(name, arg, expand)
+            if d_model * expand != int(d_model * expand) or d_model * expand < 1:
+                raise ValueError(f"{name}: `{arg}` = {expand} must make {arg} · d_model = {expand} · {d_model} a "
+                                 f"whole number >= 1")
+            widths[arg] = head_size(name, f"{arg} · d_model", int(d_model * expand), num_heads)
+        check_int(name, "gate_low_rank_dim", gate_low_rank_dim)
+        check_real(name, "gate_normalizer", gate_normalizer)
+        check_real(name, "norm_eps", norm_eps)
+        super().__init__(d_model, num_heads, widths["expand_k"], widths["expand_v"], layer_idx, impl)
         self.gate_normalizer = gate_normalizer
         kw, vw = num_heads * self.head_k_dim, num_heads * self.head_v_dim
         self.splits = (kw, kw, vw, vw)                                  # q, k, v, output gate
@@ -147,10 +164,17 @@ class Mamba2(_GatedLinearLayer):
     def __init__(self, d_model: int, expand: int = 2, head_dim: int = 64, num_heads: int | None = None,
                  d_state: int = 64, conv_size: int = 4, dt_min: float = 1e-3, dt_max: float = 0.1,
                  norm_eps: float = 1e-5, layer_idx: int = 0, impl: str | None = None):
-        d_inner = expand * d_model
-        head_dim = d_inner // num_heads if num_heads else head_dim
-        if d_inner % head_dim:
-            raise ValueError(f"Mamba2: head_dim = {head_dim} must divide d_inner = expand · d_model = {d_inner}")
+        name = type(self).__name__
+        d_inner = check_int(name, "expand", expand) * check_int(name, "d_model", d_model)
+        if num_heads is not None:
+            head_dim = head_size(name, "d_inner = expand · d_model", d_inner, num_heads)
+        elif d_inner % check_int(name, "head_dim", head_dim):
+            raise ValueError(f"{name}: `head_dim` = {head_dim} must divide d_inner = expand · d_model = {d_inner}; "
+                             f"allowed: {[p for p in range(1, d_inner + 1) if d_inner % p == 0]}")
+        check_int(name, "d_state", d_state)
+        check_int(name, "conv_size", conv_size)
+        check_dt_range(name, dt_min, dt_max)
+        check_real(name, "norm_eps", norm_eps)
         super().__init__(d_model, d_inner // head_dim, d_state, head_dim, layer_idx, impl)
         self.d_inner = d_inner
         self.splits = (d_inner, d_inner + 2 * d_state, self.num_heads)          # z, x|B|C, dt
@@ -196,9 +220,14 @@ class FlaDeltaNet(nn.Module):
     def __init__(self, d_model: int, num_heads: int = 4, conv_size: int = 4, use_gate: bool = False,
                  layer_idx: int = 0, impl: str | None = None):
         super().__init__()
-        from fla.layers import DeltaNet
+        check_layer("FlaDeltaNet", d_model, layer_idx, None)
+        head_size("FlaDeltaNet", "d_model", d_model, num_heads)
+        check_int("FlaDeltaNet", "conv_size", conv_size)
+        if not isinstance(use_gate, bool):
+            raise ValueError(f"FlaDeltaNet: `use_gate` must be True or False, got {use_gate!r}")
         if impl not in (None, "triton"):
             raise ValueError(f"FlaDeltaNet runs fla's Triton kernels; impl must be None or 'triton', got {impl!r}")
+        from fla.layers import DeltaNet                 # after the checks: a config is checked without fla installed
         self.d_model, self.num_heads, self.layer_idx = d_model, num_heads, layer_idx
         self.inner = DeltaNet(hidden_size=d_model, num_heads=num_heads, conv_size=conv_size, use_gate=use_gate,
                               layer_idx=layer_idx)
@@ -208,6 +237,7 @@ class FlaDeltaNet(nn.Module):
         if not hidden_states.is_cuda:
             raise ValueError(f"FlaDeltaNet runs fla's Triton kernels, which need CUDA tensors; got "
                              f"{hidden_states.device}. On CPU use kalmix's mixers (e.g. 'gdn', 'kaczmarz')")
+        context_mask(type(self).__name__, attention_mask, hidden_states, past_key_values, self.layer_idx)
         docs = Documents.of_layer_call(type(self).__name__, kwargs, *hidden_states.shape[:2], attention_mask,
                                        past_key_values, use_cache)
         if docs is not None:                            # fla's packed layout: [1, total] with cu_seqlens

@@ -3,12 +3,14 @@ padding masks to packed sequences, the activation dtype under mixed precision.""
 from __future__ import annotations
 
 import math
+import numbers
+from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kalmix.ops.common.checks import triton_module
+from kalmix.ops.common.checks import IMPLS, triton_module
 
 P_MIN = 1e-7        # the floor the released Kalman layer puts on p where its noise is linear in p
 
@@ -17,6 +19,69 @@ def fused_kernels():
     """``kalmix.layers.fused``, the layers' Triton kernels (run on CUDA), imported at first use: kalmix imports
     without triton, and a layer on CUDA without it raises an ImportError saying so."""
     return triton_module("kalmix.layers.fused")
+
+
+def check_int(owner: str, name: str, value, minimum: int = 1, note: str = "") -> int:
+    """``value`` as an int >= ``minimum``; a ValueError naming ``owner``, the argument and what it may be otherwise
+    (bools and floats are refused, not rounded), ``note`` appended."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{owner}: `{name}` must be an int >= {minimum}{note}, got {value!r}")
+    return int(value)
+
+
+def check_real(owner: str, name: str, value, minimum: float = 0.0, inclusive: bool = False, note: str = "") -> float:
+    """``value`` as a finite float > ``minimum`` (>= with ``inclusive``; ``minimum`` = -inf: any finite number);
+    a ValueError naming ``owner``, the argument and what it may be otherwise, ``note`` appended."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+            or not (value >= minimum if inclusive else value > minimum)):
+        bound = "" if minimum == -math.inf else f" {'>=' if inclusive else '>'} {minimum}"
+        raise ValueError(f"{owner}: `{name}` must be a finite number{bound}{note}, got {value!r}")
+    return float(value)
+
+
+def head_size(owner: str, width_name: str, width: int, num_heads: int) -> int:
+    """width / num_heads, the size of each head; a ValueError listing the head counts that divide ``width``
+    when ``num_heads`` does not."""
+    num_heads = check_int(owner, "num_heads", num_heads)
+    if width % num_heads:
+        divisors = [h for h in range(1, width + 1) if width % h == 0]
+        raise ValueError(f"{owner}: `num_heads` = {num_heads} must divide {width_name} = {width} into equal heads; "
+                         f"allowed: {divisors}")
+    return width // num_heads
+
+
+def check_layer(owner: str, d_model, layer_idx, impl) -> None:
+    """The arguments every layer takes: d_model >= 1, layer_idx >= 0, impl None or one of the ops' impls."""
+    check_int(owner, "d_model", d_model)
+    check_int(owner, "layer_idx", layer_idx, 0)
+    if impl is not None and impl not in IMPLS:
+        raise ValueError(f"{owner}: `impl` must be None or one of {list(IMPLS)}, got {impl!r}")
+
+
+def check_dt_range(owner: str, dt_min, dt_max) -> None:
+    """The range Δ is initialised in: 0 < dt_min <= dt_max."""
+    check_real(owner, "dt_min", dt_min)
+    check_real(owner, "dt_max", dt_max, dt_min, inclusive=True)
+
+
+def reads_on_host(x: torch.Tensor) -> bool:
+    """Whether value checks of ``x`` are read back on the host (CPU tensors) rather than left to the device."""
+    return x.device.type == "cpu"
+
+
+def require(ok: torch.Tensor, message: str, detail: Callable[[], str] | None = None, assert_on_device: bool = True):
+    """A value check that costs no host synchronisation off the CPU. ``ok``: a 0-d bool tensor.
+
+    CPU tensors: ``ValueError(message + detail())`` unless ``ok`` holds (``detail`` runs only then, e.g. to name
+    the offending values). Other devices (CUDA): a device-side assertion (``torch._assert_async``) when
+    ``assert_on_device``, which queues a kernel and never waits for it: a failure surfaces as a device-side assert
+    error at the next synchronisation (it stops the CUDA context; the same call on CPU names the problem);
+    without ``assert_on_device``, nothing (for checks the model boundary makes once per forward)."""
+    if reads_on_host(ok):
+        if not bool(ok):
+            raise ValueError(message + (detail() if detail is not None else ""))
+    elif assert_on_device:
+        torch._assert_async(ok, message)
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
@@ -39,7 +104,8 @@ class ShortConv(nn.Module):
 
     def __init__(self, channels: int, kernel_size: int = 4, bias: bool = False, activation: bool = True):
         super().__init__()
-        self.kernel_size = kernel_size
+        check_int("ShortConv", "channels", channels)
+        self.kernel_size = check_int("ShortConv", "kernel_size", kernel_size)
         self.activation = activation
         self.weight = nn.Parameter(torch.empty(channels, kernel_size))
         self.bias = nn.Parameter(torch.zeros(channels)) if bias else None
@@ -128,6 +194,8 @@ class DecayGate(nn.Module):
     def __init__(self, num_heads: int, dt_min: float = 1e-3, dt_max: float = 0.1,
                  a_init: tuple[float, float] = (1.0, 16.0)):
         super().__init__()
+        check_int("DecayGate", "num_heads", num_heads)
+        check_dt_range("DecayGate", dt_min, dt_max)
         self.A_log = nn.Parameter(torch.empty(num_heads).uniform_(*a_init).log())
         dt = torch.exp(torch.rand(num_heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
         dt = dt.clamp_min(1e-4)
@@ -147,18 +215,52 @@ def activation_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def context_mask(name: str, attention_mask: torch.Tensor | None, x: torch.Tensor, cached: bool):
-    """This call's columns of a padding mask: with a cache the mask may cover the whole context [B, S >= T]
-    (as ``generate`` passes it); returns [B, T] or None."""
+def describe(x) -> str:
+    """A value for an error message: a tensor's shape, dtype and device, or anything else's type and repr."""
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dtype} tensor of shape {list(x.shape)} on {x.device}"
+    return f"{type(x).__name__} {x!r:.60}"
+
+
+def is_integer(x: torch.Tensor) -> bool:
+    """Whether x holds integers (not floating point, complex or bool)."""
+    return not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
+
+
+def check_mask(name: str, attention_mask, x: torch.Tensor, past: int = 0) -> None:
+    """The shape, dtype and device of a padding mask for the tokens of x [B, T, ...] after ``past`` cached ones: a
+    bool, integer or floating tensor [B, past + T] (with a cache it covers the whole context, as ``generate`` passes
+    it) on x's device. Its values: ``check_mask_values``."""
+    B, T = x.shape[:2]
+    want = [B, past + T]
+    layout = f"[B, P + T] = {want} (P = {past} cached tokens, T = {T} new ones)" if past else f"[B, T] = {want}"
+    if (not isinstance(attention_mask, torch.Tensor) or attention_mask.is_complex()
+            or list(attention_mask.shape) != want):
+        raise ValueError(f"{name}: `attention_mask` must be a padding mask {layout} (1 = token, 0 = padding), got "
+                         f"{describe(attention_mask)}")
+    if attention_mask.device != x.device:
+        raise ValueError(f"{name}: `attention_mask` is on {attention_mask.device} but the input is on {x.device}; "
+                         f"pass both on one device")
+
+
+def check_mask_values(name: str, attention_mask: torch.Tensor, assert_on_device: bool) -> None:
+    """A padding mask holds only 0 (padding) and 1 (token), checked as ``require`` says."""
+    if attention_mask.numel():
+        require(((attention_mask == 0) | (attention_mask == 1)).all(),
+                f"{name}: `attention_mask` must hold only 0 (padding) and 1 (token)",
+                lambda: f", got values {attention_mask.unique()[:8].tolist()}", assert_on_device)
+
+
+def context_mask(name: str, attention_mask: torch.Tensor | None, x: torch.Tensor, past_key_values, layer_idx: int):
+    """A layer's padding mask checked (``check_mask``; its 0/1 values on CPU only: the model checks them once per
+    forward on every device) against x [B, T, d] and the tokens ``past_key_values`` holds for layer ``layer_idx``
+    (none without a cache); returns its columns of this call's tokens [B, T], or None."""
     if attention_mask is None:
         return None
-    T = x.shape[1]
-    if attention_mask.dim() != 2:
-        raise ValueError(f"{name}: `attention_mask` must be a 2-D [B, T] padding mask (1 = token, 0 = padding), got "
-                         f"shape {list(attention_mask.shape)}")
-    if cached and attention_mask.shape[1] > T:
-        return attention_mask[:, attention_mask.shape[1] - T:]          # not [:, -T:], which is all of it at T = 0
-    return attention_mask
+    past = past_key_values.get_seq_length(layer_idx) if past_key_values is not None else 0
+    check_mask(name, attention_mask, x, past)
+    check_mask_values(name, attention_mask, assert_on_device=False)
+    return attention_mask[:, past:]
 
 
 def keep_where(keep: torch.Tensor, new, old):
@@ -168,12 +270,12 @@ def keep_where(keep: torch.Tensor, new, old):
     return type(new)(keep_where(keep, n, o) for n, o in zip(new, old))
 
 
-def check_hidden(name: str, x: torch.Tensor, d_model: int, attention_mask: torch.Tensor | None) -> None:
-    if x.dim() != 3 or x.shape[-1] != d_model:
-        raise ValueError(f"{name}: `hidden_states` must be [B, T, {d_model}], got {list(x.shape)}")
-    if attention_mask is not None and attention_mask.shape != x.shape[:2]:
-        raise ValueError(f"{name}: `attention_mask` must be [B, T] = {list(x.shape[:2])} (1 = token, 0 = padding), "
-                         f"got {list(attention_mask.shape)}")
+def check_hidden(name: str, x, d_model: int) -> None:
+    """A layer's input: a floating-point tensor [B, T, d_model] with B >= 1 (T = 0 is an empty call)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != d_model or not x.is_floating_point():
+        raise ValueError(f"{name}: `hidden_states` must be [B, T, {d_model}] (floating point), got {describe(x)}")
+    if x.shape[0] == 0:
+        raise ValueError(f"{name}: `hidden_states` must hold at least one sequence (B >= 1), got {describe(x)}")
 
 
 class Packer:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kalmix.layers.common import describe, is_integer
+
 
 class Documents:
     """The documents of a [B, T] batch, given as ``cu_seqlens`` [N + 1]: offsets into the flattened B·T tokens,
@@ -43,8 +45,8 @@ class Documents:
     def from_position_ids(cls, name: str, position_ids: torch.Tensor) -> "Documents":
         """position_ids [B, T]: each token's position in its document, 0 where one starts (transformers'
         padding-free convention); every row starts a document whatever its first value."""
-        if position_ids.dim() != 2:
-            raise ValueError(f"{name}: `position_ids` must be [B, T], got {list(position_ids.shape)}")
+        if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or not is_integer(position_ids):
+            raise ValueError(f"{name}: `position_ids` must be an integer tensor [B, T], got {describe(position_ids)}")
         pos = position_ids.long()
         if not bool(((pos[:, 1:] == 0) | (pos[:, 1:] == pos[:, :-1] + 1)).all()):
             raise ValueError(f"{name}: `position_ids` must count 0, 1, 2, … within each document (0 starts one)")

@@ -6,7 +6,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kalmix.layers.base import MixerLayer
-from kalmix.layers.common import DecayGate, GatedRMSNorm, ShortConv, gated_norm_out
+from kalmix.layers.common import (DecayGate, GatedRMSNorm, ShortConv, check_int, check_layer, check_real,
+                                  gated_norm_out, head_size)
 from kalmix.ops import gated_kalmanet
 
 
@@ -45,12 +46,23 @@ class GatedKalmaNet(MixerLayer):
                  beta_scaling: str = "squared", use_decay: bool = True, use_alpha: bool = True, layer_idx: int = 0,
                  impl: str | None = None):
         super().__init__()
+        name = type(self).__name__
+        check_layer(name, d_model, layer_idx, impl)
         if beta_scaling not in BETA_SCALINGS:
             raise ValueError(f"GatedKalmaNet: beta_scaling must be one of {BETA_SCALINGS}, got {beta_scaling!r}")
+        if head_dim is None:
+            head_dim = head_size(name, "d_model", d_model, num_heads)
+        check_int(name, "num_heads", num_heads)
+        check_int(name, "head_dim", head_dim)
+        check_int(name, "conv_size", conv_size)
+        check_real(name, "ridge", ridge)
+        if num_iters is not None:
+            check_int(name, "num_iters", num_iters, 0, " (or None: the exact solve)")
+        check_real(name, "norm_eps", norm_eps)
         self.beta_scaling, self.use_decay, self.use_alpha = beta_scaling, use_decay, use_alpha
         self.d_model, self.layer_idx, self.impl = d_model, layer_idx, impl
         self.num_heads = num_heads
-        self.head_dim = head_dim or d_model // num_heads
+        self.head_dim = head_dim
         self.ridge, self.num_iters = ridge, num_iters
         width = num_heads * self.head_dim
         on = {"beta": beta_scaling != "none", "alpha": use_alpha, "g": use_decay}

@@ -7,7 +7,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kalmix.layers.base import MixerLayer
-from kalmix.layers.common import DecayGate, GatedRMSNorm, ShortConv, gated_norm_out
+from kalmix.layers.common import (DecayGate, GatedRMSNorm, ShortConv, check_int, check_layer, check_real,
+                                  gated_norm_out, head_size)
 from kalmix.ops import kaczmarz_attention
 
 
@@ -27,9 +28,22 @@ class KaczmarzAttention(MixerLayer):
                  conv_size: int = 4, eps: float = 1e-6, norm_eps: float = 1e-5, layer_idx: int = 0,
                  impl: str | None = None):
         super().__init__()
+        name = type(self).__name__
+        check_layer(name, d_model, layer_idx, impl)
+        if head_k_dim is None:
+            head_k_dim = head_size(name, "d_model", d_model, num_heads)
+        check_int(name, "num_heads", num_heads)
+        check_int(name, "head_k_dim", head_k_dim)
+        check_real(name, "expand_v", expand_v)
+        if head_k_dim * expand_v != int(head_k_dim * expand_v) or head_k_dim * expand_v < 1:
+            raise ValueError(f"{name}: `expand_v` = {expand_v} must make the value head size expand_v · head_k_dim "
+                             f"= {expand_v} · {head_k_dim} a whole number >= 1")
+        check_int(name, "conv_size", conv_size)
+        check_real(name, "eps", eps, inclusive=True)
+        check_real(name, "norm_eps", norm_eps)
         self.d_model, self.layer_idx, self.impl = d_model, layer_idx, impl
         self.num_heads = num_heads
-        self.head_k_dim = head_k_dim or d_model // num_heads
+        self.head_k_dim = head_k_dim
         self.head_v_dim = int(self.head_k_dim * expand_v)
         self.eps = 0.0 if self.normalize_keys else eps
         kw, vw = num_heads * self.head_k_dim, num_heads * self.head_v_dim

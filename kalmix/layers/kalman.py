@@ -8,7 +8,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kalmix.layers.base import MixerLayer
-from kalmix.layers.common import P_MIN, ShortConv, fused_kernels, upcast
+from kalmix.layers.common import (P_MIN, ShortConv, check_dt_range, check_int, check_layer, check_real, fused_kernels,
+                                  head_size, upcast)
 from kalmix.ops import kalman_attention
 
 
@@ -49,15 +50,19 @@ class KalmanAttention(MixerLayer):
                  dt_min: float = 1e-3, dt_max: float = 0.1, p_init: float = 0.01, noise_param: str = "p2",
                  layer_idx: int = 0, impl: str | None = None):
         super().__init__()
+        name = type(self).__name__
+        check_layer(name, d_model, layer_idx, impl)
         if noise_param not in NOISE_PARAMS:
             raise ValueError(f"KalmanAttention: noise_param must be one of {NOISE_PARAMS}, got {noise_param!r}")
+        self.d_inner = check_int(name, "expand", expand) * d_model
+        head_dim = head_size(name, "expand · d_model", self.d_inner, num_heads)
+        check_int(name, "d_state", d_state)
+        check_int(name, "conv_size", conv_size)
+        check_dt_range(name, dt_min, dt_max)
+        check_real(name, "p_init", p_init, -math.inf)
         self.noise_param = noise_param
         self.d_model, self.layer_idx, self.impl = d_model, layer_idx, impl
-        self.d_inner = expand * d_model
-        if self.d_inner % num_heads:
-            raise ValueError(f"KalmanAttention: expand * d_model = {self.d_inner} must be divisible by "
-                             f"num_heads = {num_heads}")
-        self.num_heads, self.d_state, self.head_dim = num_heads, d_state, self.d_inner // num_heads
+        self.num_heads, self.d_state, self.head_dim = num_heads, d_state, head_dim
         M, H, N, D = self.d_inner, num_heads, d_state, self.head_dim
         self.in_proj = nn.Linear(d_model, 2 * M, bias=False)
         self.conv = ShortConv(M, conv_size, bias=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from kalmix.layers.base import MixerLayer
-from kalmix.layers.common import ShortConv
+from kalmix.layers.common import ShortConv, check_int, check_layer, check_real, head_size
 from kalmix.ops import variational_linear_attention
 from kalmix.ops.vla.op import WRITE_KEYS
 
@@ -49,14 +49,24 @@ class VariationalLinearAttention(MixerLayer):
                  eps: float = 1e-4, conv_size: int = 4, write_key: str = "feature", out_norm: bool = True,
                  u_map: str = "full", bias: bool = False, layer_idx: int = 0, impl: str | None = None):
         super().__init__()
+        name = type(self).__name__
+        check_layer(name, d_model, layer_idx, impl)
         if write_key not in WRITE_KEYS:
             raise ValueError(f"VariationalLinearAttention: write_key must be one of {WRITE_KEYS}, got {write_key!r}")
         if u_map not in U_MAPS:
             raise ValueError(f"VariationalLinearAttention: u_map must be one of {U_MAPS}, got {u_map!r}")
+        if head_dim is None:
+            head_dim = head_size(name, "d_model", d_model, num_heads)
+        check_int(name, "num_heads", num_heads)
+        check_int(name, "head_dim", head_dim)
+        if lambda0 is not None:
+            check_real(name, "lambda0", lambda0, note=" (or None: 0.1 · head_dim)")
+        check_real(name, "eps", eps)
+        check_int(name, "conv_size", conv_size, 0, " (0: no convolution)")
         self.write_key, self.u_map = write_key, u_map
         self.d_model, self.layer_idx, self.impl = d_model, layer_idx, impl
         self.num_heads = num_heads
-        self.head_dim = head_dim or d_model // num_heads
+        self.head_dim = head_dim
         self.lambda0 = 0.1 * self.head_dim if lambda0 is None else lambda0
         self.eps = eps
         width = num_heads * self.head_dim

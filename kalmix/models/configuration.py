@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import inspect
 
+import torch
 from transformers import PretrainedConfig
 
 from kalmix.layers import ALL_MIXERS as MIXERS
+from kalmix.layers.common import check_int, check_real
 
 # arguments the model sets on every mixer itself
 _RESERVED = {"d_model", "layer_idx", "impl"}
@@ -19,15 +21,17 @@ def layer_pattern(num_layers: int, mixer: str, attention_every: int | None = Non
     ``layer_pattern(12, "gka", attention_every=6)`` -> 5 × gka, attention, 5 × gka, attention;
     ``layer_pattern(4, "kalman", attention_layers=[0, 1, 2])`` -> attention everywhere, Kalman in the last layer.
     """
-    types = [mixer] * num_layers
+    types = [mixer] * check_int("layer_pattern", "num_layers", num_layers)
     if attention_every is not None:
-        if attention_every < 1:
-            raise ValueError(f"layer_pattern: `attention_every` must be >= 1, got {attention_every}")
-        for i in range(attention_every - 1, num_layers, attention_every):
+        for i in range(check_int("layer_pattern", "attention_every", attention_every) - 1, num_layers,
+                       attention_every):
             types[i] = "attention"
+    if not isinstance(attention_layers, (list, tuple)):
+        raise ValueError(f"layer_pattern: `attention_layers` must be a list of layer indices, got {attention_layers!r}")
     for i in attention_layers:
-        if not -num_layers <= i < num_layers:
-            raise ValueError(f"layer_pattern: attention layer {i} is out of range for {num_layers} layers")
+        if isinstance(i, bool) or not isinstance(i, int) or not -num_layers <= i < num_layers:
+            raise ValueError(f"layer_pattern: attention layer {i!r} is out of range for {num_layers} layers (allowed: "
+                             f"ints in [{-num_layers}, {num_layers}))")
         types[i] = "attention"
     return types
 
@@ -71,11 +75,15 @@ class KalmixConfig(PretrainedConfig):
                  intermediate_size: int | None = None, mlp: bool = True, norm_eps: float = 1e-5,
                  initializer_range: float | None = None, tie_word_embeddings: bool = True, impl: str | None = None,
                  use_cache: bool = True, mc_samples: int = 0, **kwargs):
+        vocab_size, hidden_size, num_hidden_layers = (check_int("KalmixConfig", arg, value) for arg, value in (
+            ("vocab_size", vocab_size), ("hidden_size", hidden_size), ("num_hidden_layers", num_hidden_layers)))
         if mixers is None:
             mixers = layer_pattern(num_hidden_layers, mixer, attention_every, attention_layers)
         elif attention_every is not None or len(attention_layers):
             raise ValueError("KalmixConfig: give either `mixers` or `mixer` with `attention_every` / "
                              "`attention_layers`, not both")
+        if not isinstance(mixers, (list, tuple)):
+            raise ValueError(f"KalmixConfig: `mixers` must be a list of mixer names, got {mixers!r}")
         mixers = list(mixers)
         if len(mixers) != num_hidden_layers:
             raise ValueError(f"KalmixConfig: `mixers` has {len(mixers)} entries for "
@@ -83,7 +91,11 @@ class KalmixConfig(PretrainedConfig):
         for t in mixers:
             if t not in MIXERS:
                 raise ValueError(f"KalmixConfig: unknown mixer {t!r} in `mixers`; expected one of {sorted(MIXERS)}")
-        mixer_kwargs = {k: dict(v) for k, v in (mixer_kwargs or {}).items()}
+        mixer_kwargs = {} if mixer_kwargs is None else mixer_kwargs
+        if not isinstance(mixer_kwargs, dict) or not all(isinstance(v, dict) for v in mixer_kwargs.values()):
+            raise ValueError(f"KalmixConfig: `mixer_kwargs` must map mixer names to dicts of layer arguments, got "
+                             f"{mixer_kwargs!r}")
+        mixer_kwargs = {k: dict(v) for k, v in mixer_kwargs.items()}
         for name, kw in mixer_kwargs.items():
             if name not in MIXERS:
                 raise ValueError(f"KalmixConfig: `mixer_kwargs` names unknown mixer {name!r}; expected one of "
@@ -102,6 +114,15 @@ class KalmixConfig(PretrainedConfig):
                              f"layers, and `mixers` has none; set mc_samples = 0")
         if intermediate_size is None:
             intermediate_size = -(-8 * hidden_size // 3 // 64) * 64
+        intermediate_size = check_int("KalmixConfig", "intermediate_size", intermediate_size)
+        for arg, value in (("mlp", mlp), ("tie_word_embeddings", tie_word_embeddings), ("use_cache", use_cache)):
+            if not isinstance(value, bool):
+                raise ValueError(f"KalmixConfig: `{arg}` must be True or False, got {value!r}")
+        check_real("KalmixConfig", "norm_eps", norm_eps)
+        if initializer_range is not None:
+            check_real("KalmixConfig", "initializer_range", initializer_range, note=" (or None: by fan-in)")
+        for name in dict.fromkeys([*mixers, *mixer_kwargs]):
+            _check_layer(name, hidden_size, mixer_kwargs.get(name, {}), impl)
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
@@ -119,7 +140,24 @@ class KalmixConfig(PretrainedConfig):
     def layer_kwargs(self, layer_idx: int) -> dict:
         """The constructor arguments of layer ``layer_idx``'s mixer (besides d_model)."""
         name = self.mixers[layer_idx]
-        kw = dict(self.mixer_kwargs.get(name, {}), layer_idx=layer_idx)
-        if "impl" in inspect.signature(MIXERS[name].__init__).parameters:
-            kw["impl"] = self.impl
-        return kw
+        return dict(self.mixer_kwargs.get(name, {}), layer_idx=layer_idx, **_impl_kwarg(name, self.impl))
+
+
+def _impl_kwarg(name: str, impl: str | None) -> dict:
+    """{"impl": impl} for a mixer whose layer takes the ops' backend, else {}."""
+    return {"impl": impl} if "impl" in inspect.signature(MIXERS[name].__init__).parameters else {}
+
+
+def _check_layer(name: str, hidden_size: int, kwargs: dict, impl: str | None) -> None:
+    """Build mixer ``name``'s layer on the meta device (no memory), so that its own constructor refuses bad
+    arguments (sizes, heads that do not divide a width, ...) when the config is made; the CPU random stream is left
+    as it was, so a model seeded before its config is built gets the same weights. A layer whose package is
+    missing (fla's) is checked up to its import; the model then raises the ImportError."""
+    try:
+        with torch.device("meta"), torch.random.fork_rng(devices=[]):
+            MIXERS[name](hidden_size, **kwargs, **_impl_kwarg(name, impl))
+    except ImportError:
+        pass
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"KalmixConfig: the {name!r} layers (hidden_size = {hidden_size}, mixer_kwargs[{name!r}] = "
+                         f"{kwargs}): {e}") from None

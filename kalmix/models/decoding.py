@@ -7,11 +7,31 @@ device-side position), captures one model step in a CUDA graph, and replays it o
 """
 from __future__ import annotations
 
+import numbers
+import os
 import time
 
 import torch
 
 from kalmix.layers.cache import KalmixCache
+from kalmix.layers.common import check_int, check_real, describe, is_integer
+
+
+def check_sampling(name: str, max_new_tokens, do_sample, temperature, top_k, top_p=None,
+                   length_optional: bool = False) -> None:
+    """Decoding arguments, each refused with a ValueError naming it: max_new_tokens an int >= 1 (or None with
+    ``length_optional``: the caller has another length), do_sample a bool (or None: greedy), temperature > 0 when
+    sampling, top_k None (no top-k filtering) or an int >= 1, top_p None (no nucleus filtering) or in (0, 1]."""
+    if max_new_tokens is not None or not length_optional:
+        check_int(name, "max_new_tokens", max_new_tokens)
+    if do_sample is not None and not isinstance(do_sample, bool):
+        raise ValueError(f"{name}: `do_sample` must be True or False, got {do_sample!r}")
+    if do_sample and temperature is not None:
+        check_real(name, "temperature", temperature, note=" when sampling (greedy decoding: do_sample=False)")
+    if top_k is not None:
+        check_int(name, "top_k", top_k, note=" (or None: no top-k filtering)")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1):
+        raise ValueError(f"{name}: `top_p` must be a number in (0, 1] (None: no nucleus filtering), got {top_p!r}")
 
 
 class Decoder:
@@ -29,6 +49,8 @@ class Decoder:
     """
 
     def __init__(self, model, batch_size: int, max_length: int, graph: bool | None = None, compile: bool = False):
+        check_int("Decoder", "batch_size", batch_size)
+        check_int("Decoder", "max_length", max_length, 2, " (a prompt token and a new one)")
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.graph_wanted = self.device.type == "cuda" if graph is None else graph
@@ -49,6 +71,10 @@ class Decoder:
     def prefill(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Run the prompts input_ids [B, T] (left-padded where ``attention_mask`` [B, T] has zeros) into the
         cache; returns the last position's logits [B, vocab]."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or not is_integer(input_ids) \
+                or input_ids.shape[1] == 0:
+            raise ValueError(f"Decoder: prompts `input_ids` must be an integer tensor [B, T] with T >= 1, got "
+                             f"{describe(input_ids)}")
         B, T = input_ids.shape
         if B != self.batch_size:
             raise ValueError(f"Decoder: built for batch size {self.batch_size}, got prompts of batch {B}")
@@ -82,6 +108,9 @@ class Decoder:
         overwrites when graphed)."""
         if self.length >= self.max_length:
             raise ValueError(f"Decoder: the sequences reached max_length = {self.max_length}")
+        if not isinstance(tokens, torch.Tensor) or not is_integer(tokens) or tokens.numel() != self.batch_size:
+            raise ValueError(f"Decoder: `tokens` must be an integer tensor [B] = [{self.batch_size}] (one token per "
+                             f"sequence), got {describe(tokens)}")
         self.tokens.copy_(tokens.view(self.batch_size, 1))
         self.length += 1
         if self.graph is None:
@@ -96,8 +125,7 @@ class Decoder:
                  generator: torch.Generator | None = None) -> torch.LongTensor:
         """Prompts [B, T] -> [B, T + max_new_tokens]: greedy, or sampled at ``temperature`` from the ``top_k``
         most likely tokens. Nothing is read back to the host until the end."""
-        if max_new_tokens < 1:
-            raise ValueError(f"Decoder: max_new_tokens must be >= 1, got {max_new_tokens}")
+        check_sampling("Decoder", max_new_tokens, do_sample, temperature, top_k)
         if input_ids.shape[1] + max_new_tokens > self.max_length:
             raise ValueError(f"Decoder: {input_ids.shape[1]} prompt + {max_new_tokens} new tokens exceed "
                              f"max_length = {self.max_length}")
@@ -109,6 +137,7 @@ class Decoder:
     def decode(self, logits: torch.Tensor, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
                top_k: int | None = None, generator: torch.Generator | None = None) -> torch.LongTensor:
         """From the prefill's logits [B, vocab], choose and feed ``max_new_tokens`` tokens -> [B, max_new_tokens]."""
+        check_sampling("Decoder", max_new_tokens, do_sample, temperature, top_k)
         out = []
         for i in range(max_new_tokens):
             nxt = self._choose(logits, do_sample, temperature, top_k, generator)
@@ -122,8 +151,8 @@ class Decoder:
         if not do_sample:
             return logits.argmax(-1)
         logits = logits.float() / temperature
-        if top_k is not None:
-            kth = logits.topk(top_k, -1).values[:, -1:]
+        if top_k is not None:                                   # top_k >= vocab: no filtering
+            kth = logits.topk(min(top_k, logits.shape[-1]), -1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
 
@@ -150,11 +179,22 @@ def generate_text(model_dir: str, prompt: str, max_new_tokens: int = 64, tokeniz
 
     import kalmix.models  # noqa: F401  (registers the Auto classes)
 
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError(f"generate: `prompt` must be a non-empty string, got {prompt!r}")
+    check_sampling("generate", max_new_tokens, do_sample, temperature, top_k)
+    device = _device("generate", device)
     dtypes = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     if dtype not in dtypes:
         raise ValueError(f"generate: dtype must be one of {sorted(dtypes)}, got {dtype!r}")
-    tok = AutoTokenizer.from_pretrained(tokenizer or model_dir)
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise ValueError(f"generate: {model_dir!r} is not a saved model (a folder of save_pretrained, with its "
+                         f"config.json)")
+    try:
+        tok = AutoTokenizer.from_pretrained(tokenizer or model_dir)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"generate: no tokenizer could be loaded from {tokenizer or model_dir!r} "
+                         f"({str(e).splitlines()[0]}); save the tokenizer beside the model or name its folder with "
+                         f"`tokenizer`") from e
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtypes[dtype]).to(device)
     ids = tok(prompt, return_tensors="pt").input_ids.to(device)
     if ids.shape[1] == 0:
@@ -172,3 +212,21 @@ def generate_text(model_dir: str, prompt: str, max_new_tokens: int = 64, tokeniz
     t2 = time.perf_counter()
     return {"text": tok.decode(new), "new_tokens": new, "prefill_s": t1 - t0, "decode_s": t2 - t1,
             "tokens_per_s": max_new_tokens / (t2 - t1), "graph": dec.graph is not None}
+
+
+def _device(name: str, device: str | None) -> torch.device:
+    """``device`` ("cpu", "cuda" or "cuda:N"; None: CUDA where there is a GPU) as a torch.device that exists here."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}: device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{name}: device {device!r} asked for, but this torch build sees no CUDA GPU; use 'cpu'")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"{name}: device {device!r} does not exist; this machine has "
+                         f"{torch.cuda.device_count()} CUDA GPU(s)")
+    return dev

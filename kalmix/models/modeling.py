@@ -21,9 +21,10 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from kalmix.layers import ALL_MIXERS as MIXERS
 from kalmix.layers.cache import KalmixCache
-from kalmix.layers.common import upcast
+from kalmix.layers.common import check_mask, check_mask_values, describe, is_integer, require, upcast
 from kalmix.layers.documents import Documents
 from kalmix.models.configuration import KalmixConfig
+from kalmix.models.decoding import check_sampling
 
 _RESIDUAL_OUT = ("o_proj", "out_proj", "down")
 _MEAN_DECODING = "set config.mc_samples = 0 to decode with the posterior-mean readout"
@@ -146,26 +147,31 @@ class KalmixModel(KalmixPreTrainedModel):
 
         Inside ``kalmix.distributed.context_parallel_model`` the input is this rank's piece of a sequence split
         across ranks: no cache (``use_cache`` defaults to False), padding, packed documents or gradient
-        checkpointing."""
+        checkpointing.
+
+        Bad inputs are ValueErrors naming the argument. Types, shapes, dtypes and devices are checked on every
+        device for free (the mask is [B, T], or [B, P + T] with a cache holding P tokens). Values (ids in
+        [0, vocab_size), mask values 0 and 1, finite inputs_embeds) are read on the host for CPU tensors; on CUDA
+        they cost no host sync: a device-side assertion (``torch._assert_async``) each, which fails at the next
+        synchronisation with a device-side assert error (the same inputs on CPU give the named error)."""
         unknown = set(kwargs) - {"cache_position", "output_attentions"}
         if unknown:
             raise TypeError(f"KalmixModel.forward got unexpected argument(s) {sorted(unknown)}")
         if kwargs.get("output_attentions"):
             raise ValueError("KalmixModel: `output_attentions` is not supported (most mixers have no attention map)")
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("KalmixModel: pass exactly one of `input_ids` and `inputs_embeds`")
+        _, cache = self._check_inputs("KalmixModel", input_ids, inputs_embeds, attention_mask, cache, past_key_values)
+        self._check_values(input_ids, inputs_embeds, attention_mask)
         if sample_readout and "kalman" not in self.config.mixers:
             raise ValueError("KalmixModel: `sample_readout` samples the readout of Kalman layers; the model has none")
-        if cache is not None and past_key_values is not None and cache is not past_key_values:
-            raise ValueError("KalmixModel: `cache` and `past_key_values` name the same argument; pass one")
-        cache = cache if cache is not None else past_key_values
-        if cache is not None and not isinstance(cache, KalmixCache):
-            raise TypeError(f"KalmixModel: the cache must be a KalmixCache, got {type(cache).__name__}")
         packed = position_ids is not None or cu_seqlens is not None or documents is not None
         if use_cache is None and (packed or self.context_split is not None):
             use_cache = False                   # packed documents are scored, a split sequence too: not continued
         use_cache = self.config.use_cache if use_cache is None and not self.training else bool(use_cache)
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            if cache is not None:
+                raise ValueError("KalmixModel: gradient checkpointing (training with gradients) recomputes each block "
+                                 "without a cache; pass no `cache` / `past_key_values`, or run in eval mode or "
+                                 "under torch.no_grad()")
             use_cache = False
         if use_cache and cache is None:
             cache = KalmixCache()
@@ -206,6 +212,55 @@ class KalmixModel(KalmixPreTrainedModel):
             return tuple(v for v in (x, out_cache, hidden) if v is not None)
         return BaseModelOutputWithPast(last_hidden_state=x, hidden_states=hidden, **{_CACHE_FIELD: out_cache})
 
+    def _check_inputs(self, name: str, input_ids, inputs_embeds, attention_mask, cache, past_key_values):
+        """The checks of a forward's inputs that read no tensor (types, shapes, dtypes, devices), so cost nothing
+        on any device; returns (the input: input_ids or inputs_embeds, the cache: ``cache`` or ``past_key_values``
+        or None). With a cache holding P tokens the mask covers the whole context, [B, P + T]."""
+        if cache is not None and past_key_values is not None and cache is not past_key_values:
+            raise ValueError(f"{name}: `cache` and `past_key_values` name the same argument; pass one")
+        cache = cache if cache is not None else past_key_values
+        if cache is not None and not isinstance(cache, KalmixCache):
+            raise TypeError(f"{name}: the cache must be a KalmixCache, got {type(cache).__name__}")
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError(f"{name}: pass exactly one of `input_ids` [B, T] and `inputs_embeds` [B, T, hidden_size]")
+        weight = self.embed_tokens.weight
+        if input_ids is not None:
+            x, arg = input_ids, "input_ids"
+            if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in (torch.int64, torch.int32):
+                hint = " (one sequence: input_ids[None])" if isinstance(x, torch.Tensor) and x.dim() == 1 else ""
+                raise ValueError(f"{name}: `input_ids` must be an int64 or int32 tensor [B, T] of token ids{hint}, "
+                                 f"got {describe(x)}")
+        else:
+            x, arg, d = inputs_embeds, "inputs_embeds", self.config.hidden_size
+            if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != d or not x.is_floating_point():
+                raise ValueError(f"{name}: `inputs_embeds` must be a floating-point tensor [B, T, hidden_size] = "
+                                 f"[B, T, {d}], got {describe(x)}")
+            if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+                raise ValueError(f"{name}: `inputs_embeds` are {x.dtype} but the model's weights are {weight.dtype}; "
+                                 f"cast one to the other or run under torch.autocast")
+        if x.shape[0] == 0:
+            raise ValueError(f"{name}: `{arg}` must hold at least one sequence (B >= 1), got {describe(x)}")
+        if x.device != weight.device and weight.device.type != "meta":     # meta: offloaded, moved in by hooks
+            raise ValueError(f"{name}: `{arg}` is on {x.device} but the model is on {weight.device}; move one to "
+                             f"the other's device")
+        if attention_mask is not None:
+            check_mask(name, attention_mask, x, cache.get_seq_length() if cache is not None else 0)
+        return x, cache
+
+    def _check_values(self, input_ids, inputs_embeds, attention_mask) -> None:
+        """The checks that read the inputs' values (ids in the vocabulary, a 0/1 mask, finite embeddings): on CPU
+        read on the host, a ValueError naming the values; on other devices asserted on the device, with no host
+        sync (``kalmix.layers.common.require``)."""
+        if input_ids is not None and input_ids.numel():
+            V = self.embed_tokens.num_embeddings
+            lo, hi = torch.aminmax(input_ids)
+            require((lo >= 0) & (hi < V), f"KalmixModel: `input_ids` must be token ids in [0, vocab_size = {V})",
+                    lambda: f", got ids from {lo.item()} to {hi.item()}")
+        if inputs_embeds is not None and inputs_embeds.numel():
+            require(torch.isfinite(inputs_embeds).all(), "KalmixModel: `inputs_embeds` must be finite (no NaN or Inf)")
+        if attention_mask is not None:
+            check_mask_values("KalmixModel", attention_mask, assert_on_device=True)
+
     @staticmethod
     def _documents(x, position_ids, cu_seqlens, documents, attention_mask, cache, use_cache) -> Documents | None:
         given = [a for a in (position_ids, cu_seqlens, documents) if a is not None]
@@ -222,30 +277,34 @@ class KalmixModel(KalmixPreTrainedModel):
                 raise ValueError(f"KalmixModel: `documents` are of a [{documents.B}, {documents.T}] batch, the "
                                  f"input is {list(x.shape[:2])}")
             return documents
+        for arg, t in (("cu_seqlens", cu_seqlens), ("position_ids", position_ids)):
+            if isinstance(t, torch.Tensor) and t.device != x.device:
+                raise ValueError(f"KalmixModel: `{arg}` is on {t.device} but the input is on {x.device}; pass both "
+                                 f"on one device")
         if cu_seqlens is not None:
             return Documents("KalmixModel", cu_seqlens, *x.shape[:2])
-        if position_ids.shape != x.shape[:2]:
+        if isinstance(position_ids, torch.Tensor) and position_ids.shape != x.shape[:2]:
             raise ValueError(f"KalmixModel: `position_ids` must be [B, T] = {list(x.shape[:2])}, got "
                              f"{list(position_ids.shape)}")
         return Documents.from_position_ids("KalmixModel", position_ids)
 
     @staticmethod
     def _layer_masks(attention_mask, x, cache):
-        """(attention layers' mask [B, S] over the context, recurrent layers' mask [B, T] over this call's tokens),
-        each None where it holds no padding. One host read of the mask per prefill and none per decoded token: a
-        recurrent layer keeps its state through a padded step without reading the mask, and the cache remembers
-        whether its context holds padding."""
+        """(attention layers' mask, recurrent layers' mask): each the whole mask [B, P + T], or None where it has
+        no padding to mask (attention: in the context; the recurrent layers: in this call's tokens, the last T
+        columns, which they take). One host read of the mask per prefill and none per decoded token: a recurrent
+        layer keeps its state through a padded step without reading the mask, and the cache remembers whether its
+        context holds padding."""
         if attention_mask is None:
             return None, None
         T = x.shape[1]
         if cache is not None and T == 1 and len(cache):
-            return (attention_mask if cache.has_padding else None), attention_mask[:, -1:]
-        new = attention_mask[:, -T:]
-        padded = not bool(new.all())
+            return (attention_mask if cache.has_padding else None), attention_mask
+        padded = not bool(attention_mask[:, attention_mask.shape[1] - T:].all())
         if cache is not None:
             cache.has_padding = cache.has_padding or padded
-            return (attention_mask if cache.has_padding else None), (new if padded else None)
-        return (attention_mask if padded else None), (new if padded else None)
+            return (attention_mask if cache.has_padding else None), (attention_mask if padded else None)
+        return (attention_mask if padded else None), (attention_mask if padded else None)
 
 
 class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
@@ -297,9 +356,13 @@ class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
             raise ValueError(f"KalmixForCausalLM: mc_samples = {S} (KLA+) scores whole sequences through sampled "
                              f"readouts and has no cached decoding (`use_cache`, `cache`, `past_key_values`); "
                              f"{_MEAN_DECODING}")
+        x, _ = self.model._check_inputs("KalmixForCausalLM", input_ids, inputs_embeds, attention_mask, cache,
+                                        past_key_values)
+        self._check_logits_to_keep(logits_to_keep, x.shape[1])
+        if labels is not None:
+            self._check_labels(labels, x, logits_to_keep)
         if (labels is not None or S) and (kwargs.get("cu_seqlens") is not None
                                            or kwargs.get("position_ids") is not None):
-            x = input_ids if input_ids is not None else inputs_embeds
             kwargs["documents"] = self.model._documents(x, kwargs.pop("position_ids", None),
                                                         kwargs.pop("cu_seqlens", None), kwargs.get("documents"),
                                                         attention_mask, cache if cache is not None else
@@ -316,8 +379,6 @@ class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
                          output_hidden_states=output_hidden_states, return_dict=True, **kwargs)
         h = out.last_hidden_state
-        if labels is not None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
-            raise ValueError("KalmixForCausalLM: `labels` need the logits of every position; leave `logits_to_keep` 0")
         if isinstance(logits_to_keep, int):
             h = h[:, -logits_to_keep:] if logits_to_keep > 0 else h
         else:
@@ -327,9 +388,6 @@ class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
             logits = mc_marginal(logits, S)
         loss = None
         if labels is not None:
-            if labels.shape != logits.shape[:2]:
-                raise ValueError(f"KalmixForCausalLM: `labels` must be [B, T] = {list(logits.shape[:2])}, got "
-                                 f"{list(labels.shape)}")
             if self.context_split is not None:
                 loss = self.context_split.loss(logits, labels)
             else:
@@ -342,12 +400,56 @@ class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states,
                                       **{_CACHE_FIELD: getattr(out, _CACHE_FIELD)})
 
-    def generate(self, *args, **kwargs):
-        """``GenerationMixin.generate``, refused for a KLA+ model (``config.mc_samples`` > 0)."""
+    @staticmethod
+    def _check_logits_to_keep(logits_to_keep, T: int) -> None:
+        """An int n >= 0 or a 1-D integer tensor of positions in [-T, T) (read as ``require`` says)."""
+        if isinstance(logits_to_keep, torch.Tensor) and logits_to_keep.dim() == 1 and is_integer(logits_to_keep):
+            if logits_to_keep.numel():
+                require(((logits_to_keep >= -T) & (logits_to_keep < T)).all(),
+                        f"KalmixForCausalLM: `logits_to_keep` positions must lie in [-T, T) = [{-T}, {T})",
+                        lambda: f", got {logits_to_keep.tolist()[:8]}")
+        elif isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+            raise ValueError(f"KalmixForCausalLM: `logits_to_keep` must be an int n >= 0 (the last n positions; 0: "
+                             f"all) or a 1-D integer tensor of positions, got {describe(logits_to_keep)}")
+
+    def _check_labels(self, labels, x: torch.Tensor, logits_to_keep) -> None:
+        """labels: an int64 tensor of the input's [B, T] on its device, of token ids or -100 (values read as
+        ``require`` says); T >= 2 outside a context-parallel forward; every position's logits kept."""
+        name, B_T = "KalmixForCausalLM", list(x.shape[:2])
+        if not isinstance(labels, torch.Tensor) or labels.dtype != torch.int64 or list(labels.shape) != B_T:
+            raise ValueError(f"{name}: `labels` must be an int64 tensor of the input's [B, T] = {B_T} (token ids, "
+                             f"-100 = not scored), got {describe(labels)}")
+        if labels.device != x.device:
+            raise ValueError(f"{name}: `labels` are on {labels.device} but the input is on {x.device}; pass both on "
+                             f"one device")
+        if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+            raise ValueError(f"{name}: `labels` need the logits of every position; leave `logits_to_keep` 0")
+        if self.context_split is None and x.shape[1] < 2:
+            raise ValueError(f"{name}: `labels` score position t's logits against labels[t + 1], which needs T >= 2 "
+                             f"tokens, got T = {x.shape[1]}")
+        V = self.lm_head.out_features
+        bad = (labels != -100) & ((labels < 0) | (labels >= V))
+        require(~bad.any(), f"{name}: `labels` must be token ids in [0, vocab_size = {V}) or -100 (not scored)",
+                lambda: f", got {labels[bad].unique()[:8].tolist()}")
+
+    def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs):
+        """``GenerationMixin.generate`` with its arguments checked first, each refused with a ValueError naming it:
+        the prompts (``inputs`` / ``input_ids`` [B, T], ``attention_mask`` [B, T], as for ``forward``), and
+        (given here or in ``generation_config``) max_new_tokens >= 1, temperature > 0 when sampling, top_k None or
+        >= 1, top_p None or in (0, 1] (``kalmix.models.decoding.check_sampling``). Refused for a KLA+ model
+        (``config.mc_samples`` > 0)."""
+        name = "KalmixForCausalLM.generate"
         if self.config.mc_samples:
             raise ValueError(f"KalmixForCausalLM: `generate` with mc_samples = {self.config.mc_samples} (KLA+) is "
                              f"not supported; {_MEAN_DECODING}")
-        return super().generate(*args, **kwargs)
+        config = generation_config if generation_config is not None else self.generation_config
+        value = lambda arg: kwargs[arg] if arg in kwargs else getattr(config, arg, None)     # noqa: E731
+        check_sampling(name, *(value(a) for a in ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p")),
+                       length_optional=True)
+        ids = inputs if inputs is not None else kwargs.get("input_ids")
+        if ids is not None and kwargs.get("inputs_embeds") is None:
+            self.model._check_inputs(name, ids, None, kwargs.get("attention_mask"), None, None)
+        return super().generate(inputs, generation_config, **kwargs)
 
     def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, cache: KalmixCache | None = None,
                                       past_key_values: KalmixCache | None = None,

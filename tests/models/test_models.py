@@ -43,7 +43,7 @@ def test_layer_patterns():
     (dict(mixer_kwargs={"gka": {"layer_idx": 2}}), r"unknown argument\(s\) \['layer_idx'\]"),
     (dict(mixer_kwargs={"mamba": {}}), "names unknown mixer 'mamba'"),
     (dict(mixers=["gka", "gka"], attention_every=2), "either `mixers` or"),
-    (dict(attention_every=0), "must be >= 1"),
+    (dict(attention_every=0), "`attention_every` must be an int >= 1, got 0"),
     (dict(impl="cuda"), "`impl` must be"),
 ])
 def test_config_errors_name_the_problem(kw, match):
