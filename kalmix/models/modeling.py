@@ -145,8 +145,9 @@ class KalmixModel(KalmixPreTrainedModel):
         see ``KalmanAttention`` and ``KalmixConfig.mc_samples``).
 
         Inside ``kalmix.distributed.context_parallel_model`` the input is this rank's piece of a sequence split
-        across ranks: no cache (``use_cache`` defaults to False), padding, packed documents or gradient
-        checkpointing."""
+        across ranks: no cache (``use_cache`` defaults to False), padding or gradient checkpointing; packed
+        documents as ``cu_seqlens`` of the whole batch [B, S] or ``position_ids`` of the piece (see
+        ``context_parallel_model``)."""
         unknown = set(kwargs) - {"cache_position", "output_attentions"}
         if unknown:
             raise TypeError(f"KalmixModel.forward got unexpected argument(s) {sorted(unknown)}")
@@ -174,7 +175,7 @@ class KalmixModel(KalmixPreTrainedModel):
         attn_mask, rec_mask = self._layer_masks(attention_mask, x, cache)
         if self.context_split is not None:
             refused = {"a cache": cache is not None, "padding": attn_mask is not None or rec_mask is not None,
-                       "packed documents": docs is not None, "an empty piece": x.shape[1] == 0,
+                       "an empty piece": x.shape[1] == 0,
                        "gradient checkpointing": self.gradient_checkpointing and self.training
                        and torch.is_grad_enabled()}
             if any(refused.values()):
@@ -206,8 +207,7 @@ class KalmixModel(KalmixPreTrainedModel):
             return tuple(v for v in (x, out_cache, hidden) if v is not None)
         return BaseModelOutputWithPast(last_hidden_state=x, hidden_states=hidden, **{_CACHE_FIELD: out_cache})
 
-    @staticmethod
-    def _documents(x, position_ids, cu_seqlens, documents, attention_mask, cache, use_cache) -> Documents | None:
+    def _documents(self, x, position_ids, cu_seqlens, documents, attention_mask, cache, use_cache) -> Documents | None:
         given = [a for a in (position_ids, cu_seqlens, documents) if a is not None]
         if not given:
             return None
@@ -217,6 +217,8 @@ class KalmixModel(KalmixPreTrainedModel):
         if attention_mask is not None or cache is not None or use_cache:
             raise ValueError("KalmixModel: packed documents (`position_ids`, `cu_seqlens`) are for forward passes "
                              "without a cache or padding mask (use_cache=False)")
+        if self.context_split is not None:         # this rank's piece of rows split across ranks
+            return self.context_split.documents(tuple(x.shape[:2]), position_ids, cu_seqlens, documents)
         if documents is not None:
             if (documents.B, documents.T) != tuple(x.shape[:2]):
                 raise ValueError(f"KalmixModel: `documents` are of a [{documents.B}, {documents.T}] batch, the "
@@ -331,7 +333,7 @@ class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
                 raise ValueError(f"KalmixForCausalLM: `labels` must be [B, T] = {list(logits.shape[:2])}, got "
                                  f"{list(labels.shape)}")
             if self.context_split is not None:
-                loss = self.context_split.loss(logits, labels)
+                loss = self.context_split.loss(logits, labels, None if docs is None else docs.doc_pos == 0)
             else:
                 targets = labels[:, 1:]
                 if docs is not None:                        # a document's first token is not predicted across
