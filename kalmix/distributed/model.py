@@ -29,8 +29,9 @@ While the switch is on:
 - ``labels`` (this rank's piece, unshifted, as the model takes them) give ``loss`` = ``context_parallel_loss``:
   the last position of a piece predicts the first label of the next piece (never a document's first token),
   and the piece's summed cross-entropy is divided by the number of scored targets of all ranks, so the ranks'
-  losses add up to the single-device loss. Each rank backpropagates its own loss; the gradient of the total is the sum of the ranks'
-  parameter gradients (DDP over the group averages them: multiply each rank's loss by the group size).
+  losses add up to the single-device loss. Each rank backpropagates its own loss; the gradient of the total is
+  the sum of the ranks' parameter gradients (DDP over the group averages them: multiply each rank's loss by the
+  group size).
 
 Costs per layer and rank, besides the piece's own compute: a mixer layer waits for the relay (see
 ``kalmix.distributed.context``: over a stack of layers the ranks overlap) or runs the combine (more compute,
