@@ -674,9 +674,11 @@ class Trainer:
                    "tokens_per_step": cfg.train.seq_len * cfg.train.global_batch_size,
                    "mixers": self.raw.config.mixers})
         if env.main:
+            cp = cfg.train.context_parallel
+            groups = f" (rows split over groups of {cp}, {self.dp_world} data-parallel)" if cp > 1 else ""
             tqdm.write(f"{self.n_params / 1e6:.2f}M parameters on {env.device} × {env.world} process"
-                       f"{'es' if env.world > 1 else ''}, {self.threads} CPU thread{'s' if self.threads > 1 else ''}"
-                       f" each; data in {self.data_dir}")
+                       f"{'es' if env.world > 1 else ''}{groups}, {self.threads} CPU thread"
+                       f"{'s' if self.threads > 1 else ''} each; data in {self.data_dir}")
 
     def run(self, signals: _Signals | None = None) -> dict:
         """Train from ``self.step`` to ``train.steps``, export the model, write the final checkpoint; returns the

@@ -148,6 +148,10 @@ def _refusals(rank: int, world: int) -> str:
                 model(input_ids=ids, **kwargs)
         with pytest.raises(RuntimeError, match="already context-parallel"), context_parallel_model(model):
             pass
+        x = torch.zeros(B, ids.shape[1], 16, dtype=torch.float64)
+        for block in model.model.layers:            # documents given to a layer, not to the model
+            with pytest.raises(ValueError, match="a layer"):
+                block.mixer(x, cu_seqlens=torch.arange(B + 1) * ids.shape[1])
         model.gradient_checkpointing_enable()
         model.train()
         with pytest.raises(ValueError, match="gradient checkpointing"):

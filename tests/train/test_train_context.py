@@ -69,6 +69,8 @@ def test_context_parallel_follows_one_process_and_resumes_exactly(corpus, one_pr
     assert sorted(ref) == sorted(got) == [1, 2, 3, 4]
     for step in ref:
         assert got[step] == pytest.approx(ref[step], abs=1e-6), (step, ref[step], got[step])
+    # every scored target counted once over the world, the next piece's first token included
+    assert [r["tokens"] for r in _rows(run, "train")] == [r["tokens"] for r in _rows(one_process, "train")]
     for a, b in zip(_rows(one_process, "eval"), _rows(run, "eval"), strict=True):
         assert b["val_loss"] == pytest.approx(a["val_loss"], abs=1e-6)
         assert [x["tokens"] for x in b["loss_by_position"]] == [x["tokens"] for x in a["loss_by_position"]]
