@@ -7,23 +7,31 @@
 
 Rank r of the group feeds tokens [start_r, end_r) of every row (the pieces of ranks 0, 1, … end to end; they
 may be unequal, at least one token each; the same batch size on every rank) and gets that piece's logits and
-hidden states, equal to the whole sequence's. While the switch is on:
+hidden states, equal to the whole sequence's. Rows may pack documents, which may cross the pieces' boundaries:
+pass either ``cu_seqlens``, the offsets of the whole batch's documents over its flattened B·S tokens (S the
+rows' full length; the same on every rank), or ``position_ids``, this piece's [B, T_r] positions within their
+documents (continuing across the pieces: 0 only where a document starts); every rank passes one or neither.
+While the switch is on:
 
 - every kalmix mixer (gdn, kaczmarz, gka, vla, kalman) runs its op through ``context_parallel`` of
   ``kalmix.distributed.context`` in the switch's ``mode``: the state relay (states from rank r to r + 1, their
   gradients back), or with ``mode="combine"`` the parallel combine of the affine ops (gdn, kaczmarz, gka and
-  the linear-attention, GLA and Mamba-2 baselines; a kalman or vla layer then raises a ValueError);
+  the linear-attention, GLA and Mamba-2 baselines; a kalman or vla layer then raises a ValueError); with
+  packed documents one call per row (``Piece``: only a document crossing a boundary carries its state over it;
+  one that starts inside a piece starts from its own initial state);
 - every short convolution receives the last kernel − 1 inputs before its piece from rank r − 1 (zeros on rank
   0; they pass through several ranks when pieces are shorter than that) and in the backward sends their
-  gradient back;
+  gradient back; a document starting inside the halo's reach does not see them;
 - softmax attention all-gathers the keys and values of every rank and runs this piece's queries over them
-  (rotary positions counted from the sequence's start, the causal mask offset by start_r); the backward
-  reduce-scatters the keys' and values' gradients to their ranks;
+  (rotary positions counted from the sequence's start, the causal mask offset by start_r); with packed
+  documents the queries of document d see d's keys from d's start to the piece's end and rotary positions
+  count from d's start; the backward reduce-scatters the keys' and values' gradients to their ranks;
 - ``labels`` (this rank's piece, unshifted, as the model takes them) give ``loss`` = ``context_parallel_loss``:
-  the last position of a piece predicts the first label of the next piece, and the piece's summed
-  cross-entropy is divided by the number of scored targets of all ranks, so the ranks' losses add up to the
-  single-device loss. Each rank backpropagates its own loss; the gradient of the total is the sum of the ranks'
-  parameter gradients (DDP over the group averages them: multiply each rank's loss by the group size).
+  the last position of a piece predicts the first label of the next piece (never a document's first token),
+  and the piece's summed cross-entropy is divided by the number of scored targets of all ranks, so the ranks'
+  losses add up to the single-device loss. Each rank backpropagates its own loss; the gradient of the total is
+  the sum of the ranks' parameter gradients (DDP over the group averages them: multiply each rank's loss by the
+  group size).
 
 Costs per layer and rank, besides the piece's own compute: a mixer layer waits for the relay (see
 ``kalmix.distributed.context``: over a stack of layers the ranks overlap) or runs the combine (more compute,
@@ -31,19 +39,23 @@ one all-gather; no overlap) and exchanges B·(kernel − 1)·C
 convolution inputs with each neighbour; an attention layer holds the keys and values of the whole sequence
 ([B, S, 2·d_model]), computes [T_r, S] scores with the later ranks' keys masked out (so the last rank does the
 most work), and sends all-gather / reduce-scatter traffic of that size (after an all-gather of the pieces'
-lengths, read on the host). On CUDA the attention runs SDPA with a mask (no flash kernel) and the short
-convolutions torch's conv1d with the halo as their state (not kalmix's fused kernel).
+lengths, read on the host). On CUDA in fp16/bf16 the attention runs torch's varlen flash kernel (each row's, or
+each document's, queries the last of its keys; ``flash_eligible``), elsewhere SDPA with a mask; the short
+convolutions run torch's conv1d with the halo as their state (kalmix's fused kernel with packed documents).
+Packed documents cost one all-gather of the pieces' lengths per forward (of the positions with
+``position_ids``) and, for the mixers, one relay per row.
 
 Refused with a ValueError, since the pieces would not compose exactly or the ranks' messages would fall out of
 step: a cache (``use_cache`` defaults to False inside the switch), padding masks (an all-ones mask is fine),
-packed documents (``cu_seqlens``, ``position_ids``, ``documents``), gradient checkpointing (its recomputation
-repeats the point-to-point messages), empty pieces. A model with a mixer that cannot be split (fla's
+gradient checkpointing (its recomputation repeats the point-to-point messages), empty pieces, KLA+'s
+``mc_samples`` with packed documents. A model with a mixer that cannot be split (fla's
 ``deltanet``) raises NotImplementedError when the switch is turned on. As for any collective, every rank runs
 the same calls (forward and backward) in the same order.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -53,6 +65,7 @@ from torch.autograd.function import once_differentiable
 
 from kalmix.distributed.context import MODES, context_parallel
 from kalmix.layers.common import upcast
+from kalmix.layers.documents import Documents, cu_seqlens_from_positions
 from kalmix.models.modeling import KalmixBlock, KalmixModel
 
 # p2p tags beyond those of kalmix.distributed.context: convolution halos, their gradients, the next piece's label
@@ -70,11 +83,71 @@ class ContextSplit:
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.prev = dist.get_global_rank(self.group, self.rank - 1) if self.rank > 0 else None
         self.next = dist.get_global_rank(self.group, self.rank + 1) if self.rank < self.world - 1 else None
+        self.pieces: PieceDocuments | None = None      # the documents of the latest forward's piece
 
-    def run(self, op, *args, **kwargs):
+    def documents(self, shape: tuple[int, int], position_ids: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+                  documents: Documents | None) -> PieceDocuments:
+        """The packed documents of this piece [B, T] (shape) from one of: ``cu_seqlens`` [N + 1], the whole
+        batch's offsets over its flattened B·S tokens; ``position_ids`` [B, T], this piece's positions within
+        their documents; ``documents``, a ``PieceDocuments`` of this piece. Collective (an all-gather of the
+        pieces' lengths, or of the positions); the result is what the mixers' ops run on."""
+        name = "context_parallel_model"
+        B, T = shape
+        if documents is not None:
+            if not isinstance(documents, PieceDocuments) or (documents.B, documents.T) != (B, T):
+                raise ValueError(f"{name}: `documents` must be the PieceDocuments of this [{B}, {T}] piece; pass "
+                                 f"packed documents as `cu_seqlens` (the whole batch's) or `position_ids` (the "
+                                 f"piece's) instead")
+            self.pieces = documents
+            return documents
+        if position_ids is not None:
+            if position_ids.shape != (B, T):
+                raise ValueError(f"{name}: `position_ids` must be this piece's [B, T] = {[B, T]}, got "
+                                 f"{list(position_ids.shape)}")
+            rows, start = self.gather_plain(position_ids.long())
+            whole = Documents.from_position_ids(name, rows)
+        else:
+            lengths = self.lengths(T, cu_seqlens.device)
+            start = sum(lengths[:self.rank])
+            whole = Documents(name, cu_seqlens, B, sum(lengths))
+        self.pieces = PieceDocuments(whole, start, T)
+        return self.pieces
+
+    def run(self, op, *args, cu_seqlens: torch.Tensor | None = None, **kwargs):
         """A kalmix op on this rank's piece, its state passed between the ranks (``context_parallel`` in
-        ``self.mode``)."""
-        return context_parallel(op, *args, group=self.group, mode=self.mode, **kwargs)
+        ``self.mode``). With ``cu_seqlens`` (the packed piece [1, B·T, …] of ``self.pieces``, whose
+        ``cu_seqlens`` they must be) one call per row, each with that row's documents."""
+        if cu_seqlens is None:
+            return context_parallel(op, *args, group=self.group, mode=self.mode, **kwargs)
+        docs = self.pieces
+        if docs is None or cu_seqlens is not docs.cu_seqlens:
+            raise ValueError("context_parallel_model: a mixer's op got `cu_seqlens` that are not the model's packed "
+                             "documents; pass them to the model (`cu_seqlens` or `position_ids`), not to a layer")
+        if kwargs.get("initial_state") is not None or kwargs.get("output_final_state"):
+            raise ValueError("context_parallel_model: packed documents take no initial or final states")
+        n, T = docs.B * docs.T, docs.T
+
+        def row(x, b: int):
+            packed = isinstance(x, torch.Tensor) and x.dim() >= 3 and tuple(x.shape[:2]) == (1, n)
+            return x[:, b * T:(b + 1) * T] if packed else x
+
+        outs = [context_parallel(op, *[row(a, b) for a in args], cu_seqlens=c, group=self.group, mode=self.mode,
+                                 **{k: row(v, b) for k, v in kwargs.items()})
+                for b, c in enumerate(docs.rows)]
+        return tuple(None if ys[0] is None else torch.cat(ys, 1) for ys in zip(*outs))
+
+    def lengths(self, T: int, device: torch.device) -> list[int]:
+        """The pieces' lengths of every rank (an all-gather, read on the host)."""
+        lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.world)]
+        dist.all_gather(lengths, torch.tensor([T], device=device), group=self.group)
+        return [int(n) for n in lengths]
+
+    def gather_plain(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``gather`` without autograd, for tensors that take no gradient (positions)."""
+        lengths = self.lengths(x.shape[1], x.device)
+        bufs = [x.new_empty(x.shape[0], max(lengths), *x.shape[2:]) for _ in lengths]
+        dist.all_gather(bufs, _padded(x, max(lengths)), group=self.group)
+        return torch.cat([b[:, :n] for b, n in zip(bufs, lengths)], 1), sum(lengths[:self.rank])
 
     def halo(self, x: torch.Tensor, n: int) -> torch.Tensor:
         """x [B, T, C] (this piece) -> the n inputs before it [B, n, C], zeros before the sequence's start."""
@@ -82,9 +155,7 @@ class ContextSplit:
 
     def gather(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """x [B, T, ...] (this piece) -> (the pieces of all ranks end to end [B, S, ...], this piece's start)."""
-        lengths = [torch.zeros(1, dtype=torch.int64, device=x.device) for _ in range(self.world)]
-        dist.all_gather(lengths, torch.tensor([x.shape[1]], device=x.device), group=self.group)
-        lengths = [int(n) for n in lengths]
+        lengths = self.lengths(x.shape[1], x.device)
         return _Gather.apply(self, lengths, x), sum(lengths[:self.rank])
 
     def send(self, t: torch.Tensor, dst: int, tag: int) -> None:
@@ -97,8 +168,11 @@ class ContextSplit:
             dist.recv(buf, src, group=self.group, tag=tag)
         return buf
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """This rank's share of the LM loss: see ``context_parallel_loss``."""
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's share of the LM loss: see ``context_parallel_loss``; ``starts`` [B, T] (bool): the tokens
+        that start a document, whose labels are not predicted from the token before."""
+        if starts is not None:
+            labels = labels.masked_fill(starts, -100)   # (a row's first label is never a target)
         sent = (dist.isend(labels[:, :1].contiguous(), self.prev, group=self.group, tag=_TAG_LABEL)
                 if self.prev is not None else None)
         first = (self.recv(labels[:, :1].shape, labels, self.next, _TAG_LABEL) if self.next is not None
@@ -110,6 +184,58 @@ class ContextSplit:
         dist.all_reduce(count, group=self.group)
         return F.cross_entropy(upcast(logits).flatten(0, 1), targets.flatten(), ignore_index=-100,
                                reduction="sum") / count
+
+
+class PieceDocuments(Documents):
+    """The packed documents of one rank's piece [B, T] of rows [B, S] split across ranks (tokens [start, start +
+    T) of every row), built from the whole batch's ``Documents`` ``whole``.
+
+    As ``Documents`` for the piece, its rows packed to [1, B·T] by ``pack``: ``cu_seqlens`` [n + 1] (int32) the
+    piece's segments, cut at every document start and every row start; ``doc_id`` [B, T] each token's segment;
+    ``max_len`` the longest segment; but ``doc_pos`` [B, T] are the positions within the whole documents (a
+    document continuing from the previous piece does not restart at 0). Besides: ``start``; ``rows``, per row its
+    documents' offsets within the row [n_b + 1] (int32, the ``cu_seqlens`` the ops' ``context_parallel`` takes);
+    ``key_doc`` and ``key_pos`` [B, start + T], each token's document (an index over the batch) and position in
+    it, up to the piece's end; ``keys``, ``cu_keys``, ``max_keys``: the keys softmax attention's varlen kernel
+    reads (see ``keys``).
+    """
+
+    def __init__(self, whole: Documents, start: int, T: int):
+        B, S = whole.B, whole.T
+        end = start + T
+        self.B, self.T, self.start = B, T, start
+        self.doc_pos = whole.doc_pos[:, start:end]
+        self.cu_seqlens = cu_seqlens_from_positions(self.doc_pos)
+        bounds = self.cu_seqlens.tolist()
+        self.max_len = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+        idx = torch.arange(B * T, device=self.cu_seqlens.device, dtype=torch.int32)
+        self.doc_id = (torch.searchsorted(self.cu_seqlens, idx, right=True) - 1).view(B, T)
+        c = whole.cu_seqlens.tolist()
+        self.rows = [torch.tensor([x - b * S for x in c if b * S <= x <= (b + 1) * S], dtype=torch.int32,
+                                  device=self.cu_seqlens.device) for b in range(B)]
+        self.key_doc, self.key_pos = whole.doc_id[:, :end], whole.doc_pos[:, :end]
+
+    @functools.cached_property
+    def keys(self) -> torch.Tensor:
+        """The keys the piece's queries attend, as indices into the flattened [B, start + T] keys (int64): each
+        segment's document from its start to the piece's end, laid out segment after segment as the queries are
+        (so each segment's queries are the last of its keys, the varlen kernel's causal alignment)."""
+        return (self.key_doc >= self.key_doc[:, self.start:self.start + 1]).flatten().nonzero()[:, 0]
+
+    @functools.cached_property
+    def cu_keys(self) -> torch.Tensor:
+        """[n + 1] (int32): each segment's keys within ``keys``: its queries and the tokens of its document before
+        the piece."""
+        lengths = self.cu_seqlens.diff() + self.doc_pos.flatten()[self.cu_seqlens[:-1]]
+        return F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+
+    @functools.cached_property
+    def max_keys(self) -> int:
+        return int(self.cu_keys.diff().max())
+
+    def repeat(self, n: int):
+        raise ValueError("context_parallel_model: packed documents split across ranks cannot be repeated for "
+                         "KLA+'s posterior samples (config.mc_samples > 0); set mc_samples = 0")
 
 
 class _Halo(torch.autograd.Function):
@@ -166,17 +292,21 @@ def _padded(x: torch.Tensor, length: int) -> torch.Tensor:
     return out
 
 
-def context_parallel_loss(logits: torch.Tensor, labels: torch.Tensor,
-                          group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def context_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, group: dist.ProcessGroup | None = None,
+                          position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's share of the causal-LM loss of sequences split across the ranks of ``group``.
 
     logits [B, T_r, V] and labels [B, T_r] (−100: not scored) are this rank's pieces, labels unshifted as
     ``KalmixForCausalLM`` takes them: position t predicts the label at t + 1, the piece's last position the next
-    rank's first label (the last rank's last position predicts nothing). Returns the piece's summed
-    cross-entropy over the number of scored targets on all ranks, so the ranks' losses add up to the
-    single-device mean cross-entropy (fp32 or wider).
+    rank's first label (the last rank's last position predicts nothing). ``position_ids`` [B, T_r] (packed
+    documents): each token's position within its document; a token at 0 starts one and is not predicted.
+    Returns the piece's summed cross-entropy over the number of scored targets on all ranks, so the ranks'
+    losses add up to the single-device mean cross-entropy (fp32 or wider).
     """
-    return ContextSplit(group).loss(logits, labels)
+    if position_ids is not None and position_ids.shape != labels.shape:
+        raise ValueError(f"context_parallel_loss: `position_ids` must be [B, T_r] like labels, "
+                         f"{list(labels.shape)}; got {list(position_ids.shape)}")
+    return ContextSplit(group).loss(logits, labels, None if position_ids is None else position_ids == 0)
 
 
 @contextlib.contextmanager

@@ -63,10 +63,10 @@ class SoftmaxAttention(nn.Module):
     [B, 0, d_model] and leaves the cache unchanged. Packed documents (``cu_seqlens`` over the flattened B·T
     tokens, every row start among them; no cache): each token attends within its own document (a block-diagonal
     causal mask) and its rotary position counts from its document's start; on CUDA in fp16/bf16 this and the
-    context-split case below run torch's varlen flash kernel (``flash_eligible``), elsewhere SDPA with a mask. While ``context_split`` is set (a
-    sequence split across ranks, ``kalmix.distributed.context_parallel_model``; no cache, mask or documents) the
-    call's queries attend over the keys and values all-gathered from every rank, their positions counted from the
-    sequence's start.
+    context-split case below run torch's varlen flash kernel (``flash_eligible``), elsewhere SDPA with a mask.
+    While ``context_split`` is set (a sequence split across ranks, ``kalmix.distributed.context_parallel_model``;
+    no cache or mask) the call's queries attend over the keys and values all-gathered from every rank, their
+    positions counted from the sequence's start, or with the model's packed documents from their document's.
     """
 
     context_split = None        # a sequence split across ranks (kalmix.distributed.ContextSplit) or None
@@ -97,7 +97,10 @@ class SoftmaxAttention(nn.Module):
             return hidden_states.new_zeros(B, 0, self.d_model), None, past_key_values
         q, k, v = self.qkv_proj(hidden_states).view(B, T, 3, self.num_heads, self.head_dim).unbind(2)
         if self.context_split is not None:
-            return self._split(q, k, v), None, None
+            if kwargs.get("cu_seqlens") is not None:
+                raise ValueError("SoftmaxAttention: under context parallelism packed documents come from the model "
+                                 "(`cu_seqlens` or `position_ids` passed to it), not as a layer's `cu_seqlens`")
+            return self._split(q, k, v, kwargs.get("documents")), None, None
         docs = Documents.of_layer_call(type(self).__name__, kwargs, B, T, attention_mask, past_key_values, use_cache)
         if docs is not None:
             return self._documents(q, k, v, docs), None, None
@@ -149,24 +152,35 @@ class SoftmaxAttention(nn.Module):
                                            attn_mask=docs.attention_mask())
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.d_model))
 
-    def _split(self, q, k, v) -> torch.Tensor:
+    def _split(self, q, k, v, docs=None) -> torch.Tensor:
         """This rank's piece of a split sequence: q, k, v [B, T, H, D] of the piece; its queries over the keys and
         values of every rank up to its own (all-gathered, the later ranks' dropped: [B, S, H, D], S = start + T),
         rotary positions counted from the sequence's start and the causal mask offset by ``start``: the varlen
         flash kernel with each row's queries the last T of its S keys (``flash_eligible``), else SDPA with the
-        offset mask."""
+        offset mask. With packed documents ``docs`` (``kalmix.distributed.model.PieceDocuments``) each query
+        sees its own document's keys only and positions count from its document's start: the kernel runs over
+        the piece's document segments, each with its document's keys up to the piece's end (``docs.keys``)."""
         B, T, H, D = q.shape
         kv, start = self.context_split.gather(torch.cat([k, v], -1))
         S = start + T                                   # the later pieces' keys are never attended
         k, v = kv[:, :S].chunk(2, -1)
-        q = rotary(q, torch.arange(start, start + T, device=q.device).expand(B, T), self.rope_theta)
-        k = rotary(k, torch.arange(S, device=q.device).expand(B, S), self.rope_theta)
+        if docs is None:
+            q_pos, k_pos = torch.arange(start, S, device=q.device).expand(B, T), torch.arange(S, device=q.device)
+        else:
+            q_pos, k_pos = docs.doc_pos, docs.key_pos
+        q, k = rotary(q, q_pos, self.rope_theta), rotary(k, k_pos.expand(B, S), self.rope_theta)
         if flash_eligible(q):
-            rows = torch.arange(B + 1, device=q.device, dtype=torch.int32)
-            o = varlen_causal(q.reshape(B * T, H, D), k.reshape(B * S, H, D), v.reshape(B * S, H, D), rows * T,
-                              rows * S, T, S)
+            k, v = k.reshape(B * S, H, D), v.reshape(B * S, H, D)
+            if docs is None:
+                rows = torch.arange(B + 1, device=q.device, dtype=torch.int32)
+                o = varlen_causal(q.reshape(B * T, H, D), k, v, rows * T, rows * S, T, S)
+            else:
+                o = varlen_causal(q.reshape(B * T, H, D), k[docs.keys], v[docs.keys], docs.cu_seqlens, docs.cu_keys,
+                                  docs.max_len, docs.max_keys)
             return self.o_proj(o.reshape(B, T, self.d_model))
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(start)
+        if docs is not None:                            # [B, 1, T, S]: within each query's document
+            mask = (mask & (docs.key_doc[:, start:, None] == docs.key_doc[:, None, :]))[:, None]
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.d_model))
 

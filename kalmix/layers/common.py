@@ -97,7 +97,8 @@ class ShortConv(nn.Module):
     document's first token, then 1, 2, ...).
 
     While ``context_split`` is set (a sequence split across ranks, ``kalmix.distributed.context_parallel_model``)
-    a call without a state takes the ``kernel - 1`` inputs before its piece from the previous ranks as its state.
+    a call without a state takes the ``kernel - 1`` inputs before its piece from the previous ranks as its state
+    (with ``doc_pos``, the positions within whole documents, only a document continuing from them sees them).
     """
 
     context_split = None        # a sequence split across ranks (kalmix.distributed.ContextSplit) or None
@@ -119,11 +120,22 @@ class ShortConv(nn.Module):
         With ``doc_pos`` [B, T], y at token t uses x[t − s] only for s <= doc_pos[t]: every document is convolved
         as if it started a sequence from a zero state, so no ``state`` may be given. The new state is still the
         row's last kernel − 1 inputs, which continue only the row's last document."""
+        keep = self.kernel_size - 1
+        if state is None and keep and self.context_split is not None:   # the inputs before this rank's piece
+            halo = self.context_split.halo(x, keep)
+            if doc_pos is None:
+                return self._conv(x, halo.transpose(1, 2), None)
+            # the piece behind its halo, the halo's positions counted back from the piece's first token's: a
+            # document starting in the piece or in the halo restarts there
+            before = doc_pos[:, :1] + torch.arange(-keep, 0, device=doc_pos.device, dtype=doc_pos.dtype)
+            y, last = self._conv(torch.cat([halo, x], 1), None, torch.cat([before, doc_pos], 1))
+            return y[:, keep:], last
+        return self._conv(x, state, doc_pos)
+
+    def _conv(self, x: torch.Tensor, state: torch.Tensor | None, doc_pos: torch.Tensor | None):
         B, T, C = x.shape
         keep = self.kernel_size - 1
         xt = x.transpose(1, 2)                                           # [B, C, T]
-        if state is None and keep and self.context_split is not None:   # the inputs before this rank's piece
-            state = self.context_split.halo(x, keep).transpose(1, 2)
         if doc_pos is not None:
             if state is not None:
                 raise ValueError("ShortConv: `doc_pos` and `state` cannot be given together: documents packed in "

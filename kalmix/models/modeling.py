@@ -146,8 +146,9 @@ class KalmixModel(KalmixPreTrainedModel):
         see ``KalmanAttention`` and ``KalmixConfig.mc_samples``).
 
         Inside ``kalmix.distributed.context_parallel_model`` the input is this rank's piece of a sequence split
-        across ranks: no cache (``use_cache`` defaults to False), padding, packed documents or gradient
-        checkpointing.
+        across ranks: no cache (``use_cache`` defaults to False), padding or gradient checkpointing; packed
+        documents as ``cu_seqlens`` of the whole batch [B, S] or ``position_ids`` of the piece (see
+        ``context_parallel_model``).
 
         Bad inputs are ValueErrors naming the argument. Types, shapes, dtypes and devices are checked on every
         device for free (the mask is [B, T], or [B, P + T] with a cache holding P tokens). Values (ids in
@@ -180,7 +181,7 @@ class KalmixModel(KalmixPreTrainedModel):
         attn_mask, rec_mask = self._layer_masks(attention_mask, x, cache)
         if self.context_split is not None:
             refused = {"a cache": cache is not None, "padding": attn_mask is not None or rec_mask is not None,
-                       "packed documents": docs is not None, "an empty piece": x.shape[1] == 0,
+                       "an empty piece": x.shape[1] == 0,
                        "gradient checkpointing": self.gradient_checkpointing and self.training
                        and torch.is_grad_enabled()}
             if any(refused.values()):
@@ -261,8 +262,8 @@ class KalmixModel(KalmixPreTrainedModel):
         if attention_mask is not None:
             check_mask_values("KalmixModel", attention_mask, assert_on_device=True)
 
-    @staticmethod
-    def _documents(x, position_ids, cu_seqlens, documents, attention_mask, cache, use_cache) -> Documents | None:
+    def _documents(self, x, position_ids, cu_seqlens, documents, attention_mask, cache,
+                   use_cache) -> Documents | None:
         given = [a for a in (position_ids, cu_seqlens, documents) if a is not None]
         if not given:
             return None
@@ -272,6 +273,8 @@ class KalmixModel(KalmixPreTrainedModel):
         if attention_mask is not None or cache is not None or use_cache:
             raise ValueError("KalmixModel: packed documents (`position_ids`, `cu_seqlens`) are for forward passes "
                              "without a cache or padding mask (use_cache=False)")
+        if self.context_split is not None:         # this rank's piece of rows split across ranks
+            return self.context_split.documents(tuple(x.shape[:2]), position_ids, cu_seqlens, documents)
         if documents is not None:
             if (documents.B, documents.T) != tuple(x.shape[:2]):
                 raise ValueError(f"KalmixModel: `documents` are of a [{documents.B}, {documents.T}] batch, the "
@@ -389,7 +392,7 @@ class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             if self.context_split is not None:
-                loss = self.context_split.loss(logits, labels)
+                loss = self.context_split.loss(logits, labels, None if docs is None else docs.doc_pos == 0)
             else:
                 targets = labels[:, 1:]
                 if docs is not None:                        # a document's first token is not predicted across

@@ -140,6 +140,9 @@ class TrainSection(StrictConfig):
     compile: bool = Field(False, description="torch.compile each block's MLP (the mixers run "
                                                           "their own fused kernels)")
     activation_checkpointing: bool = Field(False, description="recompute each block in the backward")
+    context_parallel: int = Field(1, ge=1, description="under torchrun, groups of this many consecutive processes "
+                                                       "each hold one row split in as many pieces (context "
+                                                       "parallelism); data parallelism runs over the groups")
     threads: int | None = Field(None, ge=1, description="torch CPU threads per process (default on CPU: 1 for "
                                                         "models under 50M parameters, else the process's share of "
                                                         "its CPUs; OMP_NUM_THREADS, when set, is kept)")
@@ -194,17 +197,37 @@ class TrainConfig(StrictConfig):
 
     @model_validator(mode="after")
     def _batches(self):
-        if self.train.global_batch_size % self.train.micro_batch_size:
-            raise ValueError(f"train.global_batch_size = {self.train.global_batch_size} must be a multiple of "
-                             f"train.micro_batch_size = {self.train.micro_batch_size}")
+        t = self.train
+        if t.global_batch_size % t.micro_batch_size:
+            raise ValueError(f"train.global_batch_size = {t.global_batch_size} must be a multiple of "
+                             f"train.micro_batch_size = {t.micro_batch_size}")
+        if t.context_parallel > 1:
+            cp = f"train.context_parallel = {t.context_parallel}"
+            if t.seq_len % t.context_parallel:
+                raise ValueError(f"train.seq_len = {t.seq_len} must divide by {cp} (equal pieces of every row)")
+            if t.activation_checkpointing:
+                raise ValueError(f"train.activation_checkpointing does not compose with {cp}: its recomputation "
+                                 f"would repeat the ranks' messages; turn one off")
+            split = [m for m in self.model.kalmix_config(self.model.vocab_size or 64).mixers if m == "deltanet"]
+            if split:
+                raise ValueError(f"{cp}: fla's deltanet mixer cannot run on a row split across processes; the "
+                                 f"kalmix mixers (gdn, kaczmarz, gka, vla, kalman), the baselines and attention can")
         return self
 
     def accumulation(self, world_size: int) -> int:
-        """Micro-batches per optimizer step on each process; a clear error when the batch does not divide."""
-        per_step = self.train.micro_batch_size * world_size
+        """Micro-batches per optimizer step on each process of ``world_size`` (the data-parallel groups are
+        world_size // train.context_parallel); a clear error when the processes or the batch do not divide."""
+        cp = self.train.context_parallel
+        if world_size % cp:
+            raise ValueError(f"{world_size} process(es) do not split into groups of train.context_parallel = {cp}; "
+                             f"start a multiple of {cp} under torchrun")
+        groups = world_size // cp
+        per_step = self.train.micro_batch_size * groups
         if self.train.global_batch_size % per_step:
+            over = (f"{world_size} processes" if cp == 1 else
+                    f"{groups} data-parallel groups ({world_size} processes / train.context_parallel = {cp})")
             raise ValueError(f"train.global_batch_size = {self.train.global_batch_size} rows does not divide over "
-                             f"{world_size} processes × train.micro_batch_size = {self.train.micro_batch_size}")
+                             f"{over} × train.micro_batch_size = {self.train.micro_batch_size}")
         return self.train.global_batch_size // per_step
 
     def to_dict(self) -> dict:

@@ -1,4 +1,7 @@
-"""The training loop of `kalmix train`: one process, or N under torchrun with DDP or FSDP2.
+"""The training loop of `kalmix train`: one process, or N under torchrun with DDP or FSDP2, optionally with context
+parallelism (``train.context_parallel`` = C: groups of C consecutive processes each hold one row split in C equal
+pieces, ``kalmix.distributed.context_parallel_model``; the world's gradients are averaged as under plain DDP / FSDP2,
+which with every piece's loss scaled alike gives the global batch's token mean).
 
 A run owns its ``run_dir`` for its life (``checkpoint.DirLock``; under torchrun rank 0 holds it); SIGINT and
 SIGTERM stop it after the current optimizer step with a checkpoint (``TrainingInterrupted``); what a resumed run
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from kalmix.bench.models import lm_flops_per_token
+from kalmix.distributed import context_parallel_model
 from kalmix.models import KalmixForCausalLM
 from kalmix.train import checkpoint as ckpt
 from kalmix.train.config import TrainConfig, describe_changes, resume_changes
@@ -386,6 +390,15 @@ class Trainer:
         self.cfg, self.env, self.resume = cfg, env, resume
         self.run_dir = Path(cfg.run_dir)
         self.accum = cfg.accumulation(env.world)
+        # context parallelism: this process's data-parallel group and its piece of every row
+        cp = cfg.train.context_parallel
+        self.dp_world, self.dp_rank = env.world // cp, env.rank // cp
+        size = cfg.train.seq_len // cp
+        self.piece = slice(env.rank % cp * size, (env.rank % cp + 1) * size)
+        self.cp_group = None
+        if cp > 1:      # every process creates every group, in the same order
+            groups = [dist.new_group(list(range(g * cp, (g + 1) * cp))) for g in range(self.dp_world)]
+            self.cp_group = groups[self.dp_rank]
         try:                                    # the layers' own checks, before any data is prepared
             with torch.device("meta"):
                 probe = build_model(cfg, cfg.model.vocab_size or 64)
@@ -402,7 +415,7 @@ class Trainer:
         if self.train_set.vocab_size > vocab:
             raise ValueError(f"the prepared shards hold ids up to {self.train_set.vocab_size}, more than the "
                              f"model's vocabulary {vocab}")
-        self.loader = data.Loader(self.train_set, cfg.train.micro_batch_size, env.rank, env.world, cfg.seed)
+        self.loader = data.Loader(self.train_set, cfg.train.micro_batch_size, self.dp_rank, self.dp_world, cfg.seed)
 
         torch.manual_seed(cfg.seed)                 # the same initialisation on every process
         self.raw = build_model(cfg, vocab).to(env.device)
@@ -467,9 +480,7 @@ class Trainer:
         batch = self._to_device(next(iter(val_batches(self.val_set, self.cfg.train.micro_batch_size,
                                                       self.cfg.train.micro_batch_size))))
         try:
-            with self.autocast:
-                logits = self.model(input_ids=batch["input_ids"], cu_seqlens=batch["cu_seqlens"]).logits
-            logits.float().mean().backward()
+            self._loss_sums(batch)[0].backward()
         except Exception as e:
             raise ValueError(f"the model cannot train on rows of train.seq_len = {self.cfg.train.seq_len} tokens "
                              f"× train.micro_batch_size = {self.cfg.train.micro_batch_size}: "
@@ -481,24 +492,39 @@ class Trainer:
         return {k: v.to(self.env.device, non_blocking=True) for k, v in batch.items()}
 
     def val_batches(self):
+        """This process's validation batches: the data-parallel groups take turns, a context-parallel group's
+        processes the same batches."""
         from kalmix.train.data import val_batches
-        env, mbs = self.env, self.cfg.train.micro_batch_size
+        mbs = self.cfg.train.micro_batch_size
         rows = min(self.cfg.eval.rows, len(self.val_set))
-        rows -= rows % (mbs * env.world)            # every process runs the same number of forwards (FSDP)
+        rows -= rows % (mbs * self.dp_world)        # every process runs the same number of forwards (FSDP)
         if rows == 0:
             raise ValueError(f"the validation split holds {len(self.val_set)} rows of {self.cfg.train.seq_len} "
-                             f"tokens: fewer than one batch of {mbs} × {env.world} processes")
+                             f"tokens: fewer than one batch of {mbs} × {self.dp_world} processes")
         batches = val_batches(self.val_set, mbs, rows)
         for i, batch in enumerate(batches):
-            if i % env.world == env.rank:
+            if i % self.dp_world == self.dp_rank:
                 yield self._to_device(batch)
 
+    def _ahead(self, x: torch.Tensor, fill: int) -> torch.Tensor:
+        """x [B, T] one token ahead (x[:, t + 1] at t, ``fill`` after the row's end), this process's piece
+        [B, T / context_parallel]: what each position of the piece predicts."""
+        return F.pad(x[:, 1:], (0, 1), value=fill)[:, self.piece]
+
+    def _context(self):
+        """The forward of this process's piece of every row (context parallelism), else nothing."""
+        if self.cp_group is None:
+            return contextlib.nullcontext()
+        return context_parallel_model(self.model, self.cp_group)
+
     def _loss_sums(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(summed cross-entropy, per-target losses [B, T − 1], target mask [B, T − 1])."""
-        with self.autocast:
-            logits = self.model(input_ids=batch["input_ids"], cu_seqlens=batch["cu_seqlens"]).logits
-        targets = batch["labels"][:, 1:]
-        losses = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), targets.flatten(), ignore_index=-100,
+        """(summed cross-entropy, per-target losses [B, T_r], target mask [B, T_r]) of this process's piece of the
+        rows (T_r = seq_len / context_parallel): position t scores labels[t + 1], the next piece's first label at
+        a piece's end and nothing at a row's end."""
+        with self.autocast, self._context():
+            logits = self.model(input_ids=batch["input_ids"][:, self.piece], cu_seqlens=batch["cu_seqlens"]).logits
+        targets = self._ahead(batch["labels"], -100)
+        losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100,
                                  reduction="none").view_as(targets)
         mask = targets != -100
         return losses.sum(), losses, mask
@@ -512,7 +538,7 @@ class Trainer:
         counts = torch.zeros(nb, dtype=torch.float64)
         for batch in self.val_batches():
             _, losses, mask = self._loss_sums(batch)
-            pos = batch["doc_pos"][:, 1:].long()
+            pos = self._ahead(batch["doc_pos"], 0).long()
             bucket = (pos * nb // T).clamp_max(nb - 1)[mask].cpu()
             sums += torch.bincount(bucket, weights=losses[mask].double().cpu(), minlength=nb)
             counts += torch.bincount(bucket, minlength=nb).double()
@@ -526,16 +552,17 @@ class Trainer:
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "loss_by_position": by_pos}
 
     def _micro_batches(self) -> tuple[list[dict], int]:
-        """This step's micro-batches on the device and their scored targets, counted on the host (the loader's
-        tensors are CPU tensors: no device synchronisation)."""
+        """This step's micro-batches on the device and the targets this process scores in them (its piece's),
+        counted on the host (the loader's tensors are CPU tensors: no device synchronisation)."""
         batches = [next(self.loader) for _ in range(self.accum)]
-        count = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+        count = sum(int((self._ahead(b["labels"], -100) != -100).sum()) for b in batches)
         return [self._to_device(b) for b in batches], count
 
     def train_step(self) -> dict:
         """One optimizer step over ``accum`` micro-batches per process; the loss is the mean over every scored
         token of the global batch (each process's gradient is scaled so that DDP's and FSDP's averaging gives
-        exactly that mean)."""
+        exactly that mean; under context parallelism the processes score disjoint pieces of the rows, so the
+        same scale holds)."""
         env = self.env
         batches, local_count = self._micro_batches()
         (total_count,) = env.sum(local_count)
@@ -642,13 +669,16 @@ class Trainer:
                 for key, old, new in self.resume.changes:
                     tqdm.write(f"changed on resume: {describe_changes([(key, old, new)])}")
         self._log({"kind": "start", "step": self.step, "params": self.n_params, "world_size": env.world,
+                   "context_parallel": cfg.train.context_parallel,
                    "flops_per_token": self.flops_per_token, "device": str(env.device), "threads": self.threads,
                    "tokens_per_step": cfg.train.seq_len * cfg.train.global_batch_size,
                    "mixers": self.raw.config.mixers})
         if env.main:
+            cp = cfg.train.context_parallel
+            groups = f" (rows split over groups of {cp}, {self.dp_world} data-parallel)" if cp > 1 else ""
             tqdm.write(f"{self.n_params / 1e6:.2f}M parameters on {env.device} × {env.world} process"
-                       f"{'es' if env.world > 1 else ''}, {self.threads} CPU thread{'s' if self.threads > 1 else ''}"
-                       f" each; data in {self.data_dir}")
+                       f"{'es' if env.world > 1 else ''}{groups}, {self.threads} CPU thread"
+                       f"{'s' if self.threads > 1 else ''} each; data in {self.data_dir}")
 
     def run(self, signals: _Signals | None = None) -> dict:
         """Train from ``self.step`` to ``train.steps``, export the model, write the final checkpoint; returns the

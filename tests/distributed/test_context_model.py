@@ -2,9 +2,10 @@
 (CPU, fp64, impl "torch").
 
 One process group per world size runs every case: a small model of each kalmix mixer and a hybrid with softmax
-attention, its sequence split in unequal pieces (one shorter than the convolutions' kernel on 4 ranks). Rank 0
-gathers the pieces' logits, the ranks' losses and parameter gradients and compares them with one process running
-the whole sequence: logits laid end to end, losses and gradients summed over the ranks."""
+attention, its sequence split in unequal pieces (one shorter than the convolutions' kernel on 4 ranks), plain or
+with packed documents (``DOCS``) that cross every piece boundary. Rank 0 gathers the pieces' logits, the ranks'
+losses and parameter gradients and compares them with one process running the whole sequence: logits laid end to
+end, losses and gradients summed over the ranks."""
 from __future__ import annotations
 
 import functools
@@ -15,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from kalmix.distributed import context_parallel_model
+from kalmix.distributed import context_parallel_loss, context_parallel_model
 from kalmix.models import KalmixConfig, KalmixForCausalLM
 from tests.distributed.gloo import run_cases
 
@@ -29,6 +30,10 @@ MIXER_KWARGS = {"gdn": {"num_heads": 2}, "kaczmarz": {"num_heads": 2}, "gka": {"
                 "linear_attention": {"num_heads": 2}, "gla": {"num_heads": 2},
                 "mamba2": {"d_state": 4, "head_dim": 8}}
 COMBINE = ("kaczmarz", "gka", "baselines")     # models whose mixers' ops are affine: also run in combine mode
+# packed documents, offsets within each row of T = 13 tokens: documents cross every piece boundary (3, 5, 7, 8); row
+# 0 starts one at 2, inside the halo of the piece at 3; [6, 12) and [5, 9) hold the 1-token piece [7, 8) as their
+# middle; one-token documents at a row's end and start; row 1's documents start at the boundaries 3 and 5
+DOCS = [[0, 2, 6, 12, 13], [0, 1, 3, 5, 9, 13]]
 TOL = 1e-10
 
 
@@ -48,29 +53,42 @@ def _batch(world: int):
     return ids, labels
 
 
-def _case(rank: int, world: int, name: str, mode: str = "relay", varlen: bool = False) -> str:
+def _documents() -> tuple[torch.Tensor, torch.Tensor]:
+    """``DOCS`` as (cu_seqlens over the flattened [B, T] batch, position_ids [B, T])."""
+    cu = torch.tensor([b * T + x for b, row in enumerate(DOCS) for x in row[:-1]] + [B * T], dtype=torch.int32)
+    pos = torch.stack([torch.cat([torch.arange(b - a) for a, b in zip(row[:-1], row[1:])]) for row in DOCS])
+    return cu, pos
+
+
+def _case(rank: int, world: int, name: str, mode: str = "relay", varlen: bool = False, docs: str | None = None) -> str:
     """One model on this rank, its mixers' states passed in ``mode``; on rank 0 returns "ok" or what differs from
     the single process. ``varlen``: attention's pieces go through the varlen flash path, its kernel played by the
-    CPU stand-in of tests/layers/test_attention_varlen.py."""
+    CPU stand-in of tests/layers/test_attention_varlen.py. ``docs``: the rows pack ``DOCS``, given to the split
+    model as "cu_seqlens" (the whole batch's) or "position_ids" (the piece's)."""
     if varlen:
         import kalmix.layers.attention as attention
         from tests.layers.test_attention_varlen import varlen_stand_in
         saved = attention.flash_eligible, attention.varlen_causal
         attention.flash_eligible, attention.varlen_causal = (lambda q: True), varlen_stand_in
         try:
-            return _case(rank, world, name, mode)
+            return _case(rank, world, name, mode, docs=docs)
         finally:
             attention.flash_eligible, attention.varlen_causal = saved
     model = _model(MODELS[name])
     params = [p for p in model.parameters() if p.requires_grad]
     ids, labels = _batch(world)
-    ref = model(input_ids=ids, labels=labels, use_cache=False)
+    cu, pos = _documents()
+    ref = model(input_ids=ids, labels=labels, use_cache=False, **({"cu_seqlens": cu} if docs else {}))
     ref_grads = torch.autograd.grad(ref.loss, params)
 
     start, length = sum(LENGTHS[world][:rank]), LENGTHS[world][rank]
     cut = slice(start, start + length)
+    packed = {"cu_seqlens": {"cu_seqlens": cu}, "position_ids": {"position_ids": pos[:, cut]}, None: {}}[docs]
     with context_parallel_model(model, mode=mode):  # use_cache defaults to False here, though the model is in eval
-        out = model(input_ids=ids[:, cut], labels=labels[:, cut])
+        out = model(input_ids=ids[:, cut], labels=labels[:, cut], **packed)
+        if docs:                                    # the loss on its own, documents given by their positions
+            alone = context_parallel_loss(out.logits, labels[:, cut], position_ids=pos[:, cut])
+            torch.testing.assert_close(alone, out.loss, rtol=TOL, atol=TOL)
     grads = torch.autograd.grad(out.loss, params, allow_unused=True)    # a backward after the block
     mine = {"logits": out.logits.detach(), "loss": out.loss.detach(),
             "grads": [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]}
@@ -122,13 +140,18 @@ def _refusals(rank: int, world: int) -> str:
     mask = torch.ones_like(ids)
     mask[0, 0] = 0
     calls = {"a cache": dict(use_cache=True), "padding": dict(attention_mask=mask),
-             "packed documents": dict(position_ids=torch.zeros_like(ids))}
+             "must be this piece's": dict(position_ids=torch.zeros(B, 20, dtype=torch.long)),
+             "must start at 0 and end at B·T": dict(cu_seqlens=torch.tensor([0, 2 * B * T]))}
     with context_parallel_model(model):
         for what, kwargs in calls.items():
             with pytest.raises(ValueError, match=what):
                 model(input_ids=ids, **kwargs)
         with pytest.raises(RuntimeError, match="already context-parallel"), context_parallel_model(model):
             pass
+        x = torch.zeros(B, ids.shape[1], 16, dtype=torch.float64)
+        for block in model.model.layers:            # documents given to a layer, not to the model
+            with pytest.raises(ValueError, match="a layer"):
+                block.mixer(x, cu_seqlens=torch.arange(B + 1) * ids.shape[1])
         model.gradient_checkpointing_enable()
         model.train()
         with pytest.raises(ValueError, match="gradient checkpointing"):
@@ -141,7 +164,13 @@ def _refusals(rank: int, world: int) -> str:
 def _cases() -> dict:
     return {**{name: functools.partial(_case, name=name) for name in MODELS},
             **{f"{name}-combine": functools.partial(_case, name=name, mode="combine") for name in COMBINE},
-            "hybrid-varlen": functools.partial(_case, name="hybrid", varlen=True), "ddp": _ddp, "refusals": _refusals}
+            **{f"{name}-docs": functools.partial(_case, name=name, docs="cu_seqlens") for name in MODELS},
+            **{f"{name}-combine-docs": functools.partial(_case, name=name, mode="combine", docs="cu_seqlens")
+               for name in COMBINE},
+            "hybrid-positions": functools.partial(_case, name="hybrid", docs="position_ids"),
+            "hybrid-varlen": functools.partial(_case, name="hybrid", varlen=True),
+            "hybrid-varlen-docs": functools.partial(_case, name="hybrid", varlen=True, docs="cu_seqlens"),
+            "ddp": _ddp, "refusals": _refusals}
 
 
 @functools.cache
@@ -170,6 +199,33 @@ def test_attention_varlen_pieces_match_single_process(world):
     assert _results(world)["hybrid-varlen"] == "ok"
 
 
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("world", [2, 4])
+def test_packed_documents_match_single_process(world, name):
+    """Rows of packed documents crossing every piece boundary (``cu_seqlens`` of the whole batch): logits, loss
+    (no document's first token predicted) and gradients equal one process's."""
+    assert _results(world)[f"{name}-docs"] == "ok"
+
+
+@pytest.mark.parametrize("name", COMBINE)
+@pytest.mark.parametrize("world", [2, 4])
+def test_packed_documents_combine_match_single_process(world, name):
+    assert _results(world)[f"{name}-combine-docs"] == "ok"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_packed_documents_by_position_ids(world):
+    """The hybrid with its documents given as each piece's positions within them."""
+    assert _results(world)["hybrid-positions"] == "ok"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_attention_varlen_documents_match_single_process(world):
+    """The hybrid's attention over packed documents through the varlen path (CPU stand-in): each document
+    segment's queries are the last of its document's keys up to the piece's end."""
+    assert _results(world)["hybrid-varlen-docs"] == "ok"
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_ddp(world):
     """Under DDP over the same group, each rank's loss times the group size gives the single-process gradients."""
@@ -178,7 +234,8 @@ def test_ddp(world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_refusals(world):
-    """A cache, padding, packed documents, gradient checkpointing and a second switch are refused on every rank."""
+    """A cache, padding, documents not of the piece or batch, gradient checkpointing and a second switch are
+    refused on every rank."""
     assert _results(world)["refusals"] == "ok"
 
 
