@@ -168,9 +168,11 @@ def test_compression_and_word_problem_models_train(tmp_path):
     assert [r["point"]["model.n_layers"] for r in rows] == [1, 2] and rows[0]["params"] < rows[1]["params"]
 
 
-def _row(mixer, point, seed, lr, val, test, length=16):
+def _row(mixer, point, seed, lr, val, test, length=16, history=None, steps_run=4):
+    metrics = {m: test for m in ("accuracy", "token_accuracy", "sequence_accuracy", "macro_accuracy")}
     return {"recipe": "t", "status": "ok", "mixer": mixer, "point": point, "seed": seed, "lr": lr, "val": val,
-            "test": {str(length): {"accuracy": test}}, "ran": "x", "device": "cpu", "steps_run": 1}
+            "test": {str(length): metrics}, "ran": "x", "device": "cpu", "steps_run": steps_run, "train_s": 1.0,
+            "history": history or [[steps_run, 1.0, val]]}
 
 
 def test_lr_chosen_by_validation_not_test():
