@@ -320,10 +320,10 @@ class Recipe(BaseModel):
             if not values:
                 raise ValueError(f"grid[{path!r}] is empty")
             _get(self.model_dump(exclude={"grid"}), path)        # the path exists
-        for o in self.where:
-            for path, value in o.at.items():
-                if path not in self.grid or value not in self.grid[path]:
-                    raise ValueError(f"where: at {path!r} = {value!r} is not a grid value ({self.grid})")
+        for o in self.where:                                  # (an entry whose values left the grid is idle)
+            for path in o.at:
+                if path not in self.grid:
+                    raise ValueError(f"where: at {path!r} is not a grid path ({sorted(self.grid)})")
             for path in o.set:
                 if path in self.grid:
                     raise ValueError(f"where: {path!r} is a grid path; set it through the grid")
@@ -421,7 +421,8 @@ def resolve_recipe(name_or_path: str) -> str:
 
 def load_recipe(path: str, overrides: list[str] = ()) -> Recipe:
     """A recipe from YAML, with ``PATH=VALUE`` overrides (VALUE parsed as YAML; ``grid.<path>=[...]`` replaces
-    one grid axis). Unknown fields are errors."""
+    one grid axis). An override holds at every grid point: it replaces what the recipe's ``where`` entries set on
+    that path (or inside it). Unknown fields are errors."""
     with open(path) as f:
         data = yaml.safe_load(f)
     if not isinstance(data, dict):
@@ -433,8 +434,12 @@ def load_recipe(path: str, overrides: list[str] = ()) -> Recipe:
         value = yaml.safe_load(raw)
         if key.startswith("grid."):
             data.setdefault("grid", {})[key[5:]] = value
-        else:
-            _set(data, key, value)
+            continue
+        _set(data, key, value)
+        for entry in data.get("where") or []:
+            if isinstance(entry, dict) and isinstance(entry.get("set"), dict):
+                entry["set"] = {p: v for p, v in entry["set"].items() if p != key and not p.startswith(key + ".")}
+        data["where"] = [e for e in data.get("where") or [] if not isinstance(e, dict) or e.get("set") != {}]
     return Recipe.model_validate(data)
 
 

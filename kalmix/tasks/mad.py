@@ -84,9 +84,9 @@ def _recall(n: int, T: int, num_keys: int, noise_vocab_size: int, frac_noise: fl
         pairs = torch.where(noise[..., None], noise_tokens, pairs)
     seq = pairs.reshape(n, 2 * S)[:, :T + 1]
     if test:                                                            # values of keys seen in an earlier pair
-        occ = F.one_hot(keys, K) * (~noise)[..., None]
-        before = (occ.cumsum(1) - occ).gather(2, keys[..., None])[..., 0]
-        seen = (before > 0) & ~noise
+        slot = torch.arange(S).expand(n, S)                             # first clean slot of each key (noise: K)
+        first = torch.full((n, K + 1), S).scatter_reduce(1, torch.where(noise, K, keys), slot, "amin")
+        seen = (slot > first.gather(1, keys)) & ~noise
         scored = torch.stack([torch.zeros_like(seen), seen], dim=2).reshape(n, 2 * S)
     else:                                                               # next token everywhere but noise
         scored = (~noise).repeat_interleave(2, dim=1)

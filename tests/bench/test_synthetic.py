@@ -253,9 +253,25 @@ def test_where_overrides_apply_at_their_grid_points():
     plain = Recipe.model_validate({**recipe.model_dump(), "where": []}).at({"model.d_model": 16})
     p16 = {"model.d_model": 16}
     assert run_key(big, p16, "gdn", 1e-3, 0) != run_key(plain, p16, "gdn", 1e-3, 0)   # the key sees the override
-    with pytest.raises(ValidationError, match="not a grid value"):
+    with pytest.raises(ValidationError, match="not a grid path"):
         Recipe.model_validate(tiny(grid={"model.d_model": [8]}, report={"x": "model.d_model"},
-                                   where=[{"at": {"model.d_model": 32}, "set": {"train.steps": 2}}]))
+                                   where=[{"at": {"model.n_layers": 1}, "set": {"train.steps": 2}}]))
+    narrowed = Recipe.model_validate({**recipe.model_dump(), "grid": {"model.d_model": [8]}})   # --set grid.…=[8]
+    assert [narrowed.at(p).train.batch_size for p in narrowed.points()] == [8]       # the entry for 16 is idle
+
+
+def test_set_overrides_win_over_where_entries(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(tiny(grid={"model.d_model": [8, 16]}, report={"x": "model.d_model"},
+                                        references=[],
+                                        where=[{"at": {"model.d_model": 16},
+                                                "set": {"train.steps": 9, "train.batch_size": 4}}])))
+    r = load_recipe(str(path), ["train.steps=2"])
+    assert [r.at(p).train.steps for p in r.points()] == [2, 2]                  # --set holds at every point
+    assert [r.at(p).train.batch_size for p in r.points()] == [8, 4]             # the rest of the entry stays
+    r = load_recipe(str(path), ["train={steps: 3, lrs: [0.01]}"])               # a whole block replaces it all
+    assert [(r.at(p).train.steps, r.at(p).train.batch_size) for p in r.points()] == [(3, 64), (3, 64)]
+    assert r.where == []
     with pytest.raises(ValidationError, match="is a grid path"):
         Recipe.model_validate(tiny(grid={"model.d_model": [8]}, report={"x": "model.d_model"},
                                    where=[{"at": {"model.d_model": 8}, "set": {"model.d_model": 4}}]))
