@@ -2,8 +2,9 @@
 # Run paper recipes side by side, spread over GPUs, within a time limit; then render the report.
 #
 # usage: bash benchmarks/reproduce.sh OUT "JOB JOB ..." [extra `kalmix bench run` flags]
-#   JOB = RECIPE[:MIXERS[:SEEDS]]: MIXERS a comma list of the recipe's mixer labels (empty: all), SEEDS a comma list
-#         replacing train.seeds; results in OUT/RECIPE[.MIXERS][.sSEEDS].jsonl, one file per job.
+#   JOB = RECIPE[:MIXERS[:SEEDS]]: RECIPE a shipped recipe's name or a YAML file, MIXERS a comma list of its mixer
+#         labels (empty: all), SEEDS a comma list replacing train.seeds; results in OUT/NAME[.MIXERS][.sSEEDS].jsonl,
+#         one file per job (NAME: the recipe's file name without .yaml).
 # environment:
 #   GPUS     GPU ids to use (default: every GPU nvidia-smi lists; none: CPU)
 #   PER_GPU  processes per GPU (default 2); job i runs on slot i mod (GPUS × PER_GPU), a slot's jobs one after another
@@ -11,7 +12,7 @@
 #            saves its checkpoint and is not recorded; the same command run again resumes it.
 # exit status: 0 when every job finished, 124 when the limit cut one (run the command again), 1 when a job failed.
 # e.g.  GPUS="0 1 2 3" PER_GPU=3 bash benchmarks/reproduce.sh runs/bench \
-#         "kaczmarz_mqar_extrapolation:kaczmarz kaczmarz_mqar_extrapolation:gdn vla_capacity:vla::42,123"
+#         "kaczmarz_mqar_extrapolation:kaczmarz kaczmarz_mqar_extrapolation:gdn vla_capacity:vla:42,123 kalman_mad::0,1"
 set -uo pipefail
 out=${1:?output folder}; jobs=${2:?jobs}; shift 2
 mkdir -p "$out"
@@ -30,9 +31,11 @@ else
 fi
 
 run_job() {  # JOB GPU: one `kalmix bench run`, under the time left; prints its status word
-  local job=$1 gpu=$2 recipe mixers="" seeds="" file left status
+  local job=$1 gpu=$2 recipe mixers="" seeds="" name file left status
+  shift 2
   IFS=: read -r recipe mixers seeds <<< "$job"
-  file="$out/$recipe${mixers:+.${mixers//,/-}}${seeds:+.s${seeds//,/-}}.jsonl"
+  name=$(basename "$recipe" .yaml)
+  file="$out/$name${mixers:+.${mixers//,/-}}${seeds:+.s${seeds//,/-}}.jsonl"
   local cmd=(python3 -m kalmix.cli bench run "$recipe" --out "$file")
   [[ -n $mixers ]] && cmd+=(--mixers ${mixers//,/ })
   [[ -n $seeds ]] && cmd+=(--set "train.seeds=[$seeds]")
@@ -72,5 +75,9 @@ for pid in "${pids[@]}"; do
   wait "$pid"; s=$?
   if (( s == 1 )); then status=1; elif (( s == 124 && status == 0 )); then status=124; fi
 done
-python3 -m kalmix.cli bench report "$out"/*.jsonl --out "$out/report" > /dev/null || status=1
+shopt -s nullglob
+results=("$out"/*.jsonl)
+if (( ${#results[@]} )); then
+  python3 -m kalmix.cli bench report "${results[@]}" --out "$out/report" > /dev/null || status=1
+fi
 exit $status
