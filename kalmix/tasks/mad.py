@@ -130,7 +130,8 @@ class NoisyRecallConfig(_MADTask):
     [0, K) and values [K, 2K), K = (V − noise_vocab_size) / 2 (V 32: keys 0–7, values 8–15, noise 16–31). The
     sequence is T // 2 + 1 two-token slots; each slot independently, with probability ``frac_noise``, holds two
     uniform noise tokens instead of a (key, value) pair (the pair drawn as in ``InContextRecallConfig``, from the
-    sequence's key -> value map, ``values`` as there). Noise is never a target. Train: every non-noise next token is scored.
+    sequence's key -> value map, ``values`` as there). Noise is never a target. Train: every non-noise next token
+    is scored.
     Test: only the value after a key that occurred in an earlier non-noise slot.
     """
 
