@@ -402,3 +402,38 @@ def test_report_also_shows_extra_metrics():
     assert rep.min_depths(recipe, s, "token_accuracy")["kla"][4] == (1, [1, 2])
     md = rep.markdown(recipe, s, None)
     assert "90% test sequence accuracy" in md and "90% test token accuracy" in md
+
+
+PLATEAU_PRONE = {"mqar", "hard_mqar", "capacity_mqar", "word_problem", "in_context_recall"}
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[os.path.basename(p) for p in RECIPES])
+def test_every_recipe_states_its_paper_budget_and_deviations(path):
+    recipe = load_recipe(path)
+    assert recipe.budget is not None and recipe.budget.source and len(recipe.deviations) > 200
+    seeds = len(recipe.train.seeds)
+    assert seeds >= max(3, recipe.budget.seeds)
+    if recipe.task.kind in PLATEAU_PRONE or "task.kind" in recipe.grid:         # MQAR, A5, MAD: >= 5 seeds
+        assert seeds >= 5 and recipe.report.solve_at is not None
+    for point in recipe.points():
+        f = recipe.at(point).budget_fraction
+        assert f["run"] is None or f["run"] >= 0.99                              # every run at the paper's length
+
+
+def test_reproduce_script_spreads_jobs_and_stops_at_its_limit(tmp_path):
+    import subprocess
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(tiny(references=[], train={"steps": 2, "lrs": [1e-3], "eval_every": 2})))
+    out = tmp_path / "out"
+    env = {**os.environ, "GPUS": "", "PER_GPU": "2", "LIMIT": "0", "PYTHONPATH": ROOT}
+    script = os.path.join(ROOT, "benchmarks", "reproduce.sh")
+    done = subprocess.run(["bash", script, str(out), f"{path}:gdn {path}:kla:0,1"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "finished" in done.stdout
+    assert len(rep.load_rows([str(out / "tiny.gdn.jsonl")])) == 1
+    assert {r["seed"] for r in rep.load_rows([str(out / "tiny.kla.s0-1.jsonl")])} == {0, 1}
+    assert (out / "report" / "README.md").exists()
+    late = subprocess.run(["bash", script, str(tmp_path / "late"), f"{path}:gdn"], env={**env, "LIMIT": "1"},
+                          capture_output=True, text=True, timeout=600)
+    assert late.returncode == 124 and "not started (time limit)" in late.stdout
