@@ -2,12 +2,14 @@
 
 A recipe names a task of ``kalmix.tasks``, a model shape, the mixers to compare (each a ``KalmixConfig`` mixer with
 its keyword arguments), a training protocol (steps, learning-rate sweep, seeds, early stopping) and a grid over any
-of its fields (dotted paths such as ``task.params.num_kv_pairs`` or ``model.n_layers``). Every (grid point, mixer,
-seed, learning rate) is one run: train on the task's train split, evaluate the validation split every
+of its fields (dotted paths such as ``task.params.num_kv_pairs`` or ``model.n_layers``), values that differ at some
+grid points (``where``), and the paper's own budget (``budget``, which ours is measured against). Every (grid point,
+mixer, seed, learning rate) is one run: train on the task's train split, evaluate the validation split every
 ``eval_every`` steps (early stopping, best weights kept), then score the test split at the training length and at
 each of ``task.eval_lengths``. One JSON row per run is appended to the results file as soon as it finishes; a rerun
-skips the runs already recorded there, so a recipe larger than one sitting resumes where it stopped.
-``kalmix bench report`` (``kalmix.bench.report``) turns the rows into tables and plots.
+skips the runs already recorded there, and a run cut short (SIGTERM) continues from its checkpoint, so a recipe
+larger than one sitting resumes where it stopped. ``kalmix bench report`` (``kalmix.bench.report``) turns the rows
+into tables and plots.
 
 Data: every mixer, seed and learning rate sees the same train / validation / test sets (drawn from
 ``data_seed``); the run's seed sets the initialisation and the order of the batches. Labels follow
