@@ -17,7 +17,6 @@ Data: every mixer, seed and learning rate sees the same train / validation / tes
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import itertools
 import json
