@@ -254,8 +254,7 @@ def markdown(recipe: Recipe, summary: dict, image: str | None) -> str:
     runs = [f"{m} ({'; '.join(sorted(r))}): {_span(summary['steps'][m])} steps, "
             f"{1000 * statistics.fmean(summary['step_s'][m]):.0f} ms/step" for m, r in summary["ran"].items()]
     lines += [f"Ran on {', '.join(sorted(summary['devices']))}; seeds {sorted(summary['seeds'])}, learning rates "
-              f"{sorted(summary['lrs'])} (the best on validation kept), at most {recipe.train.steps} steps of "
-              f"{recipe.train.batch_size}.", ""]
+              f"{sorted(summary['lrs'])} (the best on validation kept).", ""]
     lines += [f"- {r}" for r in runs]
     done = {(m, p) for m, p, _ in summary["cells"]}
     failures = [r for r in summary["failures"] if (r["mixer"], _key(r["point"])) not in done]

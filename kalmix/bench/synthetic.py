@@ -312,7 +312,7 @@ class Recipe(BaseModel):
         f, t = self.budget_fraction, self.train
         ours = (f"{t.steps:,} steps of {t.batch_size} × {len(t.lrs)} learning rate(s) × {len(t.seeds)} seed(s)")
         frac = ("the paper does not state its data-set size, so no fraction" if f["run"] is None else
-                f"{100 * f['run']:.0f}% of a paper run, {100 * f['sweep']:.0f}% of its sweep")
+                f"{100 * f['run']:.3g}% of a paper run, {100 * f['sweep']:.3g}% of its sweep")
         return f"paper: {self.budget.describe()}; here: {ours}: {frac}"
 
     @model_validator(mode="after")
