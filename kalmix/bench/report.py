@@ -4,6 +4,11 @@ Per recipe, per (grid point, mixer, seed) the learning rate with the best valida
 selection, made on validation data only); its test score is then averaged over seeds (mean ± std, n shown). The
 paper's number, where the recipe gives one, is printed beside ours in parentheses. Runs that could not be made
 here (``unavailable``, ``error``, ``oom``) or diverged are listed with their reason, never silently dropped.
+
+Beside the scores, what tells a reader whether the budget was enough: the budget as a fraction of the paper's;
+per mixer and grid point, the seeds that solve the task (``report.solve_at``) and the median step at which they
+do; the chosen learning rates, marked where one is at the edge of the swept grid; and for each seed's kept run
+how its training ended (stopped early, solved, or still improving over its last 10% of steps).
 """
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ import json
 import math
 import os
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 from kalmix.bench.synthetic import Recipe, read_rows, run_key
 
@@ -38,24 +43,31 @@ def _key(point: dict) -> str:
 
 def summarise(recipe: Recipe, rows: list[dict]) -> dict:
     """``{"cells": {(mixer, point_key, length): [per-seed values]}, "failures": [...], "meta": ...}`` from the rows
-    of one recipe: per (point, mixer, seed) the run of the best validation score (ties: the smaller lr)."""
+    of one recipe: per (point, mixer, seed) the run of the best validation score (ties: the smaller lr), kept in
+    ``"selected"``. ``"cells"`` holds the recipe's metric, ``"by_metric"`` it and each of ``report.also``."""
     best: dict[tuple, dict] = {}
-    failures, ran, devices, steps = [], defaultdict(set), set(), defaultdict(list)
+    failures, ran, devices, steps, swept = [], defaultdict(set), set(), defaultdict(list), defaultdict(set)
     for row in rows:
         if row["status"] != "ok" or row.get("val") is None:
             failures.append(row)
             continue
+        swept[(row["mixer"], _key(row["point"]))].add(row["lr"])
         k = (row["mixer"], _key(row["point"]), row["seed"])
         if k not in best or (row["val"], -row["lr"]) > (best[k]["val"], -best[k]["lr"]):
             best[k] = row
-    cells = defaultdict(list)
+    by_metric = {m: defaultdict(list) for m in [recipe.metric, *recipe.report.also]}
+    step_s = defaultdict(list)
     for (mixer, pkey, _), row in best.items():
         for length, metrics in row["test"].items():
-            cells[(mixer, pkey, int(length))].append(metrics[recipe.metric])
+            for m, cells in by_metric.items():
+                cells[(mixer, pkey, int(length))].append(metrics[m])
         ran[mixer].add(row["ran"])
         devices.add(row["device"])
         steps[mixer].append(row["steps_run"])
-    return {"cells": cells, "failures": failures, "ran": ran, "devices": devices, "steps": steps,
+        step_s[mixer].append(row["train_s"] / row["steps_run"])
+    return {"cells": by_metric[recipe.metric], "by_metric": by_metric, "selected": best, "step_s": step_s,
+            "swept": swept,
+            "failures": failures, "ran": ran, "devices": devices, "steps": steps,
             "seeds": {r["seed"] for r in best.values()}, "lrs": {r["lr"] for r in rows if r["status"] == "ok"},
             "points": {_key(r["point"]): r["point"] for r in rows}}
 
@@ -68,11 +80,12 @@ def _axis_value(recipe: Recipe, point: dict, length: int, axis: str):
     return length if axis == "eval_length" else point[axis]
 
 
-def series(recipe: Recipe, summary: dict) -> dict:
-    """{panel: {mixer: {x: (mean, std, n)}}} over the cells; at the training length unless x is eval_length."""
+def series(recipe: Recipe, summary: dict, metric: str | None = None) -> dict:
+    """{panel: {mixer: {x: (mean, std, n)}}} over the cells of ``metric`` (default: the recipe's); at the training
+    length unless x is eval_length."""
     out = defaultdict(lambda: defaultdict(dict))
     rep = recipe.report
-    for (mixer, pkey, length), values in summary["cells"].items():
+    for (mixer, pkey, length), values in summary["by_metric"][metric or recipe.metric].items():
         point = summary["points"][pkey]
         if rep.x != "eval_length" and length != recipe.at(point).task.length():
             continue
@@ -93,12 +106,12 @@ def reference_of(recipe: Recipe, mixer: str, panel: str, x) -> float | None:
     return None
 
 
-def min_depths(recipe: Recipe, summary: dict) -> dict:
-    """{mixer: {x: smallest depth at which some seed reaches the threshold, or None}} (the Kalman paper's rule:
-    solved if at least one seed reaches it), with the depths tried."""
+def min_depths(recipe: Recipe, summary: dict, metric: str | None = None) -> dict:
+    """{mixer: {x: smallest depth at which some seed reaches the threshold in ``metric`` (default: the recipe's), or
+    None}} (the Kalman paper's rule: solved if at least one seed reaches it), with the depths tried."""
     rep = recipe.report
     solved, tried = defaultdict(dict), defaultdict(lambda: defaultdict(set))
-    for (mixer, pkey, length), values in summary["cells"].items():
+    for (mixer, pkey, length), values in summary["by_metric"][metric or recipe.metric].items():
         point = summary["points"][pkey]
         if length != recipe.at(point).task.length():
             continue
@@ -123,17 +136,15 @@ def _cell(stat, ref, seeds: int) -> str:
     return text + (f" ({100 * ref:.1f})" if ref is not None else "")
 
 
-def markdown(recipe: Recipe, summary: dict, image: str | None) -> str:
-    rep = recipe.report
-    lines = [f"### {recipe.paper}: {recipe.name}", "", f"**Claim** ({recipe.source}): {recipe.claim}", ""]
-    if recipe.deviations:
-        lines += [f"**Here**: {recipe.deviations}", ""]
-    metric = recipe.metric.replace("_", " ")
+def _results(recipe: Recipe, summary: dict, metric: str) -> list[str]:
+    """The score tables of one metric, in the recipe's layout."""
+    rep, name = recipe.report, metric.replace("_", " ")
+    lines = []
     if rep.kind == "min_depth":
-        depths = min_depths(recipe, summary)
+        depths = min_depths(recipe, summary, metric)
         xs = sorted({x for d in depths.values() for x in d})
         lines += [f"Fewest {rep.depth.rsplit('.', 1)[-1]} at which a seed reaches {100 * rep.threshold:.0f}% test "
-                  f"{metric} (— : none of the depths tried)", "",
+                  f"{name} (— : none of the depths tried)", "",
                   "| mixer | " + " | ".join(f"{rep.x.rsplit('.', 1)[-1]} = {_fmt(x)}" for x in xs) + " |",
                   "|---|" + "---|" * len(xs)]
         for mixer in recipe.mixers:
@@ -144,25 +155,106 @@ def markdown(recipe: Recipe, summary: dict, image: str | None) -> str:
                     cells.append(str(got) if got is not None else f"— (tried {','.join(map(str, tried))})"
                                  if tried else "")
                 lines.append(f"| {mixer} | " + " | ".join(cells) + " |")
+        lines.append("")
     else:
-        data = series(recipe, summary)
+        data = series(recipe, summary, metric)
         for panel, by_mixer in sorted(data.items()):
             xs = sorted({x for v in by_mixer.values() for x in v}, key=_sort_key)
             title = f"{rep.panel.rsplit('.', 1)[-1]} = {panel}: " if rep.panel else ""
-            lines += [f"{title}test {metric} (%), mean ± std over seeds; the paper's number in parentheses", "",
+            lines += [f"{title}test {name} (%), mean ± std over seeds; the paper's number in parentheses", "",
                       "| mixer | " + " | ".join(f"{rep.x.rsplit('.', 1)[-1]} = {_fmt(x)}" for x in xs) + " |",
                       "|---|" + "---|" * len(xs)]
             for mixer in recipe.mixers:
                 if mixer in by_mixer:
+                    refs = (reference_of(recipe, mixer, panel, x) if metric == recipe.metric else None for x in xs)
                     lines.append(f"| {mixer} | " + " | ".join(
-                        _cell(by_mixer[mixer].get(x), reference_of(recipe, mixer, panel, x), len(summary["seeds"]))
-                        for x in xs) + " |")
+                        _cell(by_mixer[mixer].get(x), ref, len(summary["seeds"])) for x, ref in zip(xs, refs))
+                        + " |")
             lines.append("")
-    lines.append("")
-    runs = [f"{m} ({'; '.join(sorted(r))}): {_span(summary['steps'][m])} steps" for m, r in summary["ran"].items()]
+    return lines
+
+
+def solve_step(row: dict, threshold: float) -> int | None:
+    """The first evaluated step at which the run's validation metric reached ``threshold`` (None: never)."""
+    return next((step for step, _, val in row["history"] if val >= threshold), None)
+
+
+def tail(row: dict, train, solve_at: float | None = None) -> str:
+    """How a run's training ended, from its history [step, mean training loss, validation metric]: "solved"
+    (reached ``train.stop_at`` or ``solve_at``), "stopped by patience", or over its last 10% of steps (at least its
+    last two evaluations) "flat" or "rising" with both changes: rising if validation gained >= 1 point, or the loss
+    fell >= 5% while validation is below 99%. A rising run was cut by the budget."""
+    hist = row["history"]
+    if not hist:
+        return "no evaluation"
+    best = max(v for *_, v in hist)
+    done = [t for t in (train.stop_at, solve_at) if t is not None]
+    if done and best >= min(done):
+        return "solved"
+    if row["steps_run"] < train.steps:
+        return "stopped by patience"
+    end_step, end_loss, end_val = hist[-1]
+    earlier = [h for h in hist[:-1] if h[0] <= 0.9 * end_step] or hist[:-1]
+    if not earlier:
+        return "one evaluation"
+    _, ref_loss, ref_val = earlier[-1]
+    d_val = end_val - ref_val
+    d_loss = (end_loss - ref_loss) / abs(ref_loss) if ref_loss else 0.0
+    if d_val < 0.01 and (d_loss > -0.05 or end_val >= 0.99):
+        return "flat"
+    return f"rising ({100 * d_val:+.1f} pts, loss {100 * d_loss:+.0f}%)"
+
+
+def diagnostics(recipe: Recipe, summary: dict) -> list[str]:
+    """Per mixer and grid point: seeds that solve the task within the budget (``report.solve_at``) and their median
+    step, the learning rates chosen (edge of the grid marked) and how each seed's kept run ended."""
+    solve_at = recipe.report.solve_at
+    by_cell = defaultdict(list)
+    for (mixer, pkey, seed), row in sorted(summary["selected"].items(), key=lambda kv: str(kv[0][2])):
+        by_cell[(mixer, pkey)].append(row)
+    point_order = {_key(p): i for i, p in enumerate(recipe.points())}
+    head = ["mixer", "grid point"]
+    if solve_at is not None:
+        head += [f"seeds solving (val {recipe.metric.replace('_', ' ')} ≥ {100 * solve_at:g}%)", "median step"]
+    head += ["learning rate chosen (per seed)", "end of each seed's run"]
+    lines = ["Training diagnostics (the run kept per seed):", "", "| " + " | ".join(head) + " |",
+             "|" + "---|" * len(head)]
+    order = {m: i for i, m in enumerate(recipe.mixers)}
+    for (mixer, pkey), rows in sorted(by_cell.items(), key=lambda kv: (order.get(kv[0][0], len(order)),
+                                                                       point_order.get(kv[0][1], len(point_order)))):
+        at = recipe.at(summary["points"][pkey])
+        cells = [mixer, _fmt_point(summary["points"][pkey])]
+        if solve_at is not None:
+            steps = [s for s in (solve_step(r, solve_at) for r in rows) if s is not None]
+            cells += [f"{len(steps)} of {len(rows)}", f"{statistics.median(steps):,.0f}" if steps else "—"]
+        grid = sorted(summary["swept"][(mixer, pkey)])
+        chosen = Counter(r["lr"] for r in rows)
+        text = ", ".join(f"{lr:g} ×{n}" + (" (edge)" if len(grid) > 1 and lr in (grid[0], grid[-1]) else "")
+                         for lr, n in sorted(chosen.items()))
+        cells.append(text + (" (the only one)" if len(grid) == 1 else ""))
+        cells.append("; ".join(tail(r, at.train, solve_at) for r in rows))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def _fmt_point(point: dict) -> str:
+    return ", ".join(f"{k.rsplit('.', 1)[-1]} = {_fmt(v)}" for k, v in point.items()) or "–"
+
+
+def markdown(recipe: Recipe, summary: dict, image: str | None) -> str:
+    lines = [f"### {recipe.paper}: {recipe.name}", "", f"**Claim** ({recipe.source}): {recipe.claim}", ""]
+    if recipe.deviations:
+        lines += [f"**Here**: {recipe.deviations}", ""]
+    budgets = {recipe.at(p).budget_line() for p in summary["points"].values()} or {recipe.budget_line()}
+    lines += [f"**Budget** per grid point: {b}" for b in sorted(budgets)] + [""]
+    for metric in [recipe.metric, *recipe.report.also]:
+        lines += _results(recipe, summary, metric)
+    if summary["selected"]:
+        lines += diagnostics(recipe, summary)
+    runs = [f"{m} ({'; '.join(sorted(r))}): {_span(summary['steps'][m])} steps, "
+            f"{1000 * statistics.fmean(summary['step_s'][m]):.0f} ms/step" for m, r in summary["ran"].items()]
     lines += [f"Ran on {', '.join(sorted(summary['devices']))}; seeds {sorted(summary['seeds'])}, learning rates "
-              f"{sorted(summary['lrs'])} (the best on validation kept), at most {recipe.train.steps} steps of "
-              f"{recipe.train.batch_size}.", ""]
+              f"{sorted(summary['lrs'])} (the best on validation kept).", ""]
     lines += [f"- {r}" for r in runs]
     done = {(m, p) for m, p, _ in summary["cells"]}
     failures = [r for r in summary["failures"] if (r["mixer"], _key(r["point"])) not in done]

@@ -2,12 +2,14 @@
 
 A recipe names a task of ``kalmix.tasks``, a model shape, the mixers to compare (each a ``KalmixConfig`` mixer with
 its keyword arguments), a training protocol (steps, learning-rate sweep, seeds, early stopping) and a grid over any
-of its fields (dotted paths such as ``task.params.num_kv_pairs`` or ``model.n_layers``). Every (grid point, mixer,
-seed, learning rate) is one run: train on the task's train split, evaluate the validation split every
+of its fields (dotted paths such as ``task.params.num_kv_pairs`` or ``model.n_layers``), values that differ at some
+grid points (``where``), and the paper's own budget (``budget``, which ours is measured against). Every (grid point,
+mixer, seed, learning rate) is one run: train on the task's train split, evaluate the validation split every
 ``eval_every`` steps (early stopping, best weights kept), then score the test split at the training length and at
 each of ``task.eval_lengths``. One JSON row per run is appended to the results file as soon as it finishes; a rerun
-skips the runs already recorded there, so a recipe larger than one sitting resumes where it stopped.
-``kalmix bench report`` (``kalmix.bench.report``) turns the rows into tables and plots.
+skips the runs already recorded there, and a run cut short (SIGTERM) continues from its checkpoint, so a recipe
+larger than one sitting resumes where it stopped. ``kalmix bench report`` (``kalmix.bench.report``) turns the rows
+into tables and plots.
 
 Data: every mixer, seed and learning rate sees the same train / validation / test sets (drawn from
 ``data_seed``); the run's seed sets the initialisation and the order of the batches. Labels follow
@@ -15,12 +17,13 @@ Data: every mixer, seed and learning rate sees the same train / validation / tes
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import itertools
 import json
 import math
 import os
+import signal
+import threading
 import time
 from typing import Any, Literal
 
@@ -28,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
 from tqdm.auto import tqdm
 
 from kalmix.bench.mqar import _git_sha
@@ -122,6 +125,11 @@ class ModelSpec(BaseModel):
     d_model: int = Field(128, gt=0)
     n_layers: int = Field(2, gt=0)
     mlp: bool = False
+    intermediate_size: int | None = Field(None, gt=0, description="the SwiGLU MLPs' hidden width (None: "
+                                          "KalmixConfig's 8/3 · d_model rounded up to a multiple of 64)")
+    tie_embeddings: bool = Field(False, description="share the token embedding with the LM head")
+    init_std: float | None = Field(None, gt=0, description="std of every linear and embedding weight "
+                                   "(KalmixConfig.initializer_range; None: kalmix's fan-in scale)")
 
 
 class MixerSpec(BaseModel):
@@ -154,13 +162,24 @@ class TrainSpec(BaseModel):
     lrs: list[float] = Field(min_length=1)
     seeds: list[int] = Field([0], min_length=1)
     weight_decay: float = Field(0.1, ge=0)
+    betas: tuple[float, float] = Field((0.9, 0.98), description="AdamW's (beta1, beta2)")
     warmup: float = Field(0.1, ge=0, lt=1, description="fraction of steps of linear warm-up")
     schedule: Literal["cosine", "constant"] = "cosine"
     grad_clip: float | None = Field(1.0, gt=0)
     eval_every: int = Field(200, gt=0)
     patience: int | None = Field(None, gt=0, description="stop after this many evaluations without improvement")
     stop_at: float | None = Field(None, gt=0, le=1, description="stop once the validation metric reaches this")
+    sampling: Literal["replacement", "epochs"] = Field(
+        "replacement", description="how batches are drawn from a fixed training set: uniformly with replacement, "
+        "or epochs of a fresh permutation each (a DataLoader's shuffle; an epoch's last partial batch dropped)")
     precision: Literal["fp32", "bf16"] = "fp32"
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v):
+        if not all(0 <= b < 1 for b in v):
+            raise ValueError(f"betas must both be in [0, 1), got {v}")
+        return v
 
 
 class ReportSpec(BaseModel):
@@ -176,6 +195,10 @@ class ReportSpec(BaseModel):
     depth: str = "model.n_layers"
     threshold: float = Field(0.9, gt=0, le=1)
     log_x: bool = False
+    also: list[Metric] = Field([], description="test metrics shown beside the recipe's own, in the same layout")
+    solve_at: float | None = Field(None, gt=0, le=1, description="a run solves the task once its validation "
+                                   "metric reaches this: the report gives per mixer and grid point the fraction of "
+                                   "seeds that do within the budget and the median step at which they do")
 
 
 class Reference(BaseModel):
@@ -186,6 +209,56 @@ class Reference(BaseModel):
     mixer: str
     at: dict[str, Any] = {}
     value: float
+
+
+class Budget(BaseModel):
+    """The paper's training budget at one grid point, as its text or released code states it: a run is ``steps`` of
+    ``batch_size`` sequences, or ``epochs`` over ``train_examples`` sequences (None where the paper does not give
+    its data-set size); the sweep is that times ``lrs`` learning rates and ``seeds`` seeds. Both are maxima where
+    the paper stops early."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    steps: int | None = Field(None, gt=0)
+    batch_size: int | None = Field(None, gt=0)
+    epochs: float | None = Field(None, gt=0)
+    train_examples: int | None = Field(None, gt=0)
+    lrs: int = Field(1, gt=0)
+    seeds: int = Field(1, gt=0)
+    source: str = Field(min_length=1, description="where the paper or its code states this budget")
+
+    @model_validator(mode="after")
+    def _one_unit(self):
+        if (self.steps is None) == (self.epochs is None):
+            raise ValueError("budget: give either steps (with batch_size) or epochs (with train_examples)")
+        if self.steps is not None and self.batch_size is None:
+            raise ValueError("budget: steps needs batch_size")
+        return self
+
+    def sequences(self) -> float | None:
+        """Training sequences of one run (None: the paper does not say)."""
+        if self.steps is not None:
+            return float(self.steps * self.batch_size)
+        return None if self.train_examples is None else self.epochs * self.train_examples
+
+    def describe(self) -> str:
+        run = (f"{self.steps:,} steps of {self.batch_size}" if self.steps is not None else
+               f"{self.epochs:g} epochs of {f'{self.train_examples:,}' if self.train_examples else 'an unstated'} "
+               f"sequences")
+        return f"{run} × {self.lrs} learning rate(s) × {self.seeds} seed(s) ({self.source})"
+
+
+class Override(BaseModel):
+    """Recipe values that differ at some grid points: ``set`` (path -> value, as ``--set``) applies at every grid
+    point that has the values of ``at`` (grid path -> value), e.g. a batch size per sequence length."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    at: dict[str, Any] = Field(min_length=1)
+    set: dict[str, Any] = Field(min_length=1)
+
+    def applies(self, point: dict[str, Any]) -> bool:
+        return all(point.get(path) == value for path, value in self.at.items())
 
 
 class Recipe(BaseModel):
@@ -203,10 +276,44 @@ class Recipe(BaseModel):
     mixers: dict[str, MixerSpec] = Field(min_length=1)
     train: TrainSpec
     grid: dict[str, list[Any]] = {}
+    where: list[Override] = Field([], description="values set at some grid points only")
     metric: Metric = "accuracy"
     data_seed: int = Field(0, ge=0)
     report: ReportSpec
     references: list[Reference] = []
+    budget: Budget | None = Field(None, description="the paper's budget; the report and --dry-run give ours as a "
+                                  "fraction of it")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derived(cls, data):
+        if isinstance(data, dict) and "budget_fraction" in data:     # a dump's computed field, recomputed here
+            data = {k: v for k, v in data.items() if k != "budget_fraction"}
+        return data
+
+    @computed_field
+    @property
+    def budget_fraction(self) -> dict[str, float | None] | None:
+        """Our budget over the paper's (``budget``): ``run`` (steps × batch of one run) and ``sweep`` (times the
+        learning rates and seeds); None where the paper does not state its size."""
+        if self.budget is None:
+            return None
+        paper = self.budget.sequences()
+        if paper is None:
+            return {"run": None, "sweep": None}
+        run = self.train.steps * self.train.batch_size / paper
+        sweep = run * len(self.train.lrs) * len(self.train.seeds) / (self.budget.lrs * self.budget.seeds)
+        return {"run": round(run, 4), "sweep": round(sweep, 4)}
+
+    def budget_line(self) -> str:
+        """The paper's budget, ours, and the fraction, in words."""
+        if self.budget is None:
+            return "the recipe states no paper budget"
+        f, t = self.budget_fraction, self.train
+        ours = (f"{t.steps:,} steps of {t.batch_size} × {len(t.lrs)} learning rate(s) × {len(t.seeds)} seed(s)")
+        frac = ("the paper does not state its data-set size, so no fraction" if f["run"] is None else
+                f"{100 * f['run']:.3g}% of a paper run, {100 * f['sweep']:.3g}% of its sweep")
+        return f"paper: {self.budget.describe()}; here: {ours}: {frac}"
 
     @model_validator(mode="after")
     def _check(self):
@@ -214,6 +321,17 @@ class Recipe(BaseModel):
             if not values:
                 raise ValueError(f"grid[{path!r}] is empty")
             _get(self.model_dump(exclude={"grid"}), path)        # the path exists
+        for o in self.where:                                  # (an entry whose values left the grid is idle)
+            for path in o.at:
+                if path not in self.grid:
+                    raise ValueError(f"where: at {path!r} is not a grid path ({sorted(self.grid)})")
+            for path in o.set:
+                if path in self.grid:
+                    raise ValueError(f"where: {path!r} is a grid path; set it through the grid")
+                _get(self.model_dump(exclude={"grid"}), path)
+        if self.task.train_examples is not None and self.train.batch_size > self.task.train_examples:
+            raise ValueError(f"train.batch_size = {self.train.batch_size} exceeds the fixed training set "
+                             f"task.train_examples = {self.task.train_examples}")
         for ref in self.references:
             if ref.mixer not in self.mixers:
                 raise ValueError(f"reference names mixer {ref.mixer!r}, not among {sorted(self.mixers)}")
@@ -228,7 +346,8 @@ class Recipe(BaseModel):
             raise ValueError("report.x = 'eval_length' needs task.eval_lengths")
         base = self.model_dump(exclude={"grid"})
         for point in self.points():                           # every grid point is a valid recipe
-            if all(_get(base, path) == value for path, value in point.items()):
+            if (all(_get(base, path) == value for path, value in point.items())
+                    and not any(o.applies(point) for o in self.where)):
                 self.task.check()                             # this recipe is at the point
             else:
                 self.at(point)
@@ -240,11 +359,17 @@ class Recipe(BaseModel):
         return [dict(zip(keys, combo)) for combo in itertools.product(*(self.grid[k] for k in keys))]
 
     def at(self, point: dict[str, Any]) -> Recipe:
-        """The recipe with the grid point's values set (its grid: that single point)."""
+        """The recipe with the grid point's values set, then those of the ``where`` entries that apply there (its
+        grid: that single point; its ``where``: none left)."""
         data = self.model_dump()
         for path, value in point.items():
             _set(data, path, value)
+        for o in self.where:
+            if o.applies(point):
+                for path, value in o.set.items():
+                    _set(data, path, value)
         data["grid"] = {path: [value] for path, value in point.items()}
+        data["where"] = []
         return Recipe.model_validate(data)
 
     def test_lengths(self) -> list[int]:
@@ -297,7 +422,8 @@ def resolve_recipe(name_or_path: str) -> str:
 
 def load_recipe(path: str, overrides: list[str] = ()) -> Recipe:
     """A recipe from YAML, with ``PATH=VALUE`` overrides (VALUE parsed as YAML; ``grid.<path>=[...]`` replaces
-    one grid axis). Unknown fields are errors."""
+    one grid axis). An override holds at every grid point: it replaces what the recipe's ``where`` entries set on
+    that path (or inside it). Unknown fields are errors."""
     with open(path) as f:
         data = yaml.safe_load(f)
     if not isinstance(data, dict):
@@ -309,8 +435,12 @@ def load_recipe(path: str, overrides: list[str] = ()) -> Recipe:
         value = yaml.safe_load(raw)
         if key.startswith("grid."):
             data.setdefault("grid", {})[key[5:]] = value
-        else:
-            _set(data, key, value)
+            continue
+        _set(data, key, value)
+        for entry in data.get("where") or []:
+            if isinstance(entry, dict) and isinstance(entry.get("set"), dict):
+                entry["set"] = {p: v for p, v in entry["set"].items() if p != key and not p.startswith(key + ".")}
+        data["where"] = [e for e in data.get("where") or [] if not isinstance(e, dict) or e.get("set") != {}]
     return Recipe.model_validate(data)
 
 
@@ -339,10 +469,11 @@ class CompressionModel(nn.Module):
 
 
 def build_model(recipe: Recipe, spec: MixerSpec, impl: str | None) -> nn.Module:
-    cfg = KalmixConfig(vocab_size=recipe.task.vocab_size(), hidden_size=recipe.model.d_model,
-                       num_hidden_layers=recipe.model.n_layers, mixer=spec.mixer,
-                       mixer_kwargs={spec.mixer: spec.kwargs} if spec.kwargs else None, mlp=recipe.model.mlp,
-                       tie_word_embeddings=False, impl=impl, **spec.config)
+    m = recipe.model
+    cfg = KalmixConfig(vocab_size=recipe.task.vocab_size(), hidden_size=m.d_model, num_hidden_layers=m.n_layers,
+                       mixer=spec.mixer, mixer_kwargs={spec.mixer: spec.kwargs} if spec.kwargs else None, mlp=m.mlp,
+                       intermediate_size=m.intermediate_size, initializer_range=m.init_std,
+                       tie_word_embeddings=m.tie_embeddings, impl=impl, **spec.config)
     lm = KalmixForCausalLM(cfg)
     if recipe.task.kind == "compression":
         return CompressionModel(lm, recipe.task.length())
@@ -413,10 +544,38 @@ def what_ran(model: nn.Module, device: torch.device) -> str:
 
 # ------------------------------------------------------------------------------------------------- a run
 
+class Stopped(Exception):
+    """A run interrupted by SIGTERM (``timeout``): its checkpoint holds its progress; no result row is written."""
+
+
+_STOP = threading.Event()           # set by the SIGTERM handler ``run`` installs; polled after every step
+
+
+def _request_stop(signum, frame) -> None:
+    _STOP.set()
+
+
+def epoch_batch(n_train: int, batch_size: int, seed: int, step: int) -> torch.Tensor:
+    """Indices [batch_size] into a fixed training set of ``n_train`` at ``step`` with ``sampling: epochs``: a fresh
+    permutation per epoch (a function of (seed, epoch)) cut into batches, the last partial one dropped."""
+    epoch, i = divmod(step, n_train // batch_size)
+    perm = torch.randperm(n_train, generator=torch.Generator().manual_seed(seed * 2 ** 24 + epoch))
+    return perm[i * batch_size:(i + 1) * batch_size]
+
+
+def _save_checkpoint(path: str, state: dict) -> None:
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)                           # never a half-written checkpoint
+
+
 def run_one(recipe: Recipe, label: str, lr: float, seed: int, data: dict, device: torch.device,
-            impl: str | None = None, progress: bool = True) -> dict:
+            impl: str | None = None, progress: bool = True, checkpoint: str | None = None) -> dict:
     """Train one (mixer, lr, seed) at one grid point (``recipe`` already at it) and score it. ``data``:
-    ``{"train": (x, y), "val": (x, y), "test": {length: (x, y)}}``. Returns the result row."""
+    ``{"train": (x, y) or None, "val": (x, y), "test": {length: (x, y)}}``. Returns the result row.
+
+    ``checkpoint``: a file that holds the run's progress (weights, optimizer, best weights, history, random
+    states), written at every evaluation and when SIGTERM arrives (then ``Stopped`` is raised), and read at the
+    start: a run cut short continues where it stopped, on the same batches."""
     spec, train = recipe.mixers[label], recipe.train
     precision = spec.precision or train.precision
     torch.manual_seed(seed)
@@ -424,20 +583,44 @@ def run_one(recipe: Recipe, label: str, lr: float, seed: int, data: dict, device
     decay = [p for p in model.parameters() if p.dim() >= 2 and not getattr(p, "_no_weight_decay", False)]
     rest = [p for p in model.parameters() if p.dim() < 2 or getattr(p, "_no_weight_decay", False)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": train.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.98))
+                             {"params": rest, "weight_decay": 0.0}], lr=lr, betas=train.betas)
     x_va, y_va = data["val"]
-    gen = torch.Generator().manual_seed(seed)
-    best, best_step, best_state, bad_evals, history = -1.0, 0, None, 0, []
-    status, step, loss_value = "ok", 0, float("nan")
-    t0, tokens = time.perf_counter(), 0
-    bar = tqdm(range(train.steps), desc=f"{label} lr={lr:g} seed={seed}", leave=False,
-               disable=None if progress else True, dynamic_ncols=True)
+    gen = torch.Generator().manual_seed(seed)                     # sampling "replacement": one stream of draws
+    st = {"step": 0, "best": -1.0, "best_step": 0, "best_state": None, "bad_evals": 0, "history": [], "tokens": 0,
+          "train_s": 0.0, "loss_sum": 0.0, "loss_n": 0, "resumed_at": []}
+    if checkpoint is not None and os.path.exists(checkpoint):
+        saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
+        model.load_state_dict(saved.pop("model"))
+        opt.load_state_dict(saved.pop("opt"))
+        torch.set_rng_state(saved.pop("rng"))
+        gen.set_state(saved.pop("gen"))
+        cuda_rng = saved.pop("cuda_rng")
+        if cuda_rng is not None and device.type == "cuda":
+            torch.cuda.set_rng_state(cuda_rng, device)
+        st.update(saved)
+        st["resumed_at"] = st["resumed_at"] + [st["step"]]
+
+    def save() -> None:
+        if checkpoint is not None:
+            _save_checkpoint(checkpoint, {**st, "train_s": st["train_s"] + time.perf_counter() - t0,
+                                          "loss_sum": float(st["loss_sum"]), "model": model.state_dict(),
+                                          "opt": opt.state_dict(), "rng": torch.get_rng_state(),
+                                          "gen": gen.get_state(),
+                                          "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda"
+                                          else None})
+
+    status, step = "ok", st["step"] - 1
+    loss_value = st["history"][-1][1] if st["history"] else float("nan")
+    t0 = time.perf_counter()
+    bar = tqdm(range(st["step"], train.steps), desc=f"{label} lr={lr:g} seed={seed}", leave=False,
+               disable=None if progress else True, dynamic_ncols=True, initial=st["step"], total=train.steps)
     for step in bar:
         if data["train"] is None:
             x, y = recipe.task.fresh_batch(train.batch_size, seed, step)
         else:
             x_tr, y_tr = data["train"]
-            idx = torch.randint(len(x_tr), (train.batch_size,), generator=gen)
+            idx = (torch.randint(len(x_tr), (train.batch_size,), generator=gen) if train.sampling == "replacement"
+                   else epoch_batch(len(x_tr), train.batch_size, seed, step))
             x, y = x_tr[idx], y_tr[idx]
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         for group in opt.param_groups:
@@ -450,35 +633,47 @@ def run_one(recipe: Recipe, label: str, lr: float, seed: int, data: dict, device
         if train.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
         opt.step()
-        tokens += x.numel()
-        last = step == train.steps - 1
-        if (step + 1) % train.eval_every == 0 or last:
-            loss_value = loss.item()
+        st["tokens"] += x.numel()
+        st["loss_sum"] = st["loss_sum"] + loss.detach()
+        st["loss_n"] += 1
+        st["step"] = step + 1
+        if (step + 1) % train.eval_every == 0 or step == train.steps - 1:
+            loss_value = (st["loss_sum"] / st["loss_n"]).item()        # the mean training loss since the last one
+            st["loss_sum"], st["loss_n"] = 0.0, 0
             if not math.isfinite(loss_value):
                 status = "diverged"
                 break
             val = evaluate(model, x_va, y_va, device, precision)[recipe.metric]
-            history.append([step + 1, round(loss_value, 5), round(val, 5)])
+            st["history"].append([step + 1, round(loss_value, 5), round(val, 5)])
             bar.set_postfix(loss=f"{loss_value:.3f}", val=f"{val:.3f}")
-            if val > best:
-                best, best_step, bad_evals = val, step + 1, 0
-                best_state = copy.deepcopy(model.state_dict())
+            if val > st["best"]:
+                st.update(best=val, best_step=step + 1, bad_evals=0,
+                          best_state={k: v.detach().cpu().clone() for k, v in model.state_dict().items()})
             else:
-                bad_evals += 1
-            if train.stop_at is not None and best >= train.stop_at:
+                st["bad_evals"] += 1
+            if train.stop_at is not None and st["best"] >= train.stop_at:
                 break
-            if train.patience is not None and bad_evals >= train.patience:
+            if train.patience is not None and st["bad_evals"] >= train.patience:
                 break
+            if step + 1 < train.steps:
+                save()
+        if _STOP.is_set():
+            save()
+            bar.close()
+            raise Stopped(f"stopped by SIGTERM after step {step + 1} of {train.steps}")
     bar.close()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    train_s = time.perf_counter() - t0
-    row = {"status": status, "precision": precision, "steps_run": step + 1, "best_step": best_step,
-           "val": best if best >= 0 else None,
-           "final_loss": loss_value, "history": history, "train_s": round(train_s, 2),
-           "train_tokens_per_s": round(tokens / train_s), "test": {}}
-    if best_state is not None:
-        model.load_state_dict(best_state)
+    train_s = st["train_s"] + time.perf_counter() - t0
+    best = st["best"]
+    row = {"status": status, "precision": precision, "steps_run": step + 1, "best_step": st["best_step"],
+           "val": best if best >= 0 else None, "final_loss": loss_value, "history": st["history"],
+           "train_s": round(train_s, 2), "train_tokens_per_s": round(st["tokens"] / max(train_s, 1e-9)),
+           "test": {}}
+    if st["resumed_at"]:
+        row["resumed_at"] = st["resumed_at"]
+    if st["best_state"] is not None:
+        model.load_state_dict(st["best_state"])
         for length, (x_te, y_te) in data["test"].items():
             row["test"][str(length)] = evaluate(model, x_te, y_te, device, precision)
     lm = model.lm if isinstance(model, CompressionModel) else model
@@ -490,12 +685,24 @@ def run_one(recipe: Recipe, label: str, lr: float, seed: int, data: dict, device
     return row
 
 
+# fields added to the recipe schema after results were first recorded: left out of a run's key while at their
+# default (the behaviour before they existed), so that those results keep their keys
+_LATER_DEFAULTS = {"train": {"betas": (0.9, 0.98), "sampling": "replacement"},
+                   "model": {"intermediate_size": None, "tie_embeddings": False, "init_std": None}}
+
+
+def _keyed(part: str, dump: dict) -> dict:
+    later = _LATER_DEFAULTS[part]
+    return {k: v for k, v in dump.items() if not (k in later and v == later[k])}
+
+
 def run_key(recipe: Recipe, point: dict, label: str, lr: float, seed: int) -> str:
     """Identifies a run in a results file by everything that changes its outcome: the recipe at the grid point
     (``recipe.at(point)``: its task, model, this mixer, training protocol, data seed and metric), lr and seed."""
     blob = json.dumps([recipe.name, point, label, recipe.mixers[label].model_dump(), lr, seed,
-                       recipe.train.model_dump(exclude={"lrs", "seeds"}), recipe.task.model_dump(),
-                       recipe.model.model_dump(), recipe.data_seed, recipe.metric], sort_keys=True, default=str)
+                       _keyed("train", recipe.train.model_dump(exclude={"lrs", "seeds"})), recipe.task.model_dump(),
+                       _keyed("model", recipe.model.model_dump()), recipe.data_seed, recipe.metric], sort_keys=True,
+                      default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -551,61 +758,93 @@ def _versions() -> dict:
 def run(recipe: Recipe, out_path: str, device: str = "cpu", impl: str | None = None,
         mixers: list[str] | None = None, progress: bool = True) -> list[dict]:
     """Every run of ``recipe`` not yet in ``out_path`` (JSONL, appended one row per run). ``mixers`` restricts the
-    recipe's mixer labels. Returns the new rows."""
+    recipe's mixer labels. Returns the new rows.
+
+    A run in progress keeps a checkpoint in ``OUT_PATH.ckpt/KEY.pt`` (see ``run_one``). SIGTERM (e.g. from
+    ``timeout``) stops the current run after its step, saves its checkpoint and returns without writing its row:
+    a run cut by time is never recorded, and the next call resumes it."""
     dev = torch.device(device)
     labels = list(recipe.mixers) if mixers is None else mixers
     unknown = sorted(set(labels) - set(recipe.mixers))
     if unknown:
         raise ValueError(f"recipe {recipe.name} has no mixer(s) {unknown}; it has {sorted(recipe.mixers)}")
     done = recorded(out_path)
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    ckpt_dir = out_path + ".ckpt"
+    os.makedirs(ckpt_dir, exist_ok=True)
     base = {"recipe": recipe.name, "paper": recipe.paper, "spec": recipe.model_dump(mode="json"),
             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", **_versions()}
     base["git"] = _git_sha()
     rows, total = [], recipe.planned_runs(len(labels))
     outer = tqdm(total=total, desc=recipe.name, disable=None if progress else True, dynamic_ncols=True)
-    for point in recipe.points():
-        r = recipe.at(point)
-        data = None
-        for label in labels:
-            spec = r.mixers[label]
-            for seed, lr in itertools.product(r.train.seeds, r.train.lrs):
-                key = run_key(r, point, label, lr, seed)
-                outer.update(1)
-                if key in done:
-                    continue
-                row = {**base, "key": key, "point": point, "mixer": label, "mixer_name": spec.mixer,
-                       "lr": lr, "seed": seed, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-                reason = _available(spec, dev)
-                t0 = time.time()
-                if reason is not None:
-                    row.update(status="unavailable", reason=reason)
-                else:
-                    if data is None:
-                        data = {"train": r.task.build("train", r.data_seed) if r.task.train_examples else None,
-                                "val": r.task.build("val", r.data_seed),
-                                "test": {L: r.task.build("test", r.data_seed, L) for L in r.test_lengths()}}
-                    try:
-                        row.update(run_one(r, label, lr, seed, data, dev, impl, progress))
-                    except torch.cuda.OutOfMemoryError as e:
-                        row.update(status="oom", reason=str(e).split(". ")[0][:300])
-                    except Exception as e:                    # noqa: BLE001  recorded and shown by the report
-                        row.update(status="error", reason=f"{type(e).__name__}: {e}".splitlines()[0][:300])
-                row["wall_s"] = round(time.time() - t0, 2)
-                with open(out_path, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-                rows.append(row)
-                done.add(key)
-                if row["status"] == "ok":
-                    test = row["test"].get(str(r.task.length()), {})
-                    outer.write(f"{_fmt_point(point)} {label:>12} lr={lr:<8g} seed={seed:<4d} "
-                                f"val={row['val']:.4f} test {recipe.metric}={test.get(recipe.metric, float('nan')):.4f}"
-                                f" steps={row['steps_run']} {row['wall_s']:.0f}s")
-                else:
-                    outer.write(f"{_fmt_point(point)} {label:>12} lr={lr:<8g} seed={seed:<4d} {row['status']}: "
-                                f"{row.get('reason', '')}")
-    outer.close()
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _request_stop) if main_thread else None
+    _STOP.clear()
+    try:
+        for point in recipe.points():
+            r = recipe.at(point)
+            data = None
+            for label in labels:
+                spec = r.mixers[label]
+                for seed, lr in itertools.product(r.train.seeds, r.train.lrs):
+                    key = run_key(r, point, label, lr, seed)
+                    outer.update(1)
+                    if key in done:
+                        continue
+                    if _STOP.is_set():
+                        raise Stopped("stopped by SIGTERM between runs")
+                    row = {**base, "key": key, "point": point, "mixer": label, "mixer_name": spec.mixer,
+                           "lr": lr, "seed": seed, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+                    reason = _available(spec, dev)
+                    t0 = time.time()
+                    ckpt = os.path.join(ckpt_dir, key + ".pt")
+                    if reason is not None:
+                        row.update(status="unavailable", reason=reason)
+                    else:
+                        if data is None:
+                            data = {"train": r.task.build("train", r.data_seed) if r.task.train_examples else None,
+                                    "val": r.task.build("val", r.data_seed),
+                                    "test": {L: r.task.build("test", r.data_seed, L) for L in r.test_lengths()}}
+                        try:
+                            row.update(run_one(r, label, lr, seed, data, dev, impl, progress, checkpoint=ckpt))
+                        except Stopped as e:
+                            outer.write(f"{_fmt_point(point)} {label:>12} lr={lr:<8g} seed={seed:<4d} {e}; not "
+                                        f"recorded, resumes from {ckpt}")
+                            raise
+                        except torch.cuda.OutOfMemoryError as e:
+                            row.update(status="oom", reason=str(e).split(". ")[0][:300])
+                        except Exception as e:                    # noqa: BLE001  recorded and shown by the report
+                            row.update(status="error", reason=f"{type(e).__name__}: {e}".splitlines()[0][:300])
+                    row["wall_s"] = round(time.time() - t0, 2)
+                    _append(out_path, row)
+                    if row["status"] in FINAL and os.path.exists(ckpt):
+                        os.remove(ckpt)
+                    rows.append(row)
+                    done.add(key)
+                    if row["status"] == "ok":
+                        test = row["test"].get(str(r.task.length()), {})
+                        outer.write(f"{_fmt_point(point)} {label:>12} lr={lr:<8g} seed={seed:<4d} "
+                                    f"val={row['val']:.4f} test {recipe.metric}="
+                                    f"{test.get(recipe.metric, float('nan')):.4f} steps={row['steps_run']} "
+                                    f"{row['wall_s']:.0f}s")
+                    else:
+                        outer.write(f"{_fmt_point(point)} {label:>12} lr={lr:<8g} seed={seed:<4d} {row['status']}: "
+                                    f"{row.get('reason', '')}")
+    except Stopped:
+        pass
+    finally:
+        outer.close()
+        if main_thread and previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return rows
+
+
+def _append(path: str, row: dict) -> None:
+    """One JSONL line in a single write (a process killed mid-append leaves no half line behind)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(row) + "\n").encode())
+    finally:
+        os.close(fd)
 
 
 def _fmt_point(point: dict) -> str:

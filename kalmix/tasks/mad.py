@@ -64,12 +64,17 @@ class _MADTask(BaseModel):
 
 # ---------------------------------------------------------------------------------------------------- recall
 
-def _recall(n: int, T: int, num_keys: int, noise_vocab_size: int, frac_noise: float, gen: torch.Generator,
-            test: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys [0, K), values [K, 2K), noise [2K, 2K + noise_vocab_size); T // 2 + 1 two-token slots, cut to T + 1."""
+def _recall(n: int, T: int, num_keys: int, noise_vocab_size: int, frac_noise: float, values: str,
+            gen: torch.Generator, test: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys [0, K), values [K, 2K), noise [2K, 2K + noise_vocab_size); T // 2 + 1 two-token slots, cut to T + 1.
+    ``values``: "bijection" (a permutation key -> value per sequence) or "independent" (each key's value drawn
+    uniformly on its own, so keys may share a value)."""
     K = num_keys
     S = T // 2 + 1                                                      # 2S >= T + 1 tokens
-    values_of = torch.rand(n, K, generator=gen).argsort(1) + K          # a bijection key -> value per sequence
+    if values == "bijection":
+        values_of = torch.rand(n, K, generator=gen).argsort(1) + K
+    else:
+        values_of = torch.randint(K, 2 * K, (n, K), generator=gen)
     keys = torch.randint(K, (n, S), generator=gen)
     pairs = torch.stack([keys, values_of.gather(1, keys)], dim=2)       # [n, S, 2]
     noise = torch.zeros(n, S, dtype=torch.bool)
@@ -79,9 +84,9 @@ def _recall(n: int, T: int, num_keys: int, noise_vocab_size: int, frac_noise: fl
         pairs = torch.where(noise[..., None], noise_tokens, pairs)
     seq = pairs.reshape(n, 2 * S)[:, :T + 1]
     if test:                                                            # values of keys seen in an earlier pair
-        occ = F.one_hot(keys, K) * (~noise)[..., None]
-        before = (occ.cumsum(1) - occ).gather(2, keys[..., None])[..., 0]
-        seen = (before > 0) & ~noise
+        slot = torch.arange(S).expand(n, S)                             # first clean slot of each key (noise: K)
+        first = torch.full((n, K + 1), S).scatter_reduce(1, torch.where(noise, K, keys), slot, "amin")
+        seen = (slot > first.gather(1, keys)) & ~noise
         scored = torch.stack([torch.zeros_like(seen), seen], dim=2).reshape(n, 2 * S)
     else:                                                               # next token everywhere but noise
         scored = (~noise).repeat_interleave(2, dim=1)
@@ -92,15 +97,18 @@ def _recall(n: int, T: int, num_keys: int, noise_vocab_size: int, frac_noise: fl
 class InContextRecallConfig(_MADTask):
     """In-context recall: a sequence of (key, value) pairs ``k v k v …`` with a fixed key -> value map per sequence.
 
-    Keys come from [0, V/2), values from [V/2, V). Each sequence draws its own bijection key -> value (a uniform
-    random permutation of the values), then T // 2 + 1 keys uniformly *with replacement*, each followed by its
-    value; the T + 1 tokens are shifted by one into inputs / labels. Train: every next token is scored (the keys,
-    unpredictable, included — MAD's "next-token everywhere"). Test: only the value after a key that already
-    occurred in an earlier pair of the same sequence (label position = the key's position).
+    Keys come from [0, V/2), values from [V/2, V). Each sequence draws its own key -> value map, ``values``:
+    "bijection" (default: a uniform random permutation of the values) or "independent" (MAD-Lab's generator: each
+    key's value drawn uniformly on its own, so two keys may share a value), then T // 2 + 1 keys uniformly *with
+    replacement*, each followed by its value; the T + 1 tokens are shifted by one into inputs / labels. Train:
+    every next token is scored (the keys, unpredictable, included — MAD's "next-token everywhere"). Test: only the
+    value after a key that already occurred in an earlier pair of the same sequence (label position = the key's
+    position). The Kalman paper's hard MQAR ("CR (hard)") is this task at V = 256, T = 2048.
     """
 
     vocab_size: int = Field(16, gt=0)
     seq_len: int = Field(128, gt=0)
+    values: Literal["bijection", "independent"] = "bijection"
 
     @model_validator(mode="after")
     def _check(self):
@@ -112,7 +120,7 @@ class InContextRecallConfig(_MADTask):
         return self
 
     def _generate(self, n, gen, test):
-        return _recall(n, self.seq_len, self.vocab_size // 2, 0, 0.0, gen, test)
+        return _recall(n, self.seq_len, self.vocab_size // 2, 0, 0.0, self.values, gen, test)
 
 
 class NoisyRecallConfig(_MADTask):
@@ -122,7 +130,8 @@ class NoisyRecallConfig(_MADTask):
     [0, K) and values [K, 2K), K = (V − noise_vocab_size) / 2 (V 32: keys 0–7, values 8–15, noise 16–31). The
     sequence is T // 2 + 1 two-token slots; each slot independently, with probability ``frac_noise``, holds two
     uniform noise tokens instead of a (key, value) pair (the pair drawn as in ``InContextRecallConfig``, from the
-    sequence's key -> value bijection). Noise is never a target. Train: every non-noise next token is scored.
+    sequence's key -> value map, ``values`` as there). Noise is never a target. Train: every non-noise next token
+    is scored.
     Test: only the value after a key that occurred in an earlier non-noise slot.
     """
 
@@ -130,6 +139,7 @@ class NoisyRecallConfig(_MADTask):
     seq_len: int = Field(128, gt=0)
     noise_vocab_size: int = Field(16, gt=0)
     frac_noise: float = Field(0.2, ge=0.0, lt=1.0)
+    values: Literal["bijection", "independent"] = "bijection"
 
     @model_validator(mode="after")
     def _check(self):
@@ -143,7 +153,7 @@ class NoisyRecallConfig(_MADTask):
 
     def _generate(self, n, gen, test):
         K = (self.vocab_size - self.noise_vocab_size) // 2
-        return _recall(n, self.seq_len, K, self.noise_vocab_size, self.frac_noise, gen, test)
+        return _recall(n, self.seq_len, K, self.noise_vocab_size, self.frac_noise, self.values, gen, test)
 
 
 def _random_tuples(n: int, lo: int, count: int, max_len: int, gen: torch.Generator,
@@ -315,16 +325,18 @@ class MemorizationConfig(_MADTask):
 
     Tokens: keys [0, K), values [K, V − 1), insert V − 1, K = (V − 1) // 2 (V 256: keys 0–126, values 127–254,
     insert 255). The map (``value_map()``) gives each key a uniform value, drawn once from ``map_seed`` — the same
-    for every example, seed and split. A sequence is T/2 pairs ``key insert`` with distinct keys (uniform, without
-    replacement within the sequence, so a value can never be recalled in context); labels −100 except at each
-    insert position, which holds the preceding key's value. MAD trains on 256 sequences; the test split is
-    fresh sequences over the same map.
+    for every example, seed and split. A sequence is T/2 pairs ``key insert``, its keys (uniform) ``keys``:
+    "distinct" (default: without replacement within the sequence) or "with_replacement" (MAD-Lab's generator: each
+    pair's key drawn on its own, so a key may recur); values never appear in the inputs, so they cannot be recalled
+    in context either way. labels −100 except at each insert position, which holds the preceding key's value. MAD
+    trains on 256 sequences; the test split is fresh sequences over the same map.
     """
 
     num_train: int = Field(256, gt=0)
     vocab_size: int = Field(256, gt=0)
     seq_len: int = Field(32, gt=0)
     map_seed: int = Field(0, ge=0)
+    keys: Literal["distinct", "with_replacement"] = "distinct"
 
     @model_validator(mode="after")
     def _check(self):
@@ -333,9 +345,9 @@ class MemorizationConfig(_MADTask):
         if self.seq_len % 2:
             raise ValueError(f"seq_len must be even ((key, insert) pairs), got {self.seq_len}")
         K = (self.vocab_size - 1) // 2
-        if self.seq_len // 2 > K:
+        if self.keys == "distinct" and self.seq_len // 2 > K:
             raise ValueError(f"seq_len / 2 = {self.seq_len // 2} pairs need as many distinct keys, but "
-                             f"vocab_size = {self.vocab_size} has only {K}")
+                             f"vocab_size = {self.vocab_size} has only {K} (or keys='with_replacement')")
         return self
 
     def value_map(self) -> torch.Tensor:
@@ -347,7 +359,10 @@ class MemorizationConfig(_MADTask):
     def _generate(self, n, gen, test):
         T, V = self.seq_len, self.vocab_size
         K = (V - 1) // 2
-        keys = torch.rand(n, K, generator=gen).argsort(1)[:, :T // 2]
+        if self.keys == "distinct":
+            keys = torch.rand(n, K, generator=gen).argsort(1)[:, :T // 2]
+        else:
+            keys = torch.randint(K, (n, T // 2), generator=gen)
         inputs = torch.stack([keys, torch.full_like(keys, V - 1)], dim=2).reshape(n, T)
         labels = torch.stack([torch.full_like(keys, IGNORE), self.value_map()[keys]], dim=2).reshape(n, T)
         return inputs, labels

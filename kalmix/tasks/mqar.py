@@ -41,15 +41,31 @@ class MQARConfig(BaseModel):
                              self.power_a, self.random_non_queries, torch.Generator().manual_seed(seed))
 
 
+def distinct(n: int, count: int, D: int, gen: torch.Generator) -> torch.Tensor:
+    """[n, D] distinct indices from [0, count) per row, uniformly: the positions of the D smallest of ``count``
+    uniform draws, in increasing order of the draws (``rand(n, count).argsort(1)[:, :D]`` but for exact ties), drawn
+    in blocks of rows so that memory stays bounded at any n."""
+    rows = max(1, 2 ** 24 // count)
+    return torch.cat([torch.rand(min(rows, n - i), count, generator=gen).topk(D, dim=1, largest=False).indices
+                      for i in range(0, n, rows)])
+
+
+def pairs(n: int, D: int, V: int, replacement: bool, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys [n, D] from [1, V/2) and values [n, D] from [V/2, V): distinct within an example (Zoology), or each
+    drawn independently with replacement (``replacement``: two pairs may share a key or a value)."""
+    half = V // 2
+    if replacement:
+        return (torch.randint(1, half, (n, D), generator=gen), torch.randint(half, V, (n, D), generator=gen))
+    return distinct(n, half - 1, D, gen) + 1, distinct(n, V - half, D, gen) + half
+
+
 def mqar_examples(n: int, T: int, D: int, V: int, Q: int, power_a: float, random_non_queries: bool,
-                  gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """MQAR's sampling: per example D distinct keys from [1, V/2) and D distinct values from [V/2, V) laid out as
+                  gen: torch.Generator, replacement: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """MQAR's sampling: per example D keys from [1, V/2) and D values from [V/2, V) (``pairs``) laid out as
     ``k1 v1 …``, then Q queries (every key once, then Q − D keys drawn again) at even offsets of the remaining
     T + 1 − 2D slots, slot i drawn ∝ (i + 1)^(power_a − 1) without replacement; filler 0, or uniform over [0, V)
     with ``random_non_queries``. Returns inputs, labels [n, T] (the sequence of T + 1 shifted by one)."""
-    half = V // 2
-    keys = torch.rand(n, half - 1, generator=gen).argsort(1)[:, :D] + 1          # distinct keys per example
-    values = torch.rand(n, V - half, generator=gen).argsort(1)[:, :D] + half     # distinct values
+    keys, values = pairs(n, D, V, replacement, gen)
     context = 2 * D
     kvs = torch.stack([keys, values], dim=2).reshape(n, context)
     space = (T - context) // 2

@@ -15,12 +15,12 @@ Every generator is a pure function of (config, seed): all randomness comes from 
 """
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kalmix.tasks.mqar import MQARConfig, mqar_examples
+from kalmix.tasks.mqar import MQARConfig, mqar_examples, pairs
 
 # the VLA paper's capacity grid (T = 3n + 1) and its long-context variant (n = 8)
 CAPACITY_NUM_KV_PAIRS: tuple[int, ...] = (4, 8, 16, 24, 32, 48, 64, 96)
@@ -222,21 +222,32 @@ class StackConfig(BaseModel):
 
 
 class HardMQARConfig(BaseModel):
-    """MQAR generalised to V < T: the Kalman paper's hard setting T = 2048, V = 256 (the defaults).
+    """MQAR generalised to V < T (the Kalman paper's hard setting T = 2048, V = 256, the defaults) and to the
+    Kaczmarz paper's released generator.
 
-    The layout is ``MQARConfig``'s: D = ``num_kv_pairs`` pairs ``k1 v1 … kD vD`` up front with D distinct keys
-    from [1, V/2) and D distinct values from [V/2, V) (so D <= V/2 − 1), then queries at even offsets of the
-    rest, gap slot i drawn with probability ∝ (i + 1)^(power_a − 1) without replacement, the label at a query
-    being its key's value, built at length T + 1 and shifted. What changes:
-      - no V > T requirement (Zoology's generator asserts it);
-      - ``random_non_queries`` defaults to True: every non-pair, non-query position (answer slots included) is a
-        uniform token from [0, V). With V < T, key and value tokens necessarily recur in this filler; such
-        occurrences are never scored, and labels always use the D bindings up front (``random_non_queries=False``
-        gives MQARConfig's zero filler instead);
-      - ``num_queries`` Q (default D): the first D queries ask every key once (key i at the i-th drawn slot, as
-        MQARConfig); the Q − D extra queries ask uniform keys again (repeats) at the slots drawn after those.
-        Needs 2D + 2Q <= T.
-    With num_queries = D and V > T the output equals ``MQARConfig``'s with the same fields and seed.
+    D = ``num_kv_pairs`` pairs ``k1 v1 … kD vD`` up front, keys from [1, V/2) and values from [V/2, V), then
+    queries, the label at a query being its pair's value. Options:
+      - ``sampling``: "distinct" (Zoology's: D distinct keys and D distinct values, so D <= V/2 − 1) or
+        "replacement" (the Kaczmarz release's: every key and value drawn independently, so two pairs may share a
+        key, whose queries are then ambiguous, or a value);
+      - ``placement``: where the queries go:
+          - "gaps" (Zoology's layout): at even offsets of the rest, gap slot i drawn with probability
+            ∝ (i + 1)^(power_a − 1) without replacement, each query followed by an answer slot; built at length
+            T + 1 and shifted (as ``MQARConfig``). The first D queries ask every key once; ``num_queries`` Q > D
+            adds Q − D queries of uniform keys at the slots drawn after those (needs 2D + 2Q <= T).
+          - "positions" (the Kaczmarz release's ``mqar_data.py``): each pair's key is queried once at an absolute
+            position x drawn from the density ∝ x^(power_a − 1) on [2D, T − 2) and floored (the release's
+            power-law alpha = 1 − power_a: its 0.1 is ``power_a = 0.9``, close to uniform), the pairs placed in a
+            random order, a later query overwriting an earlier one at the same position (an example may keep fewer
+            than D queries). No answer slot: the token after a query is filler. Built at length T, the label at
+            the query's own position. Needs 2D + 3 <= T and no ``num_queries``. At T = 2048 with 32 pairs and
+            power_a = 0.9, 89% of the queries sit past position 256 (the release's length extrapolation), where
+            "gaps" with power_a = 0.01 puts 42% there.
+      - ``random_non_queries`` (default True): every non-pair, non-query position (answer slots included) is a
+        uniform token from [0, V); with V < T key and value tokens necessarily recur in this filler, unscored, and
+        labels always use the D bindings up front. False: ``MQARConfig``'s zero filler.
+    With the default options, num_queries = D and V > T the output equals ``MQARConfig``'s with the same fields
+    and seed (Zoology's V > T requirement is dropped here).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -248,20 +259,32 @@ class HardMQARConfig(BaseModel):
     num_queries: int | None = Field(None, gt=0)
     power_a: float = Field(0.01, gt=0)
     random_non_queries: bool = True
+    sampling: Literal["distinct", "replacement"] = "distinct"
+    placement: Literal["gaps", "positions"] = "gaps"
 
     @model_validator(mode="after")
     def _sizes(self):
         D, Q = self.num_kv_pairs, self.queries
-        if self.seq_len % 2:
-            raise ValueError(f"seq_len must be even, got {self.seq_len}")
-        if D > self.vocab_size // 2 - 1:
+        if self.vocab_size < 4:
+            raise ValueError(f"vocab_size must be >= 4 (keys [1, V/2) and values [V/2, V)), got {self.vocab_size}")
+        if self.sampling == "distinct" and D > self.vocab_size // 2 - 1:
             raise ValueError(f"num_kv_pairs must be <= vocab_size // 2 - 1 = {self.vocab_size // 2 - 1} distinct "
-                             f"keys, got {D}")
+                             f"keys, got {D} (or sampling='replacement')")
         if Q < D:
             raise ValueError(f"num_queries must be >= num_kv_pairs (every key is queried), got {Q} < {D}")
-        if 2 * D + 2 * Q > self.seq_len:
-            raise ValueError(f"need 2 * num_kv_pairs + 2 * num_queries <= seq_len, got 2 * {D} + 2 * {Q} > "
-                             f"{self.seq_len}")
+        if self.placement == "positions":
+            if self.num_queries is not None and self.num_queries != D:
+                raise ValueError(f"placement='positions' queries each pair once; num_queries must be None or "
+                                 f"{D}, got {self.num_queries}")
+            if 2 * D + 3 > self.seq_len:
+                raise ValueError(f"placement='positions' needs 2 * num_kv_pairs + 3 <= seq_len, got 2 * {D} + 3 > "
+                                 f"{self.seq_len}")
+        else:
+            if self.seq_len % 2:
+                raise ValueError(f"seq_len must be even with placement='gaps', got {self.seq_len}")
+            if 2 * D + 2 * Q > self.seq_len:
+                raise ValueError(f"need 2 * num_kv_pairs + 2 * num_queries <= seq_len, got 2 * {D} + 2 * {Q} > "
+                                 f"{self.seq_len}")
         return self
 
     @property
@@ -270,31 +293,57 @@ class HardMQARConfig(BaseModel):
 
     def build(self, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns inputs, labels: LongTensors [num_examples, seq_len]; labels −100 where not scored."""
-        return mqar_examples(self.num_examples, self.seq_len, self.num_kv_pairs, self.vocab_size, self.queries,
-                             self.power_a, self.random_non_queries, torch.Generator().manual_seed(seed))
+        gen = torch.Generator().manual_seed(seed)
+        n, T, D, V = self.num_examples, self.seq_len, self.num_kv_pairs, self.vocab_size
+        if self.placement == "gaps":
+            return mqar_examples(n, T, D, V, self.queries, self.power_a, self.random_non_queries, gen,
+                                 replacement=self.sampling == "replacement")
+        keys, values = pairs(n, D, V, self.sampling == "replacement", gen)
+        inputs = (torch.randint(V, (n, T), generator=gen) if self.random_non_queries
+                  else torch.zeros(n, T, dtype=torch.long))
+        inputs[:, :2 * D] = torch.stack([keys, values], dim=2).reshape(n, 2 * D)
+        labels = torch.full((n, T), -100, dtype=torch.long)
+        order = torch.rand(n, D, generator=gen).argsort(1)                    # the order the pairs are placed in
+        a, lo, hi = self.power_a, 2 * D, T - 2
+        u = torch.rand(n, D, generator=gen, dtype=torch.float64)              # inverse CDF of x^(a − 1) on [lo, hi)
+        pos = (u * (hi ** a - lo ** a) + lo ** a).pow(1 / a).floor().long().clamp(lo, hi - 1)
+        rows = torch.arange(n)
+        for j in range(D):                                                    # later placements overwrite earlier
+            which = order[:, j]
+            inputs[rows, pos[:, j]] = keys[rows, which]
+            labels[rows, pos[:, j]] = values[rows, which]
+        return inputs, labels
 
     def as_mqar(self) -> MQARConfig:
-        """The equivalent ``MQARConfig`` (only valid where Zoology's constraints hold: V > T, num_queries = D)."""
+        """The equivalent ``MQARConfig`` (only valid where Zoology's constraints hold: V > T, num_queries = D,
+        distinct pairs at gap slots)."""
         if self.queries != self.num_kv_pairs:
             raise ValueError("MQARConfig queries every key exactly once; num_queries must equal num_kv_pairs")
+        if self.sampling != "distinct" or self.placement != "gaps":
+            raise ValueError("MQARConfig draws distinct pairs and places queries at gap slots; needs "
+                             "sampling='distinct' and placement='gaps'")
         return MQARConfig(vocab_size=self.vocab_size, seq_len=self.seq_len, num_kv_pairs=self.num_kv_pairs,
                           num_examples=self.num_examples, power_a=self.power_a,
                           random_non_queries=self.random_non_queries)
 
 
 class CapacityMQARConfig(BaseModel):
-    """The VLA paper's MQAR capacity curve: ``k1 v1 … kn vn SEP q1 … qn``, T = 3n + 1.
+    """The VLA paper's MQAR capacity curve: ``k1 v1 … kn vn SEP q1 q2 …``, T = 3n + 1 by default.
 
     V = ``vocab_size`` (default 128). Tokens: SEP = 0, PAD = 1, keys and values share [2, V): n = ``num_kv_pairs``
     distinct keys (needs n <= V − 2; the paper's grid ``CAPACITY_NUM_KV_PAIRS`` tops out at 96 <= 126) and values
     i.i.d. uniform from [2, V) (they may repeat and may equal key tokens: a token's role is fixed by its position).
-    The n queries are the n keys again, each once, in a uniformly random order. Queries follow each other with no
-    answer slot, so labels sit at the query positions: labels[:, t] = value of key inputs[:, t] for the last n
-    positions, −100 elsewhere (the output after reading a query key is its value, MQARConfig's convention).
+    Queries follow each other with no answer slot, so labels sit at the query positions: labels[:, t] = value of
+    key inputs[:, t] at every query, −100 elsewhere (the output after reading a query key is its value,
+    MQARConfig's convention). ``queries`` picks how the part after SEP is made:
 
-    ``seq_len`` defaults to 3n + 1. The long-context variant (the paper: n = 8, T in ``CAPACITY_LONG_SEQ_LENS``)
-    sets a larger seq_len: the extra T − (3n + 1) positions are PAD tokens between the last pair and SEP, so the
-    pairs stay at the start, the queries at the end, and only the distance between them grows.
+    - "permutation" (default): the n keys again, each once, in a uniformly random order; a ``seq_len`` above 3n + 1
+      puts its extra T − (3n + 1) positions as PAD tokens between the last pair and SEP, so the pairs stay at the
+      start, the queries at the end, and only the distance between them grows;
+    - "fill" (the authors' released notebook): every one of the T − 2n − 1 positions after SEP is a query of a key
+      drawn uniformly with replacement from the n (at T = 3n + 1: n queries, keys may repeat or be missing); a
+      longer ``seq_len`` (the paper's long-context variant: n = 8, T in ``CAPACITY_LONG_SEQ_LENS``) means more
+      queries, never PAD.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -303,6 +352,7 @@ class CapacityMQARConfig(BaseModel):
     num_examples: int = Field(gt=0)
     vocab_size: int = Field(128, gt=0)
     seq_len: int | None = Field(None, gt=0)
+    queries: Literal["permutation", "fill"] = "permutation"
 
     sep_token: ClassVar[int] = 0
     pad_token: ClassVar[int] = 1
@@ -323,15 +373,17 @@ class CapacityMQARConfig(BaseModel):
         return 3 * self.num_kv_pairs + 1 if self.seq_len is None else self.seq_len
 
     def build(self, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns inputs, labels: LongTensors [num_examples, T]; the last n labels are the queried values."""
+        """Returns inputs, labels: LongTensors [num_examples, T]; every query position labelled with its value."""
         gen = torch.Generator().manual_seed(seed)
         N, n, V, T = self.num_examples, self.num_kv_pairs, self.vocab_size, self.full_seq_len
         keys = torch.rand(N, V - 2, generator=gen).argsort(1)[:, :n] + 2
         values = torch.randint(2, V, (N, n), generator=gen)
-        order = torch.rand(N, n, generator=gen).argsort(1)
-        pad = T - (3 * n + 1)
+        if self.queries == "fill":
+            pad, which = 0, torch.randint(n, (N, T - 2 * n - 1), generator=gen)
+        else:
+            pad, which = T - (3 * n + 1), torch.rand(N, n, generator=gen).argsort(1)
         inputs = torch.cat([torch.stack([keys, values], dim=2).reshape(N, 2 * n),
                             torch.full((N, pad), self.pad_token), torch.full((N, 1), self.sep_token),
-                            keys.gather(1, order)], dim=1)
-        labels = torch.cat([torch.full((N, 2 * n + pad + 1), -100), values.gather(1, order)], dim=1)
+                            keys.gather(1, which)], dim=1)
+        labels = torch.cat([torch.full((N, 2 * n + pad + 1), -100), values.gather(1, which)], dim=1)
         return inputs, labels

@@ -8,7 +8,7 @@ import yaml
 from pydantic import ValidationError
 
 from kalmix.bench import report as rep
-from kalmix.bench.synthetic import Recipe, TaskSpec, load_recipe, recorded, run, scores
+from kalmix.bench.synthetic import Recipe, TaskSpec, load_recipe, recorded, run, run_key, scores
 from kalmix.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -168,9 +168,11 @@ def test_compression_and_word_problem_models_train(tmp_path):
     assert [r["point"]["model.n_layers"] for r in rows] == [1, 2] and rows[0]["params"] < rows[1]["params"]
 
 
-def _row(mixer, point, seed, lr, val, test, length=16):
+def _row(mixer, point, seed, lr, val, test, length=16, history=None, steps_run=4):
+    metrics = {m: test for m in ("accuracy", "token_accuracy", "sequence_accuracy", "macro_accuracy")}
     return {"recipe": "t", "status": "ok", "mixer": mixer, "point": point, "seed": seed, "lr": lr, "val": val,
-            "test": {str(length): {"accuracy": test}}, "ran": "x", "device": "cpu", "steps_run": 1}
+            "test": {str(length): metrics}, "ran": "x", "device": "cpu", "steps_run": steps_run, "train_s": 1.0,
+            "history": history or [[steps_run, 1.0, val]]}
 
 
 def test_lr_chosen_by_validation_not_test():
@@ -213,3 +215,225 @@ def test_cli_dry_run_and_errors(tmp_path, capsys):
     bad.write_text("{not json\n")
     with pytest.raises(SystemExit):
         main(["bench", "report", str(bad), "--out", str(tmp_path / "rep")])
+
+
+# ------------------------------------------------------------------------ the papers' protocols in the schema
+
+def test_budget_fraction_in_dry_run_and_report(tmp_path, capsys):
+    data = tiny(budget={"steps": 8, "batch_size": 8, "lrs": 1, "seeds": 1, "source": "Table 1"},
+                train={"steps": 4, "batch_size": 8, "lrs": [1e-3, 3e-3], "seeds": [0, 1, 2], "eval_every": 2})
+    recipe = Recipe.model_validate(data)
+    assert recipe.budget_fraction == {"run": 0.5, "sweep": 3.0}               # 4 × 8 of 8 × 8; × 2 lrs × 3 seeds
+    assert Recipe.model_validate(recipe.model_dump()).budget_fraction == recipe.budget_fraction   # round trip
+    assert "50% of a paper run, 300% of its sweep" in recipe.budget_line()
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["bench", "run", str(path), "--dry-run", "--set", "train.steps=16"]) == 0
+    out = yaml.safe_load(capsys.readouterr().out)
+    assert out["budget_fraction"] == {"run": 2.0, "sweep": 12.0}
+    epochs = Recipe.model_validate(tiny(budget={"epochs": 2, "train_examples": 64, "seeds": 2, "source": "x"},
+                                        train={"steps": 4, "batch_size": 8, "lrs": [1e-3], "seeds": [0]}))
+    assert epochs.budget_fraction == {"run": 0.25, "sweep": 0.125}
+    unknown = Recipe.model_validate(tiny(budget={"epochs": 500, "source": "x"}))
+    assert unknown.budget_fraction == {"run": None, "sweep": None} and "no fraction" in unknown.budget_line()
+    with pytest.raises(ValidationError, match="either steps"):
+        Recipe.model_validate(tiny(budget={"steps": 8, "epochs": 2, "batch_size": 8, "source": "x"}))
+    with pytest.raises(ValidationError, match="steps needs batch_size"):
+        Recipe.model_validate(tiny(budget={"steps": 8, "source": "x"}))
+
+
+def test_where_overrides_apply_at_their_grid_points():
+    recipe = Recipe.model_validate(tiny(grid={"model.d_model": [8, 16]}, report={"x": "model.d_model"},
+                                        references=[],
+                                        where=[{"at": {"model.d_model": 16},
+                                                "set": {"train.batch_size": 4, "mixers.gdn.kwargs.num_heads": 4}}]))
+    small, big = (recipe.at(p) for p in recipe.points())
+    assert small.train.batch_size == 8 and small.mixers["gdn"].kwargs["num_heads"] == 2
+    assert big.train.batch_size == 4 and big.mixers["gdn"].kwargs["num_heads"] == 4 and big.where == []
+    plain = Recipe.model_validate({**recipe.model_dump(), "where": []}).at({"model.d_model": 16})
+    p16 = {"model.d_model": 16}
+    assert run_key(big, p16, "gdn", 1e-3, 0) != run_key(plain, p16, "gdn", 1e-3, 0)   # the key sees the override
+    with pytest.raises(ValidationError, match="not a grid path"):
+        Recipe.model_validate(tiny(grid={"model.d_model": [8]}, report={"x": "model.d_model"},
+                                   where=[{"at": {"model.n_layers": 1}, "set": {"train.steps": 2}}]))
+    narrowed = Recipe.model_validate({**recipe.model_dump(), "grid": {"model.d_model": [8]}})   # --set grid.…=[8]
+    assert [narrowed.at(p).train.batch_size for p in narrowed.points()] == [8]       # the entry for 16 is idle
+
+
+def test_set_overrides_win_over_where_entries(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(tiny(grid={"model.d_model": [8, 16]}, report={"x": "model.d_model"},
+                                        references=[],
+                                        where=[{"at": {"model.d_model": 16},
+                                                "set": {"train.steps": 9, "train.batch_size": 4}}])))
+    r = load_recipe(str(path), ["train.steps=2"])
+    assert [r.at(p).train.steps for p in r.points()] == [2, 2]                  # --set holds at every point
+    assert [r.at(p).train.batch_size for p in r.points()] == [8, 4]             # the rest of the entry stays
+    r = load_recipe(str(path), ["train={steps: 3, lrs: [0.01]}"])               # a whole block replaces it all
+    assert [(r.at(p).train.steps, r.at(p).train.batch_size) for p in r.points()] == [(3, 64), (3, 64)]
+    assert r.where == []
+    with pytest.raises(ValidationError, match="is a grid path"):
+        Recipe.model_validate(tiny(grid={"model.d_model": [8]}, report={"x": "model.d_model"},
+                                   where=[{"at": {"model.d_model": 8}, "set": {"model.d_model": 4}}]))
+    with pytest.raises(ValidationError, match="does not name a recipe field"):
+        Recipe.model_validate(tiny(grid={"model.d_model": [8]}, report={"x": "model.d_model"},
+                                   where=[{"at": {"model.d_model": 8}, "set": {"train.epochs": 4}}]))
+    # a grid point made invalid by its override is found when the recipe loads
+    with pytest.raises(ValidationError, match="num_kv_pairs"):
+        Recipe.model_validate(tiny(grid={"model.d_model": [8]}, report={"x": "model.d_model"},
+                                   where=[{"at": {"model.d_model": 8}, "set": {"task.params.num_kv_pairs": 9}}]))
+
+
+def test_model_and_optimizer_fields_reach_the_model(tmp_path, monkeypatch):
+    import kalmix.bench.synthetic as syn
+    recipe = Recipe.model_validate(tiny(model={"d_model": 16, "n_layers": 1, "mlp": True, "intermediate_size": 32,
+                                               "tie_embeddings": True, "init_std": 0.02},
+                                        train={"steps": 2, "lrs": [1e-3], "betas": [0.9, 0.95], "eval_every": 2}))
+    model = syn.build_model(recipe, recipe.mixers["gdn"], None)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.config.intermediate_size == 32 and model.config.initializer_range == 0.02
+    assert abs(model.model.embed_tokens.weight.std().item() - 0.02) < 0.003
+    seen = []
+    real = torch.optim.AdamW
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["betas"])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(syn.torch.optim, "AdamW", spy)
+    run(recipe, str(tmp_path / "r.jsonl"), mixers=["gdn"], progress=False)
+    assert seen == [(0.9, 0.95)]
+    with pytest.raises(ValidationError, match="betas"):
+        Recipe.model_validate(tiny(train={"steps": 2, "lrs": [1e-3], "betas": [0.9, 1.5]}))
+    with pytest.raises(ValidationError, match="exceeds the fixed training set"):
+        Recipe.model_validate(tiny(train={"steps": 2, "lrs": [1e-3], "batch_size": 128}))
+
+
+def test_epoch_sampling_sees_every_sequence_once_per_epoch():
+    from kalmix.bench.synthetic import epoch_batch
+    batches = [epoch_batch(20, 6, 3, step) for step in range(6)]          # 3 batches per epoch, 2 dropped
+    for epoch in (batches[:3], batches[3:]):
+        seen = torch.cat(epoch)
+        assert len(seen.unique()) == 18
+    assert not torch.equal(torch.cat(batches[:3]), torch.cat(batches[3:]))   # a fresh permutation per epoch
+    assert torch.equal(epoch_batch(20, 6, 3, 4), batches[4]) and not torch.equal(epoch_batch(20, 6, 4, 4), batches[4])
+
+
+def test_recorded_results_keep_their_keys():
+    """Rows recorded before the schema grew (betas, sampling, model fields) are still the current recipe's."""
+    path = os.path.join(ROOT, "docs", "results", "bench", "kaczmarz_mqar_extrapolation.jsonl")
+    rows = [r for r in rep.load_rows([path]) if r["status"] == "ok"]
+    assert rows
+    for row in rows:
+        recipe = Recipe.model_validate(row["spec"])
+        assert row["key"] == run_key(recipe.at(row["point"]), row["point"], row["mixer"], row["lr"], row["seed"])
+
+
+def test_a_run_cut_by_sigterm_is_not_recorded_and_resumes(tmp_path, monkeypatch):
+    import signal
+
+    import kalmix.bench.synthetic as syn
+    data = tiny(references=[], train={"steps": 6, "lrs": [1e-3], "eval_every": 2})
+    data["mixers"] = {"gdn": data["mixers"]["gdn"]}
+    recipe = Recipe.model_validate(data)
+    whole = run(recipe, str(tmp_path / "whole.jsonl"), progress=False)[0]
+    out = str(tmp_path / "cut.jsonl")
+    real, calls = syn.evaluate, []
+
+    def evaluate_then_term(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:                                    # during the evaluation at step 4
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(syn, "evaluate", evaluate_then_term)
+    assert run(recipe, out, progress=False) == [] and recorded(out) == set()
+    assert len(os.listdir(out + ".ckpt")) == 1
+    monkeypatch.setattr(syn, "evaluate", real)
+    [resumed] = run(recipe, out, progress=False)
+    assert resumed["resumed_at"] == [4] and resumed["steps_run"] == 6
+    assert resumed["history"] == whole["history"] and resumed["test"] == whole["test"]
+    assert os.listdir(out + ".ckpt") == []
+
+
+def _history(vals, every=100, loss0=2.0, falling=True):
+    return [[every * (i + 1), loss0 * (1 - i / (2 * len(vals))) if falling else loss0, v] for i, v in enumerate(vals)]
+
+
+def test_escape_statistics_lr_edges_and_tails():
+    recipe = Recipe.model_validate(tiny(train={"steps": 1000, "lrs": [1e-3, 3e-3, 1e-2], "seeds": [0, 1, 2, 3],
+                                               "eval_every": 100},
+                                        report={"x": "eval_length", "solve_at": 0.9}, references=[]))
+    p = {}
+    flat_low = _history([0.05] * 10, falling=False)
+    rows = [  # seed 0 solves at step 300 with the middle lr; seed 1 at 700 with the top lr; seeds 2, 3 never
+        _row("gdn", p, 0, 3e-3, 0.99, 0.99, history=_history([0.1, 0.5, 0.95] + [0.99] * 7), steps_run=1000),
+        _row("gdn", p, 0, 1e-2, 0.5, 0.5, history=_history([0.5] * 10), steps_run=1000),
+        _row("gdn", p, 1, 1e-2, 0.93, 0.9, history=_history([0.1] * 6 + [0.95, 0.93, 0.93, 0.93]), steps_run=1000),
+        _row("gdn", p, 2, 1e-3, 0.05, 0.05, history=flat_low, steps_run=1000),
+        _row("gdn", p, 3, 1e-3, 0.4, 0.4, history=_history([0.05] * 8 + [0.2, 0.4]), steps_run=1000),
+    ]
+    s = rep.summarise(recipe, rows)
+    text = "\n".join(rep.diagnostics(recipe, s))
+    assert "| gdn | – | 2 of 4 | 500 |" in text                                # median of steps 300 and 700
+    assert "0.001 ×2 (edge), 0.003 ×1, 0.01 ×1 (edge)" in text
+    assert "solved; solved; flat; rising (+20.0 pts" in text
+    assert rep.solve_step(rows[0], 0.9) == 300 and rep.solve_step(rows[3], 0.9) is None
+    patience = _row("gdn", p, 0, 1e-3, 0.3, 0.3, history=_history([0.3] * 4), steps_run=400)
+    assert rep.tail(patience, recipe.train) == "stopped by patience"
+    saturated = _row("gdn", p, 0, 1e-3, 1.0, 1.0, history=_history([1.0] * 10, loss0=0.1), steps_run=1000)
+    assert rep.tail(saturated, recipe.train) == "flat"                      # loss falling at 100% is not training
+    md = rep.markdown(recipe, s, None)
+    assert "**Budget** per grid point: the recipe states no paper budget" in md and "ms/step" in md
+
+
+def test_report_also_shows_extra_metrics():
+    recipe = Recipe.model_validate(tiny(
+        task={"kind": "word_problem", "params": {"group": "A5", "seq_len": 4}, "train_examples": 8,
+              "val_examples": 8, "test_examples": 8},
+        grid={"task.params.seq_len": [4], "model.n_layers": [1, 2]}, references=[], metric="sequence_accuracy",
+        report={"kind": "min_depth", "x": "task.params.seq_len", "depth": "model.n_layers", "threshold": 0.9,
+                "also": ["token_accuracy"]}))
+    rows = []
+    for d, (seq, tok) in [(1, (0.5, 0.95)), (2, (0.92, 0.99))]:
+        row = _row("kla", {"task.params.seq_len": 4, "model.n_layers": d}, 0, 1e-3, seq, seq, length=4)
+        row["test"]["4"]["token_accuracy"] = tok
+        rows.append(row)
+    s = rep.summarise(recipe, rows)
+    assert rep.min_depths(recipe, s)["kla"][4] == (2, [1, 2])
+    assert rep.min_depths(recipe, s, "token_accuracy")["kla"][4] == (1, [1, 2])
+    md = rep.markdown(recipe, s, None)
+    assert "90% test sequence accuracy" in md and "90% test token accuracy" in md
+
+
+PLATEAU_PRONE = {"mqar", "hard_mqar", "capacity_mqar", "word_problem", "in_context_recall"}
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[os.path.basename(p) for p in RECIPES])
+def test_every_recipe_states_its_paper_budget_and_deviations(path):
+    recipe = load_recipe(path)
+    assert recipe.budget is not None and recipe.budget.source and len(recipe.deviations) > 200
+    seeds = len(recipe.train.seeds)
+    assert seeds >= max(3, recipe.budget.seeds)
+    if recipe.task.kind in PLATEAU_PRONE or "task.kind" in recipe.grid:         # MQAR, A5, MAD: >= 5 seeds
+        assert seeds >= 5 and recipe.report.solve_at is not None
+    for point in recipe.points():
+        f = recipe.at(point).budget_fraction
+        assert f["run"] is None or f["run"] >= 0.99                              # every run at the paper's length
+
+
+def test_reproduce_script_spreads_jobs_and_stops_at_its_limit(tmp_path):
+    import subprocess
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(tiny(references=[], train={"steps": 2, "lrs": [1e-3], "eval_every": 2})))
+    out = tmp_path / "out"
+    env = {**os.environ, "GPUS": "", "PER_GPU": "2", "LIMIT": "0", "PYTHONPATH": ROOT}
+    script = os.path.join(ROOT, "benchmarks", "reproduce.sh")
+    done = subprocess.run(["bash", script, str(out), f"{path}:gdn {path}:kla:0,1"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "finished" in done.stdout
+    assert len(rep.load_rows([str(out / "tiny.gdn.jsonl")])) == 1
+    assert {r["seed"] for r in rep.load_rows([str(out / "tiny.kla.s0-1.jsonl")])} == {0, 1}
+    assert (out / "report" / "README.md").exists()
+    late = subprocess.run(["bash", script, str(tmp_path / "late"), f"{path}:gdn"], env={**env, "LIMIT": "1"},
+                          capture_output=True, text=True, timeout=600)
+    assert late.returncode == 124 and "not started (time limit)" in late.stdout

@@ -255,3 +255,40 @@ def test_to_causal_lm_matches_kalmix_loss():
     want = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
     assert torch.allclose(out.loss, want, atol=1e-5)
     assert torch.allclose(out.logits[:, :40], logits, atol=1e-5)
+
+
+def shares_a_value(x_row, noise_lo=None) -> bool:
+    """Whether two distinct keys of a recall row map to the same value."""
+    lookup = {}
+    for _, k, v in recall_pairs(x_row, noise_lo):
+        lookup.setdefault(k, v)
+    return len(set(lookup.values())) < len(lookup)
+
+
+@pytest.mark.parametrize("cls", [InContextRecallConfig, NoisyRecallConfig])
+def test_recall_values_independent_as_mad_lab(cls):
+    noise_lo = 16 if cls is NoisyRecallConfig else None
+    bij = cls(num_train=200, num_test=8).build(0)[0]
+    ind_cfg = cls(num_train=200, num_test=8, values="independent")
+    ind, y = ind_cfg.build(0)
+    assert not any(shares_a_value(r, noise_lo) for r in bij)
+    # eight keys, each value drawn on its own: all eight distinct with probability 8!/8^8 = 0.0024
+    assert sum(shares_a_value(r, noise_lo) for r in ind) / len(ind) > 0.95
+    for i in range(20):
+        lookup = {}
+        for p, k, v in recall_pairs(ind[i], noise_lo):
+            assert lookup.setdefault(k, v) == v                          # still one value per key in a sequence
+    assert ((ind[:, 1::2] >= 8) & (ind[:, 1::2] < 16) | (ind[:, 1::2] >= 16)).all()
+
+
+def test_memorization_keys_with_replacement_as_mad_lab():
+    cfg = MemorizationConfig(num_train=4000, keys="with_replacement")
+    x, y = cfg.build(0)
+    keys = x[:, 0::2]
+    repeated = torch.tensor([len(set(r.tolist())) < 16 for r in keys]).float().mean().item()
+    expect = 1 - torch.prod(1 - torch.arange(16) / 127.0).item()          # 16 draws from 127 keys: 0.62
+    assert abs(repeated - expect) < 0.03
+    assert torch.equal(y[:, 1::2], cfg.value_map()[keys]) and (x[:, 1::2] == 255).all()
+    MemorizationConfig(seq_len=512, keys="with_replacement")               # more pairs than keys: allowed
+    with pytest.raises(ValidationError, match="or keys='with_replacement'"):
+        MemorizationConfig(seq_len=512)

@@ -58,3 +58,13 @@ def test_invalid_configs():
         MQARConfig(vocab_size=8192, seq_len=64, num_kv_pairs=17, num_examples=1)
     with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
         MQARConfig(vocab_size=8192, seq_len=64, num_kv_pairs=4, num_examples=1, typo=3)
+
+
+def test_distinct_draws_in_blocks_equal_one_draw():
+    from kalmix.tasks.mqar import distinct
+    gen = torch.Generator().manual_seed(5)
+    blocks = distinct(3000, 8191, 16, gen)                      # 2048 rows per block: two blocks
+    one = torch.rand(3000, 8191, generator=torch.Generator().manual_seed(5)).argsort(1)[:, :16]
+    assert torch.equal(blocks.sort(1).values, one.sort(1).values)          # the same draws, the same keys
+    assert (blocks == one).all(1).double().mean() > 0.998                   # in the same order but for exact ties
+    assert all(len(set(r.tolist())) == 16 for r in blocks[:100])

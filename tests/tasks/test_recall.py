@@ -287,3 +287,86 @@ def test_capacity_pure_and_invalid():
         CapacityMQARConfig(num_kv_pairs=8, num_examples=1, seq_len=24)
     with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
         CapacityMQARConfig(num_kv_pairs=8, num_examples=1, sep_token=5)
+
+
+# ------------------------------------------------------------------------------- the Kaczmarz release's MQAR
+
+KLA = dict(vocab_size=8192, num_kv_pairs=32, sampling="replacement", placement="positions", power_a=0.9,
+           random_non_queries=True)
+
+
+def released_cdf(x, lo, hi, a=0.9):
+    """P(position < x) under the density ∝ x^(a − 1) on [lo, hi)."""
+    return (x ** a - lo ** a) / (hi ** a - lo ** a)
+
+
+def test_released_mqar_queries_sit_far_after_the_pairs():
+    x, y = HardMQARConfig(seq_len=2048, num_examples=1000, **KLA).build(0)
+    pos = (y != -100).nonzero()[:, 1].double()
+    assert pos.min() >= 64 and pos.max() <= 2045
+    past = (pos >= 256).double().mean().item()
+    assert abs(past - (1 - released_cdf(256, 64, 2046))) < 0.015 and past > 0.87      # the issue's 89%
+    mean_after = (pos - 64).mean().item()                                                  # the issue's ~950 tokens
+    lo, hi = 64.0, 2046.0
+    expect = 0.9 / 1.9 * (hi ** 1.9 - lo ** 1.9) / (hi ** 0.9 - lo ** 0.9) - 64
+    assert abs(mean_after - expect) < 15
+    zoology = HardMQARConfig(seq_len=2048, num_examples=1000, vocab_size=8192, num_kv_pairs=32).build(0)[1]
+    past_gaps = ((zoology != -100).nonzero()[:, 1] >= 256).double().mean().item()
+    assert 0.38 < past_gaps < 0.46                                                         # the gap layout: 42%
+
+
+def test_released_mqar_layout_and_labels():
+    cfg = HardMQARConfig(seq_len=256, num_examples=400, **KLA)
+    x, y = cfg.build(0)
+    assert x.shape == y.shape == (400, 256)
+    keys, values = x[:, 0:64:2], x[:, 1:64:2]
+    assert ((keys >= 1) & (keys < 4096)).all() and ((values >= 4096) & (values < 8192)).all()
+    scored = y != -100
+    assert not scored[:, :64].any() and not scored[:, 254:].any()
+    per_row = scored.sum(1).double()
+    assert per_row.max() <= 32 and 28 < per_row.mean() < 31        # 32 queries on 190 positions: some collide
+    for i in range(50):
+        bindings = {}
+        for k, v in zip(keys[i].tolist(), values[i].tolist()):
+            bindings.setdefault(k, set()).add(v)
+        for p in scored[i].nonzero()[:, 0].tolist():
+            assert y[i, p].item() in bindings[x[i, p].item()]        # the label is a value of the queried key
+    dup = torch.tensor([len(set(r.tolist())) < 32 for r in keys]).double().mean().item()
+    assert abs(dup - (1 - torch.prod(1 - torch.arange(32) / 4095.0).item())) < 0.05    # keys drawn with replacement
+    filler = x[:, 64:][~scored[:, 64:]]
+    assert abs(filler.double().mean().item() / 8191 - 0.5) < 0.01 and (filler < 4096).any()   # uniform over V
+    distinct = HardMQARConfig(seq_len=256, num_examples=400, vocab_size=8192, num_kv_pairs=32,
+                              placement="positions", power_a=0.9).build(0)[0][:, 0:64:2]
+    assert all(len(set(r.tolist())) == 32 for r in distinct)
+    check_pure(cfg)
+
+
+def test_released_mqar_invalid():
+    with pytest.raises(ValidationError, match="queries each pair once"):
+        HardMQARConfig(num_kv_pairs=8, num_examples=1, placement="positions", num_queries=9)
+    with pytest.raises(ValidationError, match=r"2 \* num_kv_pairs \+ 3 <= seq_len"):
+        HardMQARConfig(num_kv_pairs=8, num_examples=1, seq_len=18, placement="positions")
+    HardMQARConfig(num_kv_pairs=8, num_examples=1, seq_len=19, placement="positions")      # odd T is fine here
+    HardMQARConfig(num_kv_pairs=200, num_examples=1, vocab_size=256, sampling="replacement")
+    with pytest.raises(ValueError, match="sampling='distinct'"):
+        HardMQARConfig(num_kv_pairs=8, num_examples=1, vocab_size=512, seq_len=128, **{
+            "sampling": "replacement"}).as_mqar()
+
+
+@pytest.mark.parametrize("T", [25, 512])
+def test_capacity_fill_as_released(T):
+    cfg = CapacityMQARConfig(num_kv_pairs=8, num_examples=2000, seq_len=T, queries="fill")
+    x, y = cfg.build(0)
+    assert x.shape == y.shape == (2000, T) and (x[:, 16] == cfg.sep_token).all()
+    assert (x[:, 17:] != cfg.pad_token).all() or T == 25
+    assert (y[:, :17] == -100).all() and (y[:, 17:] != -100).all()             # every position after SEP
+    keys, values = x[:, 0:16:2], x[:, 1:16:2]
+    hit = x[:, 17:, None] == keys[:, None, :]                                    # which pair each query asks
+    assert (hit.sum(-1) == 1).all()
+    assert torch.equal(y[:, 17:], (hit * values[:, None, :]).sum(-1))
+    share = hit.double().mean((0, 1)) * 8
+    assert (share - 1).abs().max() < 0.05                                        # keys drawn uniformly
+    if T == 25:                                                                  # with replacement: 8!/8^8 are perms
+        perm = (hit.sum(1) == 1).all(-1).double().mean().item()
+        assert perm < 0.02
+    check_pure(cfg)
