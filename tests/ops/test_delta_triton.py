@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from kalmix.ops.common import delta_triton as dt
 from kalmix.ops.common.delta import chunk_delta_rule
 from kalmix.ops.common.testing import assert_close, random_functional_grads
+from kalmix.ops.common.triton_utils import chunk_table
 from kalmix.ops.common.varlen import batch_offsets, run_packed
 
 
@@ -139,7 +140,7 @@ def test_batch_table_is_the_packed_table_of_equal_lengths():
     """The cached table of an unpacked batch equals the one built from its cu_seqlens (a partial last chunk)."""
     B, T = 3, 2 * dt.CHUNK + 5
     cu = torch.arange(0, (B + 1) * T, T)
-    for got, want in zip(dt.batch_table(B, T, dt.CHUNK, cu.device), dt._chunk_table(cu, B, T, dt.CHUNK, True)):
+    for got, want in zip(chunk_table(None, B, T, dt.CHUNK, cu.device), chunk_table(cu, B, T, dt.CHUNK, cu.device)):
         assert got.dtype == want.dtype == torch.int32 and torch.equal(got, want)
     assert torch.equal(batch_offsets(B, T, cu.device), cu.to(torch.int32))
 

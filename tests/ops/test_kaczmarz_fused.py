@@ -8,11 +8,10 @@ import pytest
 import torch
 
 from kalmix import ops
-from kalmix.ops.common import delta_triton
 from kalmix.ops.common.delta import chunk_delta_rule
 from kalmix.ops.common.testing import CASES, assert_close, random_functional_grads
 from kalmix.ops.common.varlen import run_packed
-from kalmix.ops.kaczmarz import fused
+from kalmix.ops.kaczmarz import beta_triton, fused
 
 
 def _gdn_stand_in(q, k, v, g, beta, *, scale, state, cu_seqlens, final_state):
@@ -119,7 +118,7 @@ def test_step_kernel_and_its_gradient_match_torch(monkeypatch, dtype):
     """kaczmarz_step's kernels against autograd through η/(‖k‖² + eps), over rows that span several programs (a
     zero key with eps > 0 included, each program striding over several row blocks); 16-bit keys are squared and
     summed in fp32."""
-    monkeypatch.setattr(delta_triton, "_STEP_PROGRAMS", 2)
+    monkeypatch.setattr(beta_triton, "STEP_PROGRAMS", 2)
     gen = torch.Generator().manual_seed(7)
     k = torch.randn(3, 11, 2, 5, generator=gen, dtype=torch.float64).to(dtype)
     k[1, 4, 0] = 0.0
@@ -146,7 +145,7 @@ def test_the_step_pass_checks_the_values_like_the_other_impls(monkeypatch, engin
     program per chunk and head, the bad value in the short last chunk or a middle one): the same errors as
     check_ranges, NaN included; check_values=False skips it."""
     if programs is not None:
-        monkeypatch.setattr(delta_triton, "_STEP_PROGRAMS", programs)
+        monkeypatch.setattr(beta_triton, "STEP_PROGRAMS", programs)
     monkeypatch.setattr(fused, "_fla_gdn", _gdn_stand_in)
     monkeypatch.setattr(fused, "engine", lambda device, dtype: engine)
     args, _ = _draw(T, seed=6)
