@@ -59,6 +59,18 @@ CONFIGS = {16: dict(BV=64, stages=2, prep=(4, 3), states=(4, 3), output=4, dv_lo
                     grads_qw=(8, 3), grads_wy=4, narrow=dict(BV=32, states=(4, 4), dstates=(4, 3))),
            32: dict(BV=32, stages=1, prep=8, states=8, output=8, dv_local=4, dstates=8, grads_qw=8, grads_wy=8)}
 
+# the largest K per activation dtype: every kernel holds K in one tile (BK, K rounded up to a power of two), and at the
+# next power of two one of them needs more shared memory than an H100 gives a block (227 KB): bf16 _states_kernel
+# 249 KB at K = 256, fp32 _output_kernel 384 KB at K = 512, fp64 _grads_wy_kernel 288 KB at K = 128 (compiled for
+# sm_90 with their launches above: `python benchmarks/kernel_report.py --ops limits`). V is walked in V blocks.
+MAX_K = {torch.bfloat16: 128, torch.float16: 128, torch.float32: 256, torch.float64: 64}
+
+
+def max_head_size(dtype: torch.dtype) -> tuple[int, str]:
+    """(the largest K the kernels take for activations of ``dtype``, why), for ``checks.check_head_sizes``."""
+    return MAX_K[dtype], (f"kalmix's chunked delta-rule kernels hold K in one tile; for {str(dtype)[6:]} "
+                          "activations a wider one needs more shared memory than an H100 gives a block")
+
 
 @triton.jit
 def _merge(Tm, A, rows, cols, size: tl.constexpr, DT: tl.constexpr):

@@ -39,7 +39,9 @@ from kalmix.ops.common.varlen import batch_offsets
 from kalmix.ops.gka.step import gka_step_fused
 
 _OP = "gated_kalmanet"
-MAX_K = 128         # H_c [K, K] is one tile
+# H_c [K, K] is one register tile; at K = 128 the adjoint solve takes 224 of the 227 KB of shared memory an H100 gives
+# a block (fp32 and fp64; `python benchmarks/kernel_report.py --ops limits`). V is walked in column blocks.
+MAX_K = 128
 # above this K the adjoint solve's tail runs as its own kernel: fused, it makes ptxas serialise the solve's tensor-core
 # instructions (at K = 64 the split solve is the serialised one). `python benchmarks/kernel_report.py --ops gka` prints
 # ptxas's warning; gpu_tests/test_ops_gpu.py::test_gka_solves_keep_their_tensor_core_pipeline fails on it
@@ -505,19 +507,22 @@ class GKAFunction(torch.autograd.Function):
                 None, None, None, None, None)
 
 
+def max_head_sizes(dtype: torch.dtype, device: torch.device) -> dict[str, tuple[int, str]]:
+    """{"K": (the largest K the kernels take, why)}, for ``checks.check_head_sizes``."""
+    return {"K": (MAX_K, "the kernels hold H_c [K, K] in one register tile")}
+
+
 def gka_fused(q, k, v, g, beta, alpha, *, state, scale, ridge, num_iters, cu_seqlens=None):
     """The op on GPU tensors (or under TRITON_INTERPRET), sequences packed by ``cu_seqlens`` in the kernels.
 
     Args:
-        q, k: [B, T, H, K] (K <= 128); v: [B, T, H, V], one dtype (bf16/fp16/fp32; fp64 runs in fp64);
+        q, k: [B, T, H, K] (K <= MAX_K, which the op checks); v: [B, T, H, V], one dtype (bf16/fp16/fp32; fp64
+            runs in fp64);
         g, beta, alpha: [B, T, H]; state: (H [N, H, K, K], U [N, H, K, V]) in the compute dtype.
     Returns:
         o [B, T, H, V] in v's dtype, (H, U) final states in the compute dtype.
     """
     B, T, H, K = q.shape
-    if K > MAX_K:
-        fail(_OP, f"impl='triton' keeps H_c [K, K] in registers and takes K <= {MAX_K}, got K = {K}; "
-                  "use impl='torch'")
     if num_iters is None:
         fail(_OP, "num_iters=None (the exact solve, a reference) runs with impl='torch' or 'naive' only")
     cu = batch_offsets(B, T, q.device) if cu_seqlens is None else cu_seqlens.to(device=q.device, dtype=torch.int32)

@@ -26,7 +26,7 @@ import torch
 import triton
 
 from kalmix.ops.common.checks import Range, compute_dtype, defer_check, no_check
-from kalmix.ops.common.delta_triton import chunk_delta_rule_triton
+from kalmix.ops.common.delta_triton import chunk_delta_rule_triton, max_head_size
 from kalmix.ops.kaczmarz.beta_triton import kaczmarz_step, step_extrema
 from kalmix.ops.kaczmarz.step import kaczmarz_step_fused
 
@@ -51,6 +51,17 @@ def engine(device: torch.device, dtype: torch.dtype) -> str:
     if device.type != "cuda" or dtype == torch.float64 or fla_gated_backward_refused(device):
         return "kalmix"
     return "fla"
+
+
+FLA_MAX_K = 256     # fla's chunk_gated_delta_rule asserts K <= 256
+
+
+def max_head_sizes(dtype: torch.dtype, device: torch.device) -> dict[str, tuple[int, str]]:
+    """{"K": (the largest K the engine that runs inputs of ``dtype`` on ``device`` takes, why)}; V is walked in
+    blocks by both."""
+    if engine(device, dtype) == "fla":
+        return {"K": (FLA_MAX_K, "fla's chunk_gated_delta_rule holds K in one tile")}
+    return {"K": max_head_size(dtype)}
 
 
 def _fla_gdn(q, k, v, g, beta, *, scale, state, cu_seqlens, final_state):
