@@ -95,7 +95,7 @@ def test_ops_run_at_their_largest_head_size(name, dtype, dev, monkeypatch):
         low, low_state = args, state
     ref_out, ref_grad = outputs_and_grads(CASES[name], args, state, "torch")
     out, grad = outputs_and_grads(CASES[name], low, low_state, "triton")
-    _check(f"{name} {str(dtype)[6:]} K={K}", out + grad, ref_out + ref_grad, TOL.get(dtype, 1e-10))
+    _check(f"{name} {str(dtype)[6:]} K={K}", out + grad, ref_out + ref_grad, TOL.get(dtype, 1e-6))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
