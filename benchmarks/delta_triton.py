@@ -13,6 +13,7 @@ from _gpu_script import run
 from kalmix.ops.common import delta_triton as dt
 from kalmix.ops.common.delta import chunk_delta_rule
 from kalmix.ops.common.testing import random_functional_grads, rel_err
+from kalmix.ops.common.triton_utils import chunk_table
 from kalmix.ops.common.varlen import batch_offsets
 
 
@@ -82,7 +83,7 @@ def kernel_breakdown(q, w, v, g, beta, s0, do, K):
     V = v.shape[-1]
     qf, wf, vf, gf, bf = [x.reshape(B * T, *x.shape[2:]).contiguous().detach() for x in (q, w, v, g, beta)]
     cu = batch_offsets(B, T, q.device)
-    coff, chunks = dt._chunk_table(cu, B, T, dt.CHUNK, False)
+    coff, chunks = chunk_table(None, B, T, dt.CHUNK, q.device)
     NC, N = chunks.shape[0], B
     kw = dt._launch(q.dtype, K, V, dt._narrow(q.dtype, V, N * H, q.device))
     sc = K ** -0.5

@@ -15,7 +15,9 @@ spill stores per step ran slower). From the repository root:
 Integer arguments and pointers are compiled as the GPU launch specialises them (divisible by 16 but H, and GKA's
 n_iters and NBK; NPART = 1), at the speed harness's shape (VLA: K = 128, fp32; Kalman: H = 1, N = 16, D = 2048, bf16
 activations; GKA: K = V = 128, bf16 activations, each kernel's warps and stages from its config; delta:
-_grads_qw_kernel at K = V = 128, bf16 activations, its launch's warps and stages).
+_grads_qw_kernel at K = V = 128, bf16 activations, its launch's warps and stages). ``--ops limits`` prints, per
+activation dtype, the largest shared memory of the kernels at each op's largest head size (the ``max_head_sizes``
+the ops check), and for the chunked delta rule at twice it too, against the 227 KB an H100 gives a block.
 """
 import argparse
 import collections
@@ -39,13 +41,10 @@ from kalmix.ops.common.testing import ptxas_verbose
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
-def report(label, fn, constexprs, num_warps, types=None, maxnreg=None, lane_tokens=None, num_stages=1,
-           loop_steps=None, indivisible=("H",)):
-    """Compile ``fn`` with its signature read off its own parameters: ``*_ptr`` pointers (fp32 unless ``types``
-    says otherwise), the other non-constexpr ones i32 (unless ``types`` says otherwise), the pointers and i32
-    divisible by 16 but those named in ``indivisible`` (as the launch specialises them). ``lane_tokens``: the
-    (lane, token) steps one pass of the kernel's main loop makes per thread, to print its SASS instructions per
-    lane and token; ``loop_steps``: the steps one pass makes, to print its instructions per step."""
+def compile_sm90(fn, constexprs, num_warps, types=None, maxnreg=None, num_stages=1, indivisible=("H",)):
+    """``fn`` compiled for an H100, its signature read off its own parameters: ``*_ptr`` pointers (fp32 unless
+    ``types`` says otherwise), the other non-constexpr ones i32 (unless ``types`` says otherwise), the pointers and
+    i32 divisible by 16 but those named in ``indivisible`` (as the launch specialises them)."""
     names = [p.name for p in fn.params]
     types = types or {}
     signature = {n: "constexpr" if n in constexprs else types.get(n, "*fp32" if n.endswith("_ptr") else "i32")
@@ -53,8 +52,16 @@ def report(label, fn, constexprs, num_warps, types=None, maxnreg=None, lane_toke
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if (signature[n] == "i32" or signature[n].startswith("*")) and n not in indivisible}
     options = dict(num_warps=num_warps, num_stages=num_stages) | ({} if maxnreg is None else dict(maxnreg=maxnreg))
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def report(label, fn, constexprs, num_warps, types=None, maxnreg=None, lane_tokens=None, num_stages=1,
+           loop_steps=None, indivisible=("H",)):
+    """Compile ``fn`` (``compile_sm90``) and print its registers, spills, barriers, shuffles and shared memory.
+    ``lane_tokens``: the (lane, token) steps one pass of the kernel's main loop makes per thread, to print its SASS
+    instructions per lane and token; ``loop_steps``: the steps one pass makes, to print its instructions per step."""
+    kernel = compile_sm90(fn, constexprs, num_warps, types, maxnreg, num_stages, indivisible)
     ptx = kernel.asm["ptx"]
     out = ptxas_verbose(ptx, "sm_90a")
     info = out.stderr + out.stdout
@@ -154,12 +161,100 @@ def delta():
     report("_grads_qw_kernel", dt._grads_qw_kernel, opts, warps, types, num_stages=stages)
 
 
+H100_SHARED = 232448        # bytes of shared memory an H100 gives one block (227 KB)
+_PTR = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.float64: "*fp64"}
+
+
+def _max_shared(label, kernels, dtype):
+    """Compile each (name, fn, constexprs, warps, stages) of ``kernels`` with the tensors of ``dtype`` (fp64 runs
+    keep every tensor fp64) and print the largest shared memory against the H100's; stops at the first kernel
+    above it. Returns whether every kernel fits."""
+    ty = _PTR[dtype]
+    worst = ("", 0)
+    for name, fn, constexprs, warps, stages in kernels:
+        types = {p.name: ty for p in fn.params if p.name.endswith("_ptr")}
+        types |= {n: "*i32" for n in ("cu_ptr", "coff_ptr", "chunks_ptr")}
+        if dtype != torch.float64:      # the gates, states and their gradients: fp32
+            types |= {n: "*fp32" for n in types if n.split("_ptr")[0] in (
+                "g", "beta", "alpha", "Gc", "s0", "sT", "ds0", "dsT", "dG", "dg", "dbeta", "step", "ext", "h0", "u0",
+                "hT", "uT", "dh0", "du0", "dhT", "duT", "coef", "x", "hn", "dalpha", "y", "c", "m", "khk", "dgam",
+                "dkp", "e", "dGp", "dbp", "dge")}
+        types |= {n: "fp64" if dtype == torch.float64 else "fp32" for n in ("scale", "step_eps")}
+        shared = compile_sm90(fn, constexprs, warps, types, num_stages=stages).metadata.shared
+        worst = max(worst, (name, shared), key=lambda x: x[1])
+        if shared > H100_SHARED:
+            break
+    fits = worst[1] <= H100_SHARED
+    print(f"{label:44s} largest shared memory {worst[1] / 1024:6.1f} KB ({worst[0]}): "
+          f"{'fits' if fits else 'does not fit'} an H100's {H100_SHARED / 1024:.0f} KB", flush=True)
+    return fits
+
+
+def _delta_kernels(dtype, K, narrow):
+    """The chunked delta rule's kernels at head size K (V = 128) with the launches the op gives them."""
+    kws = dt._launch(dtype, K, 128, narrow)
+    flags = dict(prep=dict(STEP=True, CHECK=True), states=dict(HAS_S0=True), dstates=dict(HAS_DST=True, HAS_DS0=True),
+                 grads_wy=dict(STEP=False))
+    order = ("states", "dstates", "output", "grads_wy", "grads_qw", "prep", "dv_local")      # the largest first
+    out = []
+    for name in order[:2] if narrow else order:
+        kw = dict(kws[name])
+        warps, stages = kw.pop("num_warps"), kw.pop("num_stages")
+        out.append((name, getattr(dt, f"_{name}_kernel"), kw | flags.get(name, {}), warps, stages))
+    return out
+
+
+def _gka_kernels(dtype, K):
+    BK, BD, kws = gf._launch(dtype, K, K)
+    out = []
+    for name, extra in (("states", dict(BD=BD)), ("fwd", dict(BV=BD, SOLVE=True, STORE=True)),
+                        ("solve_bwd", dict(BV=BD, SOLVE=True, TAIL=True)), ("solve_tail", {}),
+                        ("dstates", dict(BD=BD, SOLVE=True, HAS_DST=True)), ("grads_u", dict(BV=BD, SOLVE=True)),
+                        ("grads_h", dict(SOLVE=True))):
+        kw = dict(kws[name])
+        warps, stages = kw.pop("num_warps"), kw.pop("num_stages")
+        out.append((name, getattr(gf, f"_{name}_kernel"), kw | extra, warps, stages))
+    return out
+
+
+def _vla_kernels(dtype, K):
+    BK = max(16, triton.next_power_of_2(K))
+    common = dict(BK=BK, DT=tl.float64 if dtype == torch.float64 else tl.float32)
+    blk = dict(C=ap.SAVE * ap.C_SUB, **common)
+    bc, cc = min(ap.BLOCK_COLS, BK), min(ap.CARRY_COLS, BK)
+    return [("fwd", ap._apath_fwd_kernel, dict(NPART=1, STORE=True, RINV=True, SAVE=ap.SAVE, C=ap.C_SUB,
+                                               BR=min(ap.ROW_BLOCK, BK), **common), ap._warps("fwd", BK), 1),
+            ("b", ap._apath_bwd_b_kernel, dict(blk, BC=bc), ap._warps("b", BK), 1),
+            ("du", ap._apath_bwd_du_kernel, dict(blk, BC=bc), ap._warps("du", BK), 1),
+            ("carry", ap._apath_carry_kernel, dict(blk, NPART=1, HAS_B0=True, TOTAL=False, BC=cc),
+             ap._warps("carry", cc), 1),
+            ("da0", ap._apath_da0_kernel, dict(HAS_DAT=True, C=ap.C_SUB, **common), ap._warps("da0", BK), 1)]
+
+
+def limits():
+    """The head-size limits the ops check (``max_head_sizes``) against the kernels' shared memory: the chunked
+    delta rule's kernels fit an H100 at their MAX_K and not at twice it, per activation dtype (both launches of the
+    sequential kernels for 16-bit); GKA's and the VLA A path's fit at their MAX_K (their register tiles)."""
+    print(f"triton {triton.__version__}, sm_90: shared memory per block at each op's largest head size")
+    for dtype in (torch.bfloat16, torch.float32, torch.float64):
+        K = dt.MAX_K[dtype]
+        for narrow in (False, True) if dtype.itemsize == 2 else (False,):
+            tag = " narrow" if narrow else ""
+            _max_shared(f"delta rule {str(dtype)[6:]} K = {K}{tag}", _delta_kernels(dtype, K, narrow), dtype)
+        _max_shared(f"delta rule {str(dtype)[6:]} K = {2 * K} (refused)", _delta_kernels(dtype, 2 * K, False),
+                    dtype)
+    for dtype in (torch.bfloat16, torch.float32, torch.float64):
+        _max_shared(f"gated_kalmanet {str(dtype)[6:]} K = {gf.MAX_K}", _gka_kernels(dtype, gf.MAX_K), dtype)
+    for dtype in (torch.float32, torch.float64):
+        _max_shared(f"VLA A path {str(dtype)[6:]} K = {ap.MAX_K}", _vla_kernels(dtype, ap.MAX_K), dtype)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ops", nargs="+", choices=["vla", "kalman", "gka", "delta"],
+    parser.add_argument("--ops", nargs="+", choices=["vla", "kalman", "gka", "delta", "limits"],
                         default=["vla", "kalman", "gka", "delta"])
     for op in parser.parse_args().ops:
-        {"vla": vla, "kalman": kalman, "gka": gka, "delta": delta}[op]()
+        {"vla": vla, "kalman": kalman, "gka": gka, "delta": delta, "limits": limits}[op]()
 
 
 if __name__ == "__main__":

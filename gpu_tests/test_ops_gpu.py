@@ -3,12 +3,15 @@ every input (including the initial state), fp32 and bf16, one length that is no 
 sequences with an empty one. Each comparison prints its error (``-s`` shows them)."""
 import pytest
 import torch
+from triton.runtime.errors import OutOfResources
 
 from kalmix import ops
 from kalmix.ops.common.testing import (CASES, gka_layer_inputs, kalman_realistic_inputs, outputs_and_grads,
                                        ptxas_verbose, random_functional_grads, rel_err, run_case)
 from kalmix.ops.common import delta_triton
+from kalmix.ops.gka import fused as gka_fused
 from kalmix.ops.kaczmarz import fused as kaczmarz_fused
+from kalmix.ops.vla import fused as vla_fused
 
 # fp32 kernels (3xTF32 or fp32 CUDA-core math) against fp64; bf16 activations against fp64 on the same rounded
 # inputs, where the kernels' bf16 tensor-core operands and the bf16 outputs cost ~1e-2
@@ -77,6 +80,35 @@ def test_delta_kernels_at_both_launches(name, narrow, dev, monkeypatch):
     ref_out, ref_grad = outputs_and_grads(CASES[name], args, state, "torch")
     out, grad = outputs_and_grads(CASES[name], low, low_state, "triton")
     _check(f"{name} bf16 narrow={narrow}", out + grad, ref_out + ref_grad, TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("name", ["kaczmarz", "gka", "vla"])
+def test_ops_run_at_their_largest_head_size(name, dtype, dev, monkeypatch):
+    """At the largest K the op takes for the dtype (``max_head_sizes``, kalmix's engine for Kaczmarz) every kernel
+    fits the GPU and the op matches its fp64 torch path, forward and backward."""
+    monkeypatch.setattr(kaczmarz_fused, "engine", lambda device, dtype: "kalmix")
+    module = {"kaczmarz": kaczmarz_fused, "gka": gka_fused, "vla": vla_fused}[name]
+    K = module.max_head_sizes(dtype, dev)["K"][0]
+    args, state, low, low_state, _ = _case_inputs(name, dev, dtype, False, sizes=(1, 130, 2, K, 64))
+    if dtype == torch.float64:
+        low, low_state = args, state
+    ref_out, ref_grad = outputs_and_grads(CASES[name], args, state, "torch")
+    out, grad = outputs_and_grads(CASES[name], low, low_state, "triton")
+    _check(f"{name} {str(dtype)[6:]} K={K}", out + grad, ref_out + ref_grad, TOL.get(dtype, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_delta_kernels_run_out_of_shared_memory_above_their_limit(dtype, dev):
+    """The limit is the largest that fits: at twice MAX_K (the next tile width) a kernel of the chunked delta rule
+    asks for more shared memory than the GPU gives a block."""
+    K = 2 * delta_triton.MAX_K[dtype]
+    gen = torch.Generator().manual_seed(0)
+    q, w, v = (torch.randn(1, 130, 2, d, generator=gen).to(dev, dtype).requires_grad_() for d in (K, K, 64))
+    g = torch.zeros(1, 130, 2, device=dev, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    with pytest.raises(OutOfResources, match="shared memory"):
+        o, _ = delta_triton.chunk_delta_rule_triton(q, w, w, v, g, g + 0.5, scale=K ** -0.5, state=None)
+        o.float().sum().backward()
 
 
 def test_kaczmarz_fla_engine_forward(dev):
@@ -202,7 +234,6 @@ def test_gka_kernels_get_the_carveout_that_keeps_their_occupancy(dev):
     the multiprocessor's memory is L1 for its spills), read back from the driver."""
     import ctypes
     from kalmix.ops.common import carveout
-    from kalmix.ops.gka import fused as gka_fused
     args, _ = gka_layer_inputs(1, 300, 2, 128, 128, seed=5, dtype=torch.bfloat16)
     xs = [x.to(dev).requires_grad_() for x in args]
     ops.gated_kalmanet(*xs, impl="triton")[0].float().sum().backward()
@@ -226,7 +257,6 @@ def test_gka_solves_keep_their_tensor_core_pipeline(dev):
     """ptxas does not serialise the tensor-core instructions of the two Chebyshev solves (its C7515 / C7512
     warning), at K = 64 and 128 and every variant the process compiled: serialised, the adjoint solve took 1.94 ms
     instead of 1.07 at B = 16, T = 2048 on an H100."""
-    from kalmix.ops.gka import fused as gka_fused
     major, minor = torch.cuda.get_device_capability(dev)
     if major != 9:
         pytest.skip("wgmma (what ptxas serialises) is Hopper's")

@@ -12,18 +12,11 @@ PARALLEL = [(n, i) for n, c in CASES.items() for i in runnable_impls(c.fn.__name
 ALL = [(n, "naive") for n in CASES] + PARALLEL
 
 
-def draw(case, B, T, H, K, V, n_state=None, seed=0, dtype=torch.float64):
-    gen = torch.Generator().manual_seed(seed)
-    args = case.inputs(B, T, H, K, V, dtype, gen)
-    state = case.state(B if n_state is None else n_state, H, K, V, dtype, gen)
-    return args, state
-
-
 @pytest.mark.parametrize("T", [1, 63, 100, 257])
 @pytest.mark.parametrize("name,impl", PARALLEL)
-def test_impl_matches_naive_fp64(name, T, impl):
+def test_impl_matches_naive_fp64(name, T, impl, draw):
     case = CASES[name]
-    args, state = draw(case, 2, T, 2, 5, 7, seed=T)
+    args, state = draw(name, 2, T, 2, 5, 7, seed=T)
     ref_out, ref_grad = outputs_and_grads(case, args, state, "naive")
     out, grad = outputs_and_grads(case, args, state, impl)
     for i, (x, r) in enumerate(zip(out, ref_out)):
@@ -33,9 +26,9 @@ def test_impl_matches_naive_fp64(name, T, impl):
 
 
 @pytest.mark.parametrize("name,impl", ALL)
-def test_default_initial_state_and_no_final_state(name, impl):
+def test_default_initial_state_and_no_final_state(name, impl, draw):
     case = CASES[name]
-    args, _ = draw(case, 2, 20, 2, 4, 6)
+    args, _ = draw(name, 2, 20, 2, 4, 6)
     o, *rest = case.fn(*args, impl=impl)
     assert o.shape == (2, 20, 2, 6) and torch.isfinite(o).all()
     assert rest[-1] is None
@@ -44,9 +37,9 @@ def test_default_initial_state_and_no_final_state(name, impl):
 
 
 @pytest.mark.parametrize("name,impl", ALL)
-def test_chained_calls_equal_one_call(name, impl):
+def test_chained_calls_equal_one_call(name, impl, draw):
     case = CASES[name]
-    args, state = draw(case, 2, 90, 2, 5, 3)
+    args, state = draw(name, 2, 90, 2, 5, 3)
     full = run_case(case, args, state, impl)
     cut = 37
     first = [a[:, :cut] if a.dim() >= 3 and a.shape[1] == 90 else a for a in args]
@@ -63,11 +56,11 @@ def test_chained_calls_equal_one_call(name, impl):
 
 
 @pytest.mark.parametrize("name,impl", ALL)
-def test_varlen_equals_loop_over_sequences(name, impl):
+def test_varlen_equals_loop_over_sequences(name, impl, draw):
     case = CASES[name]
     lens = [5, 0, 70, 1, 30]
     T = sum(lens)
-    args, state = draw(case, 1, T, 2, 4, 3, n_state=len(lens))
+    args, state = draw(name, 1, T, 2, 4, 3, n_state=len(lens))
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
     packed = run_case(case, args, state, impl, cu_seqlens=cu)
     n_state = len(state) if isinstance(state, tuple) else 1
@@ -89,9 +82,9 @@ def test_varlen_equals_loop_over_sequences(name, impl):
 
 @pytest.mark.parametrize("name,impl", PARALLEL)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_low_precision_inputs_compute_in_fp32(name, impl, dtype):
+def test_low_precision_inputs_compute_in_fp32(name, impl, dtype, draw):
     case = CASES[name]
-    args64, state64 = draw(case, 2, 40, 2, 4, 6)
+    args64, state64 = draw(name, 2, 40, 2, 4, 6)
     ref = run_case(case, args64, state64, "naive")
     args = [a.to(dtype) for a in args64]
     out = run_case(case, args, state64, impl)
@@ -104,9 +97,9 @@ def test_low_precision_inputs_compute_in_fp32(name, impl, dtype):
 
 
 @pytest.mark.parametrize("name,impl", PARALLEL)
-def test_impl_matches_naive_with_default_state(name, impl):
+def test_impl_matches_naive_with_default_state(name, impl, draw):
     case = CASES[name]
-    args, _ = draw(case, 2, 100, 2, 5, 7, seed=5)
+    args, _ = draw(name, 2, 100, 2, 5, 7, seed=5)
     res = {}
     for which in ("naive", impl):
         xs = [a.detach().requires_grad_() for a in args]
@@ -120,11 +113,11 @@ def test_impl_matches_naive_with_default_state(name, impl):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name,impl", ALL)
-def test_autocast_does_not_touch_the_state_math(name, impl, dtype):
+def test_autocast_does_not_touch_the_state_math(name, impl, dtype, draw):
     """An op called inside a CPU autocast region computes exactly what it computes outside: outputs and
     gradients (the backward called outside the region, as torch.autocast prescribes)."""
     case = CASES[name]
-    args, state = draw(case, 2, 40, 2, 4, 6, dtype=torch.float32)
+    args, state = draw(name, 2, 40, 2, 4, 6, dtype=torch.float32)
     args = [a.to(dtype) if a.dim() >= 3 else a for a in args]
     results = []
     for autocast in (False, True):

@@ -157,6 +157,16 @@ def _raise_outside(op: str, ranges: Sequence[Range], ext: list) -> None:
                      + (f" ({r.note})" if r.note else ""))
 
 
+def check_head_sizes(op: str, limits: Mapping[str, tuple[int, str]], **sizes: int) -> None:
+    """Refuse a head size (``name=size``) above ``limits[name]`` = (the largest that impl="triton"'s kernels hold,
+    what holds it), naming the limit and the size."""
+    for name, size in sizes.items():
+        limit, why = limits[name]
+        if size > limit:
+            fail(op, f"impl='triton' takes {name} <= {limit} ({why}), got {name} = {size}; impl='torch' takes any "
+                     f"{name}")
+
+
 def check_cu_seqlens(op: str, cu_seqlens, batch: int, seq_len: int, device: torch.device) -> int:
     """Validate packed-sequence offsets; returns the number of sequences."""
     if cu_seqlens is None:
@@ -246,11 +256,16 @@ class TritonImpl:
     triton (``resolve_impl`` refuses this impl where triton cannot run)."""
 
     def __init__(self, module: str, name: str):
-        self.module, self.name, self.fn = module, name, None
+        self.path, self.name, self.fn = module, name, None
+
+    @property
+    def module(self):
+        """The module, imported now (e.g. for its ``max_head_sizes``)."""
+        return triton_module(self.path)
 
     def __call__(self, *args, **kwargs):
         if self.fn is None:
-            self.fn = getattr(triton_module(self.module), self.name)
+            self.fn = getattr(self.module, self.name)
         return self.fn(*args, **kwargs)
 
 

@@ -18,8 +18,8 @@ dS_0 = scale·Qᵀ diag(e^G) dO + e^{G_C} dS_C − W̃ᵀ dU, and every chunk th
 through T by dA = −(Tᵀ dŨ) Ũᵀ − (Tᵀ dW̃) W̃ᵀ. Chunk-start states are recomputed, never stored by the forward;
 T, W̃ and Ũ are (T in the activations' dtype: it only ever feeds tensor-core products).
 
-Kernels (every tensor laid out [tokens, H, *] with packed sequences; a chunk never crosses a sequence):
-    _step_kernel      per row block: the Kaczmarz step β = η/(‖k‖² + eps) and its backward, for fla's kernels
+Kernels (every tensor laid out [tokens, H, *] with packed sequences; a chunk never crosses a sequence; the row,
+state and chunk helpers are triton_utils'):
     _prep_kernel      per (chunk, head): G, T, W̃, Ũ (kept by the forward for the backward); with ``step_eps``
                       the step itself from the chunk's keys
     _states_kernel    per (sequence, head, V block), forward over chunks: chunk-start states h, U, final state
@@ -33,7 +33,6 @@ The backward recomputes the states (one pass over the chunks) but not the chunk 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -41,9 +40,13 @@ import triton.language as tl
 
 from kalmix.ops.common.checks import compute_dtype
 from kalmix.ops.common.precision import no_autocast
+from kalmix.ops.common.triton_utils import (add_extrema, chunk_at, chunk_rows, chunk_table, decay, dot, dot32,
+                                            dot_acc, gate_rows, gates, inv_den, inv_sq_norm, last, load_cols,
+                                            load_rows, load_state, no_extrema, operand_dtype, raw_cols, raw_rows,
+                                            raw_state, raw_state_t, seq_range, store_extrema, store_rows,
+                                            store_state, to_acc)
 from kalmix.ops.common.varlen import batch_offsets
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 CHUNK = 64
 # per operand width (16-bit activations, or fp32/fp64): the V block, the pipeline depth and each kernel's warps
 # (or warps and its own pipeline depth). fp32 operands need twice the shared memory, and the backward's per-chunk
@@ -55,299 +58,18 @@ CHUNK = 64
 CONFIGS = {16: dict(BV=64, stages=2, prep=(4, 3), states=(4, 3), output=4, dv_local=4, dstates=(8, 3),
                     grads_qw=(8, 3), grads_wy=4, narrow=dict(BV=32, states=(4, 4), dstates=(4, 3))),
            32: dict(BV=32, stages=1, prep=8, states=8, output=8, dv_local=4, dstates=8, grads_qw=8, grads_wy=8)}
-DOT_FP32 = tl.constexpr("ieee" if INTERPRET else "tf32x3")   # fp32 inputs: products accurate to ~fp32
 
+# the largest K per activation dtype: every kernel holds K in one tile (BK, K rounded up to a power of two), and at the
+# next power of two one of them needs more shared memory than an H100 gives a block (227 KB): bf16 _states_kernel
+# 249 KB at K = 256, fp32 _output_kernel 384 KB at K = 512, fp64 _grads_wy_kernel 288 KB at K = 128 (compiled for
+# sm_90 with their launches above: `python benchmarks/kernel_report.py --ops limits`). V is walked in V blocks.
+MAX_K = {torch.bfloat16: 128, torch.float16: 128, torch.float32: 256, torch.float64: 64}
 
-@triton.jit
-def _dot_acc(a, b, acc, DT: tl.constexpr):
-    """acc + a @ b on tensor cores with both operands in DT (the activations' 16-bit dtype, or fp32 as 3×TF32;
-    fp64 stays fp64), accumulated by the tensor-core instruction itself (acc None: a fresh product)."""
-    if DT == tl.float32:        # (the interpreter's 16-bit operands are multiplied in fp32)
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=DOT_FP32)
-    elif DT == tl.float64:
-        return tl.dot(a, b, acc)
-    else:
-        return tl.dot(a.to(DT), b.to(DT), acc)
 
-
-@triton.jit
-def _dot(a, b, DT: tl.constexpr):
-    """a @ b as ``_dot_acc`` multiplies."""
-    return _dot_acc(a, b, None, DT)
-
-
-@triton.jit
-def _acc(x):
-    """The arithmetic dtype: fp64 stays fp64, everything else becomes fp32."""
-    if x.dtype == tl.float64:
-        return x
-    else:
-        return x.to(tl.float32)
-
-
-@triton.jit
-def _chunk_rows(chunks_ptr, i_c, C: tl.constexpr):
-    """Token range [bos, bos + L) of chunk i_c and its row indices / validity as [C, 1] and [1, C] grids."""
-    bos = tl.load(chunks_ptr + 2 * i_c)
-    L = tl.load(chunks_ptr + 2 * i_c + 1) - bos
-    r = tl.arange(0, C)
-    return bos, L, r[:, None], r[None, :], r < L
-
-
-@triton.jit
-def _rows(ptr, bos, L, i_h, H, D, d0, BD: tl.constexpr, C: tl.constexpr):
-    """Pointers to rows bos..bos+C of head i_h, columns d0..d0+BD of a [tokens, H, D] tensor (a scalar row base
-    plus 32-bit offsets), and the mask of rows < L and columns < D."""
-    r = tl.arange(0, C)[:, None]
-    d = d0 + tl.arange(0, BD)[None, :]
-    return ptr + (bos.to(tl.int64) * H + i_h) * D + (r * (H * D) + d), (r < L) & (d < D)
-
-
-@triton.jit
-def _load_tokens(ptr, bos, L, i_h, H, other, C: tl.constexpr):
-    """Rows bos..bos+C of head i_h of a [tokens, H] tensor as [C], ``other`` past row L."""
-    return tl.load(ptr + (bos + tl.arange(0, C)) * H + i_h, mask=tl.arange(0, C) < L, other=other)
-
-
-@triton.jit
-def _store_tokens(ptr, x, bos, L, i_h, H, C: tl.constexpr):
-    tl.store(ptr + (bos + tl.arange(0, C)) * H + i_h, x, mask=tl.arange(0, C) < L)
-
-
-@triton.jit
-def _load_rows(ptr, bos, L, i_h, H, D, d0, BD: tl.constexpr, C: tl.constexpr):
-    """That block as fp32 [C, BD], 0 outside the rows and columns."""
-    return _acc(_raw_rows(ptr, bos, L, i_h, H, D, d0, BD, C))
-
-
-@triton.jit
-def _raw_rows(ptr, bos, L, i_h, H, D, d0, BD: tl.constexpr, C: tl.constexpr):
-    """That block in the tensor's dtype (for tensor-core operands: no round trip through fp32)."""
-    p, m = _rows(ptr, bos, L, i_h, H, D, d0, BD, C)
-    return tl.load(p, mask=m, other=0.)
-
-
-@triton.jit
-def _load_cols(ptr, bos, L, i_h, H, D, d0, BD: tl.constexpr, C: tl.constexpr):
-    """The block of ``_load_rows`` transposed, loaded as fp32 [BD, C]."""
-    return _acc(_raw_cols(ptr, bos, L, i_h, H, D, d0, BD, C))
-
-
-@triton.jit
-def _raw_cols(ptr, bos, L, i_h, H, D, d0, BD: tl.constexpr, C: tl.constexpr):
-    """``_load_cols`` in the tensor's dtype."""
-    r = tl.arange(0, C)[None, :]
-    d = d0 + tl.arange(0, BD)[:, None]
-    return tl.load(ptr + (bos.to(tl.int64) * H + i_h) * D + (r * (H * D) + d), mask=(r < L) & (d < D), other=0.)
-
-
-@triton.jit
-def _store_rows(ptr, x, bos, L, i_h, H, D, d0, BD: tl.constexpr, C: tl.constexpr):
-    p, m = _rows(ptr, bos, L, i_h, H, D, d0, BD, C)
-    tl.store(p, x.to(ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _state(ptr, base, K, V, v0, BK: tl.constexpr, BV: tl.constexpr):
-    """Pointers to columns v0..v0+BV of the [K, V] matrix at ``ptr + base``, and their mask."""
-    k = tl.arange(0, BK)[:, None]
-    v = v0 + tl.arange(0, BV)[None, :]
-    return ptr + base + (k * V + v), (k < K) & (v < V)
-
-
-@triton.jit
-def _load_state(ptr, base, K, V, v0, BK: tl.constexpr, BV: tl.constexpr):
-    return _acc(_raw_state(ptr, base, K, V, v0, BK, BV))
-
-
-@triton.jit
-def _raw_state(ptr, base, K, V, v0, BK: tl.constexpr, BV: tl.constexpr):
-    """Columns v0..v0+BV of the [K, V] matrix at ``ptr + base`` in its dtype."""
-    p, m = _state(ptr, base, K, V, v0, BK, BV)
-    return tl.load(p, mask=m, other=0.)
-
-
-@triton.jit
-def _raw_state_t(ptr, base, K, V, v0, BK: tl.constexpr, BV: tl.constexpr):
-    """Columns v0..v0+BV of the [K, V] matrix at ``ptr + base``, transposed ([BV, BK]) in its dtype."""
-    k = tl.arange(0, BK)[None, :]
-    v = v0 + tl.arange(0, BV)[:, None]
-    return tl.load(ptr + base + (k * V + v), mask=(k < K) & (v < V), other=0.)
-
-
-@triton.jit
-def _store_state(ptr, base, x, K, V, v0, BK: tl.constexpr, BV: tl.constexpr):
-    p, m = _state(ptr, base, K, V, v0, BK, BV)
-    tl.store(p, x.to(ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _last(G, L, C: tl.constexpr):
-    """G at row L − 1 (the chunk's last token) of a [C] vector."""
-    return tl.sum(tl.where(tl.arange(0, C) == L - 1, G, 0.), axis=0)
-
-
-@triton.jit
-def _gate_rows(g_ptr, beta_ptr, bos, i_h, H, valid, C: tl.constexpr):
-    """g_t and β_t of the chunk's rows as [C] fp32 (0 past its end)."""
-    r = (bos + tl.arange(0, C)) * H + i_h
-    return _acc(tl.load(g_ptr + r, mask=valid, other=0.)), _acc(tl.load(beta_ptr + r, mask=valid, other=0.))
-
-
-@triton.jit
-def _gates(g_ptr, beta_ptr, bos, L, i_h, H, valid, C: tl.constexpr):
-    """G_t (log decay from the chunk start) and β_t as [C] fp32, and G at the chunk's last token."""
-    g, beta = _gate_rows(g_ptr, beta_ptr, bos, i_h, H, valid, C)
-    G = tl.cumsum(g, axis=0)
-    return G, beta, _last(G, L, C)
-
-
-@triton.jit
-def _inv_den(den):
-    """1/den, 0 where den = 0 (the step of a zero key with eps = 0: it writes nothing)."""
-    return tl.where(den > 0, 1. / tl.where(den > 0, den, 1.), 0.)
-
-
-@triton.jit
-def _inv_sq_norm(k, eps):
-    """c² = 1/(‖k‖² + eps) per row of a [R, BK] block (0 where ‖k‖² + eps = 0: such a key writes nothing)."""
-    return _inv_den(tl.sum(k * k, axis=1) + eps)
-
-
-@triton.jit
-def _no_extrema(R: tl.constexpr):
-    """Running (min, max, NaN count) per lane of an [R] block before any value: (+inf, −inf, 0)."""
-    return tl.full([R], float("inf"), tl.float32), tl.full([R], -float("inf"), tl.float32), tl.zeros([R], tl.float32)
-
-
-@triton.jit
-def _add_extrema(ext, x, valid):
-    """The running extremes ``ext`` (``_no_extrema``) updated with the valid values of the [R] block x (as fp32)."""
-    lo, hi, nan = ext
-    x = x.to(tl.float32)
-    return (tl.minimum(lo, tl.where(valid, x, float("inf"))), tl.maximum(hi, tl.where(valid, x, -float("inf"))),
-            nan + (valid & (x != x)).to(tl.float32))
-
-
-@triton.jit
-def _store_extrema(out, ext):
-    """min, max and NaN count of the running extremes at out[0..2]: one range of a program's row in the
-    [programs, n, 3] layout checks.defer_check folds (no atomics, nothing to initialise)."""
-    lo, hi, nan = ext
-    tl.store(out, tl.min(lo, axis=0))
-    tl.store(out + 1, tl.max(hi, axis=0))
-    tl.store(out + 2, tl.sum(nan, axis=0))
-
-
-@triton.jit
-def _step_kernel(k_ptr, eta_ptr, g_ptr, ext_ptr, dbeta_ptr, out_ptr, dk_ptr, n_rows, eps, K, R: tl.constexpr,
-                 BK: tl.constexpr, BACKWARD: tl.constexpr, CHECK: tl.constexpr):
-    """Blocks of R (token, head) rows, strided over the programs. Forward: β = η c², c² = 1/(‖k‖² + eps); CHECK
-    also writes g's and η's min, max and NaN count over the program's rows to its [2, 3] row of ``ext``
-    ([programs, 2, 3], folded by checks.defer_check: no atomics, nothing to initialise). BACKWARD: from dβ,
-    dη = c² dβ and dk = −2 η c⁴ dβ k."""
-    d = tl.arange(0, BK)[None, :]
-    ext_g, ext_e = _no_extrema(R), _no_extrema(R)
-    for r0 in range(tl.program_id(0) * R, n_rows, tl.num_programs(0) * R):
-        r = r0 + tl.arange(0, R)
-        m = r < n_rows
-        off, mk = r[:, None].to(tl.int64) * K + d, m[:, None] & (d < K)
-        k = _acc(tl.load(k_ptr + off, mask=mk, other=0.))
-        c2 = _inv_sq_norm(k, eps)
-        eta = _acc(tl.load(eta_ptr + r, mask=m, other=0.))
-        if BACKWARD:
-            dbeta = _acc(tl.load(dbeta_ptr + r, mask=m, other=0.))
-            tl.store(out_ptr + r, (c2 * dbeta).to(out_ptr.dtype.element_ty), mask=m)
-            dk = (-2. * eta * c2 * c2 * dbeta)[:, None] * k
-            tl.store(dk_ptr + off, dk.to(dk_ptr.dtype.element_ty), mask=mk)
-        else:
-            tl.store(out_ptr + r, eta * c2, mask=m)
-            if CHECK:
-                ext_g = _add_extrema(ext_g, tl.load(g_ptr + r, mask=m, other=0.), m)
-                ext_e = _add_extrema(ext_e, eta, m)
-    if CHECK:
-        row = ext_ptr + tl.program_id(0) * 6
-        _store_extrema(row, ext_g)
-        _store_extrema(row + 3, ext_e)
-
-
-# the step pass's row block, most programs and warps: the fastest tried (16-64 rows, 1056-2112 programs, 4-8 warps)
-# at 32K tokens × 8 heads × K = 128 on an H100, its value check written as per-program extrema rather than atomics
-# into one buffer (`python benchmarks/kaczmarz_fused.py` times the op with fla's engine, which runs this pass)
-_STEP_ROWS, _STEP_PROGRAMS, _STEP_WARPS = 32, 1056, 8
-
-
-def step_programs(n_rows: int) -> int:
-    """Programs of the step pass over ``n_rows`` (token, head) rows."""
-    return max(1, min(triton.cdiv(n_rows, _STEP_ROWS), _STEP_PROGRAMS))
-
-
-def step_extrema(n_rows: int, device: torch.device) -> torch.Tensor:
-    """The buffer the step pass over ``n_rows`` rows writes its check into: per program, g's then η's min, max and
-    NaN count ([programs, 2, 3] fp32, every element written by the pass)."""
-    return torch.empty(step_programs(n_rows), 2, 3, device=device)
-
-
-def _step_launch(k, eta, dbeta, out, dk, eps, backward, g=None, ext=None):
-    K = k.shape[-1]
-    n = eta.numel()
-    _step_kernel[(step_programs(n),)](k, eta, g, ext, dbeta, out, dk, n, eps, K, R=_STEP_ROWS,
-                                      BK=triton.next_power_of_2(K), BACKWARD=backward, CHECK=ext is not None,
-                                      num_warps=_STEP_WARPS)
-
-
-def kaczmarz_step(k: torch.Tensor, eta: torch.Tensor, eps: float, g: torch.Tensor | None = None,
-                  ext: torch.Tensor | None = None) -> torch.Tensor:
-    """β = η/(‖k‖² + eps) (0 where ‖k‖² + eps = 0) for k [..., K] and eta [...], in fp32 (fp64 for fp64 k): the
-    Kaczmarz step that turns the delta rule on raw keys into the projection. One pass over k; differentiable.
-    With ``ext`` (``step_extrema(eta.numel())``) the same pass writes each program's min, max and NaN
-    count of g (like eta) and eta into it, for the op's value check (``checks.defer_check``)."""
-    if ext is not None:
-        g = g.contiguous()
-    if torch.is_grad_enabled() and (k.requires_grad or eta.requires_grad):
-        return _KaczmarzStep.apply(k, eta, float(eps), g, ext)
-    k, eta = k.contiguous(), eta.contiguous()
-    beta = torch.empty(eta.shape, dtype=compute_dtype(k), device=k.device)
-    _step_launch(k, eta, None, beta, None, float(eps), False, g, ext)
-    return beta
-
-
-class _KaczmarzStep(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, k, eta, eps, g, ext):
-        k, eta = k.contiguous(), eta.contiguous()
-        beta = torch.empty(eta.shape, dtype=compute_dtype(k), device=k.device)
-        _step_launch(k, eta, None, beta, None, eps, False, g, ext)
-        ctx.save_for_backward(k, eta)
-        ctx.eps = eps
-        return beta
-
-    @staticmethod
-    @no_autocast
-    def backward(ctx, dbeta):
-        k, eta = ctx.saved_tensors
-        dk, deta = torch.empty_like(k), torch.empty_like(eta)
-        _step_launch(k, eta, dbeta.contiguous(), deta, dk, ctx.eps, True)
-        return dk, deta, None, None, None
-
-
-@triton.jit
-def _decay(G, rows, cols, STRICT: tl.constexpr):
-    """D[t, s] = exp(G_t − G_s) on s < t (STRICT) or s <= t, else 0 (masked before exp: nothing overflows)."""
-    keep = (cols < rows) if STRICT else (cols <= rows)
-    return tl.where(keep, tl.exp(tl.where(keep, G[:, None] - G[None, :], 0.)), 0.)
-
-
-@triton.jit
-def _dot32(a, b, DT: tl.constexpr):
-    """a @ b with fp32 operands (the triangular solve's): 3×TF32 for fp32 activations, one TF32 pass for 16-bit
-    ones (fp64 stays fp64)."""
-    if DT == tl.float32:
-        return tl.dot(a, b, input_precision=DOT_FP32)
-    elif DT == tl.float64:
-        return tl.dot(a, b)
-    else:
-        return tl.dot(a, b, input_precision="tf32")
+def max_head_size(dtype: torch.dtype) -> tuple[int, str]:
+    """(the largest K the kernels take for activations of ``dtype``, why), for ``checks.check_head_sizes``."""
+    return MAX_K[dtype], (f"kalmix's chunked delta-rule kernels hold K in one tile; for {str(dtype)[6:]} "
+                          "activations a wider one needs more shared memory than an H100 gives a block")
 
 
 @triton.jit
@@ -355,9 +77,9 @@ def _merge(Tm, A, rows, cols, size: tl.constexpr, DT: tl.constexpr):
     """T for blocks of ``size`` from Tm, T of their four sub-blocks: with N = Tm·(A's sub-blocks below the diagonal
     inside each block), nilpotent of order 4, T = (I + N)⁻¹ Tm = (I − N)(I + N²) Tm."""
     sub: tl.constexpr = size // 4
-    N = _dot32(Tm, tl.where((rows // size == cols // size) & (rows // sub != cols // sub), A, 0.), DT)
-    X = Tm - _dot32(N, Tm, DT)
-    return X + _dot32(N, _dot32(N, X, DT), DT)
+    N = dot32(Tm, tl.where((rows // size == cols // size) & (rows // sub != cols // sub), A, 0.), DT)
+    X = Tm - dot32(N, Tm, DT)
+    return X + dot32(N, dot32(N, X, DT), DT)
 
 
 @triton.jit
@@ -365,12 +87,12 @@ def _system(KW, G, beta, rows, cols, C: tl.constexpr, DT: tl.constexpr):
     """T = (I + A)⁻¹ for A = strictly_lower(diag(β) KW ⊙ D), KW = E Wᵀ: the diagonal blocks of 4 by forward
     substitution (the blocks' rows i together), then two merges of four blocks each (4 → 16 → 64)."""
     tl.static_assert(C == 64)
-    A = KW * _decay(G, rows, cols, True) * beta[:, None]
+    A = KW * decay(G, rows, cols, True) * beta[:, None]
     eye = (rows == cols).to(G.dtype)
     Tm = eye
     for i in tl.static_range(1, 4):
         sel = (rows % 4) == i
-        Tm = tl.where(sel, eye - _dot32(tl.where(sel & (rows // 4 == cols // 4), A, 0.), Tm, DT), Tm)
+        Tm = tl.where(sel, eye - dot32(tl.where(sel & (rows // 4 == cols // 4), A, 0.), Tm, DT), Tm)
     return _merge(_merge(Tm, A, rows, cols, 16, DT), A, rows, cols, 64, DT)
 
 
@@ -383,43 +105,28 @@ def _prep_kernel(w_ptr, e_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, Gc_ptr, T_ptr
     NaN count over the chunk into this program's [2, 3] row of ``ext`` ([programs, 2, 3], the step pass's
     layout)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    bos, L, rows, cols, valid = _chunk_rows(chunks_ptr, i_c, C)
-    g, beta = _gate_rows(g_ptr, beta_ptr, bos, i_h, H, valid, C)
+    bos, L, rows, cols, valid = chunk_rows(chunks_ptr, i_c, C)
+    g, beta = gate_rows(g_ptr, beta_ptr, bos, i_h, H, valid, C)
     G = tl.cumsum(g, axis=0)
-    E = _load_rows(e_ptr, bos, L, i_h, H, K, 0, BK, C)
-    W = E if STEP else _load_rows(w_ptr, bos, L, i_h, H, K, 0, BK, C)
-    KW = _dot(E, tl.trans(W), DT)
+    E = load_rows(e_ptr, bos, L, i_h, H, K, 0, BK, C)
+    W = E if STEP else load_rows(w_ptr, bos, L, i_h, H, K, 0, BK, C)
+    KW = dot(E, tl.trans(W), DT)
     r = tl.arange(0, C)
     if STEP:
         eta = beta
-        beta = eta * _inv_den(tl.sum(tl.where(rows == cols, KW, 0.), axis=1) + step_eps)
+        beta = eta * inv_den(tl.sum(tl.where(rows == cols, KW, 0.), axis=1) + step_eps)
         tl.store(step_ptr + (bos + r) * H + i_h, beta, mask=valid)
     Tm = _system(KW, G, beta, rows, cols, C, DT)
     tl.store(Gc_ptr + (bos + r) * H + i_h, G, mask=valid)
-    _store_rows(T_ptr, Tm, bos, L, i_h, H, C, 0, C, C)
-    _store_rows(wt_ptr, _dot(Tm, E * (beta * tl.exp(G))[:, None], DT), bos, L, i_h, H, K, 0, BK, C)
+    store_rows(T_ptr, Tm, bos, L, i_h, H, C, 0, C, C)
+    store_rows(wt_ptr, dot(Tm, E * (beta * tl.exp(G))[:, None], DT), bos, L, i_h, H, K, 0, BK, C)
     for v0 in range(0, V, BV):
-        Vt = _load_rows(v_ptr, bos, L, i_h, H, V, v0, BV, C)
-        _store_rows(ut_ptr, _dot(Tm, Vt * beta[:, None], DT), bos, L, i_h, H, V, v0, BV, C)
+        Vt = load_rows(v_ptr, bos, L, i_h, H, V, v0, BV, C)
+        store_rows(ut_ptr, dot(Tm, Vt * beta[:, None], DT), bos, L, i_h, H, V, v0, BV, C)
     if CHECK:
         row = ext_ptr + (i_c * tl.num_programs(1) + i_h) * 6
-        _store_extrema(row, _add_extrema(_no_extrema(C), g, valid))
-        _store_extrema(row + 3, _add_extrema(_no_extrema(C), eta, valid))
-
-
-@triton.jit
-def _seq_range(cu_ptr, coff_ptr, i_n, C: tl.constexpr):
-    bos = tl.load(cu_ptr + i_n)
-    eos = tl.load(cu_ptr + i_n + 1)
-    return bos, eos, tl.load(coff_ptr + i_n), tl.cdiv(eos - bos, C)
-
-
-@triton.jit
-def _chunk_at(bos, eos, j, C: tl.constexpr):
-    t0 = bos + j * C
-    r = tl.arange(0, C)
-    L = tl.minimum(eos - t0, C)
-    return t0, L, r < L
+        store_extrema(row, add_extrema(no_extrema(C), g, valid))
+        store_extrema(row + 3, add_extrema(no_extrema(C), eta, valid))
 
 
 @triton.jit
@@ -428,7 +135,7 @@ def _chunk_gate(Gc_ptr, t0, L, i_h, H, valid, C: tl.constexpr):
     G_end, as a cumulative sum over zero gates would: with 0 there, D = exp(G_t − G_s) of a padded row t
     overflowed once |G| > 88 (inf · 0 = NaN in the products over rows)."""
     G = tl.load(Gc_ptr + (t0 + tl.arange(0, C)) * H + i_h, mask=valid, other=0.)
-    G_end = _last(G, L, C)
+    G_end = last(G, L, C)
     return tl.where(valid, G, G_end), G_end
 
 
@@ -438,22 +145,22 @@ def _states_kernel(w_ptr, wt_ptr, ut_ptr, Gc_ptr, s0_ptr, cu_ptr, coff_ptr, h_pt
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     v0 = i_v * BV
-    bos, eos, c0, n_c = _seq_range(cu_ptr, coff_ptr, i_n, C)
+    bos, eos, c0, n_c = seq_range(cu_ptr, coff_ptr, i_n, C)
     if HAS_S0:
-        S = _load_state(s0_ptr, i_nh.to(tl.int64) * K * V, K, V, v0, BK, BV)
+        S = load_state(s0_ptr, i_nh.to(tl.int64) * K * V, K, V, v0, BK, BV)
     else:
         S = tl.zeros([BK, BV], dtype=sT_ptr.dtype.element_ty)
     for j in range(0, n_c):
-        t0, L, valid = _chunk_at(bos, eos, j, C)
-        _store_state(h_ptr, ((c0 + j).to(tl.int64) * H + i_h) * K * V, S, K, V, v0, BK, BV)
-        U = _load_rows(ut_ptr, t0, L, i_h, H, V, v0, BV, C) - _dot(
-            _raw_rows(wt_ptr, t0, L, i_h, H, K, 0, BK, C), S, DT)
-        _store_rows(u_ptr, U, t0, L, i_h, H, V, v0, BV, C)
+        t0, L, valid = chunk_at(bos, eos, j, C)
+        store_state(h_ptr, ((c0 + j).to(tl.int64) * H + i_h) * K * V, S, K, V, v0, BK, BV)
+        U = load_rows(ut_ptr, t0, L, i_h, H, V, v0, BV, C) - dot(
+            raw_rows(wt_ptr, t0, L, i_h, H, K, 0, BK, C), S, DT)
+        store_rows(u_ptr, U, t0, L, i_h, H, V, v0, BV, C)
         G, G_end = _chunk_gate(Gc_ptr, t0, L, i_h, H, valid, C)
         # the decay e^{G_C − G} scales U's [C, BV] rows rather than W's [C, K] ones; W stays in its dtype
-        S = tl.exp(G_end) * S + _dot(tl.trans(_raw_rows(w_ptr, t0, L, i_h, H, K, 0, BK, C)),
+        S = tl.exp(G_end) * S + dot(tl.trans(raw_rows(w_ptr, t0, L, i_h, H, K, 0, BK, C)),
                                      U * tl.exp(G_end - G)[:, None], DT)
-    _store_state(sT_ptr, i_nh.to(tl.int64) * K * V, S, K, V, v0, BK, BV)
+    store_state(sT_ptr, i_nh.to(tl.int64) * K * V, S, K, V, v0, BK, BV)
 
 
 @triton.jit
@@ -462,11 +169,11 @@ def _chunk_scores(q_ptr, w_ptr, Gc_ptr, chunks_ptr, i_c, i_h, H, K, C: tl.conste
     """Chunk i_c's first token and length, G, Q and the decayed scores P = (Q Wᵀ) ⊙ D (the output's intra-chunk
     term, and in the backward the one dU gets from the chunk's own outputs). Q in its dtype (a tensor-core
     operand only)."""
-    bos, L, rows, cols, valid = _chunk_rows(chunks_ptr, i_c, C)
+    bos, L, rows, cols, valid = chunk_rows(chunks_ptr, i_c, C)
     G, _ = _chunk_gate(Gc_ptr, bos, L, i_h, H, valid, C)
-    Q = _raw_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C)
-    W = _raw_rows(w_ptr, bos, L, i_h, H, K, 0, BK, C)
-    return bos, L, G, Q, _dot(Q, tl.trans(W), DT) * _decay(G, rows, cols, False)
+    Q = raw_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C)
+    W = raw_rows(w_ptr, bos, L, i_h, H, K, 0, BK, C)
+    return bos, L, G, Q, dot(Q, tl.trans(W), DT) * decay(G, rows, cols, False)
 
 
 @triton.jit
@@ -478,9 +185,9 @@ def _output_kernel(q_ptr, w_ptr, u_ptr, Gc_ptr, h_ptr, chunks_ptr, o_ptr, scale,
     eG = scale * tl.exp(G)[:, None]
     P = scale * P
     for v0 in range(0, V, BV):
-        S0 = _raw_state(h_ptr, (i_c.to(tl.int64) * H + i_h) * K * V, K, V, v0, BK, BV)
-        U = _raw_rows(u_ptr, bos, L, i_h, H, V, v0, BV, C)
-        _store_rows(o_ptr, eG * _dot(Q, S0, DT) + _dot(P, U, DT), bos, L, i_h, H, V, v0, BV, C)
+        S0 = raw_state(h_ptr, (i_c.to(tl.int64) * H + i_h) * K * V, K, V, v0, BK, BV)
+        U = raw_rows(u_ptr, bos, L, i_h, H, V, v0, BV, C)
+        store_rows(o_ptr, eG * dot(Q, S0, DT) + dot(P, U, DT), bos, L, i_h, H, V, v0, BV, C)
 
 
 @triton.jit
@@ -492,8 +199,8 @@ def _dv_local_kernel(q_ptr, w_ptr, Gc_ptr, do_ptr, chunks_ptr, du_ptr, scale, H,
     bos, L, _, _, P = _chunk_scores(q_ptr, w_ptr, Gc_ptr, chunks_ptr, i_c, i_h, H, K, C, BK, DT)
     Pt = scale * tl.trans(P)
     for v0 in range(0, V, BV):
-        dO = _raw_rows(do_ptr, bos, L, i_h, H, V, v0, BV, C)
-        _store_rows(du_ptr, _dot(Pt, dO, DT), bos, L, i_h, H, V, v0, BV, C)
+        dO = raw_rows(do_ptr, bos, L, i_h, H, V, v0, BV, C)
+        store_rows(du_ptr, dot(Pt, dO, DT), bos, L, i_h, H, V, v0, BV, C)
 
 
 @triton.jit
@@ -506,34 +213,34 @@ def _dstates_kernel(q_ptr, w_ptr, wt_ptr, Gc_ptr, do_ptr, dsT_ptr, cu_ptr, coff_
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     v0 = i_v * BV
-    bos, eos, c0, n_c = _seq_range(cu_ptr, coff_ptr, i_n, C)
+    bos, eos, c0, n_c = seq_range(cu_ptr, coff_ptr, i_n, C)
     base = i_nh.to(tl.int64) * K * V
     if HAS_DST:
-        dS1 = _load_state(dsT_ptr, base, K, V, v0, BH, BV)
-        dS2 = _load_state(dsT_ptr, base + BH * V, K - BH, V, v0, BH, BV)
+        dS1 = load_state(dsT_ptr, base, K, V, v0, BH, BV)
+        dS2 = load_state(dsT_ptr, base + BH * V, K - BH, V, v0, BH, BV)
     else:
         dS1 = tl.zeros([BH, BV], dtype=Gc_ptr.dtype.element_ty)
         dS2 = tl.zeros([BH, BV], dtype=Gc_ptr.dtype.element_ty)
     for jj in range(0, n_c):
         j = n_c - 1 - jj
-        t0, L, valid = _chunk_at(bos, eos, j, C)
+        t0, L, valid = chunk_at(bos, eos, j, C)
         hb = ((c0 + j).to(tl.int64) * H + i_h) * K * V
-        _store_state(dh_ptr, hb, dS1, K, V, v0, BH, BV)
-        _store_state(dh_ptr, hb + BH * V, dS2, K - BH, V, v0, BH, BV)
+        store_state(dh_ptr, hb, dS1, K, V, v0, BH, BV)
+        store_state(dh_ptr, hb + BH * V, dS2, K - BH, V, v0, BH, BV)
         G, G_end = _chunk_gate(Gc_ptr, t0, L, i_h, H, valid, C)
-        dU = _dot(_raw_rows(w_ptr, t0, L, i_h, H, K, 0, BH, C), dS1, DT) + _dot(
-            _raw_rows(w_ptr, t0, L, i_h, H, K, BH, BH, C), dS2, DT)
-        dU = _load_rows(du_ptr, t0, L, i_h, H, V, v0, BV, C) + tl.exp(G_end - G)[:, None] * dU
-        _store_rows(du_ptr, dU, t0, L, i_h, H, V, v0, BV, C)
-        dO = _raw_rows(do_ptr, t0, L, i_h, H, V, v0, BV, C)
+        dU = dot(raw_rows(w_ptr, t0, L, i_h, H, K, 0, BH, C), dS1, DT) + dot(
+            raw_rows(w_ptr, t0, L, i_h, H, K, BH, BH, C), dS2, DT)
+        dU = load_rows(du_ptr, t0, L, i_h, H, V, v0, BV, C) + tl.exp(G_end - G)[:, None] * dU
+        store_rows(du_ptr, dU, t0, L, i_h, H, V, v0, BV, C)
+        dO = raw_rows(do_ptr, t0, L, i_h, H, V, v0, BV, C)
         eG = tl.exp(G)[None, :]
-        dS1 = (scale * _dot(_load_cols(q_ptr, t0, L, i_h, H, K, 0, BH, C) * eG, dO, DT) + tl.exp(G_end) * dS1
-               - _dot(_raw_cols(wt_ptr, t0, L, i_h, H, K, 0, BH, C), dU, DT))
-        dS2 = (scale * _dot(_load_cols(q_ptr, t0, L, i_h, H, K, BH, BH, C) * eG, dO, DT) + tl.exp(G_end) * dS2
-               - _dot(_raw_cols(wt_ptr, t0, L, i_h, H, K, BH, BH, C), dU, DT))
+        dS1 = (scale * dot(load_cols(q_ptr, t0, L, i_h, H, K, 0, BH, C) * eG, dO, DT) + tl.exp(G_end) * dS1
+               - dot(raw_cols(wt_ptr, t0, L, i_h, H, K, 0, BH, C), dU, DT))
+        dS2 = (scale * dot(load_cols(q_ptr, t0, L, i_h, H, K, BH, BH, C) * eG, dO, DT) + tl.exp(G_end) * dS2
+               - dot(raw_cols(wt_ptr, t0, L, i_h, H, K, BH, BH, C), dU, DT))
     if HAS_DS0:
-        _store_state(ds0_ptr, base, dS1, K, V, v0, BH, BV)
-        _store_state(ds0_ptr, base + BH * V, dS2, K - BH, V, v0, BH, BV)
+        store_state(ds0_ptr, base, dS1, K, V, v0, BH, BV)
+        store_state(ds0_ptr, base + BH * V, dS2, K - BH, V, v0, BH, BV)
 
 
 @triton.jit
@@ -542,8 +249,8 @@ def _grads_qw_kernel(q_ptr, w_ptr, g_ptr, beta_ptr, chunks_ptr, h_ptr, dh_ptr, u
                      C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr):
     """Per chunk: dq; the parts of dw (dwp) and of dG from o and S_C; dW̃ = −dU S_0ᵀ for _grads_wy_kernel."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    bos, L, rows, cols, valid = _chunk_rows(chunks_ptr, i_c, C)
-    G, beta, G_end = _gates(g_ptr, beta_ptr, bos, L, i_h, H, valid, C)
+    bos, L, rows, cols, valid = chunk_rows(chunks_ptr, i_c, C)
+    G, beta, G_end = gates(g_ptr, beta_ptr, bos, L, i_h, H, valid, C)
     base = (i_c.to(tl.int64) * H + i_h) * K * V
     dQ = tl.zeros([C, BK], dtype=G.dtype)           # Σ_v dO S_0ᵀ
     dWs = tl.zeros([C, BK], dtype=G.dtype)          # Σ_v U dS_Cᵀ
@@ -551,30 +258,30 @@ def _grads_qw_kernel(q_ptr, w_ptr, g_ptr, beta_ptr, chunks_ptr, h_ptr, dh_ptr, u
     dP = tl.zeros([C, C], dtype=G.dtype)            # Σ_v dO Uᵀ
     dGe = tl.zeros([BK], dtype=G.dtype)             # Σ_v (S_0 ⊙ dS_C) summed over V
     for v0 in range(0, V, BV):
-        S0t = _raw_state_t(h_ptr, base, K, V, v0, BK, BV)
-        dSCt = _raw_state_t(dh_ptr, base, K, V, v0, BK, BV)
-        U = _raw_rows(u_ptr, bos, L, i_h, H, V, v0, BV, C)
-        dO = _raw_rows(do_ptr, bos, L, i_h, H, V, v0, BV, C)
-        dQ = _dot_acc(dO, S0t, dQ, DT)
-        dP = _dot_acc(dO, tl.trans(U), dP, DT)
-        dWs = _dot_acc(U, dSCt, dWs, DT)
-        dWt = _dot_acc(_raw_rows(du_ptr, bos, L, i_h, H, V, v0, BV, C), S0t, dWt, DT)
-        dGe += tl.sum(_acc(S0t) * _acc(dSCt), axis=0)
+        S0t = raw_state_t(h_ptr, base, K, V, v0, BK, BV)
+        dSCt = raw_state_t(dh_ptr, base, K, V, v0, BK, BV)
+        U = raw_rows(u_ptr, bos, L, i_h, H, V, v0, BV, C)
+        dO = raw_rows(do_ptr, bos, L, i_h, H, V, v0, BV, C)
+        dQ = dot_acc(dO, S0t, dQ, DT)
+        dP = dot_acc(dO, tl.trans(U), dP, DT)
+        dWs = dot_acc(U, dSCt, dWs, DT)
+        dWt = dot_acc(raw_rows(du_ptr, bos, L, i_h, H, V, v0, BV, C), S0t, dWt, DT)
+        dGe += tl.sum(to_acc(S0t) * to_acc(dSCt), axis=0)
     dG_end = tl.sum(dGe, axis=0)
-    _store_rows(dwt_ptr, -dWt, bos, L, i_h, H, K, 0, BK, C)
-    Q = _raw_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C)
-    W = _raw_rows(w_ptr, bos, L, i_h, H, K, 0, BK, C)
+    store_rows(dwt_ptr, -dWt, bos, L, i_h, H, K, 0, BK, C)
+    Q = raw_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C)
+    W = raw_rows(w_ptr, bos, L, i_h, H, K, 0, BK, C)
     # S_C's terms e^{G_C} S_0 + (e^{G_C − G} W)ᵀ U
     dWs = tl.exp(G_end - G)[:, None] * dWs
-    dG_end = dG_end * tl.exp(G_end) + tl.sum(tl.sum(_acc(W) * dWs, axis=1), axis=0)
+    dG_end = dG_end * tl.exp(G_end) + tl.sum(tl.sum(to_acc(W) * dWs, axis=1), axis=0)
     # o = scale·e^G Q S_0 + scale·((Q Wᵀ) ⊙ D) U: dq and dw in full, then dG = Σ_k q dq − Σ_k w dw per row (the
     # decay's derivative, as each e^{G_t − G_s} pairs q_t with w_s; S_C's term enters through dw with its sign)
-    dPD = scale * dP * _decay(G, rows, cols, False)
-    dQ = _dot_acc(dPD, W, scale * tl.exp(G)[:, None] * dQ, DT)
-    dWs = _dot_acc(tl.trans(dPD), Q, dWs, DT)
-    dG = tl.sum(_acc(Q) * dQ, axis=1) - tl.sum(_acc(W) * dWs, axis=1)
-    _store_rows(dq_ptr, dQ, bos, L, i_h, H, K, 0, BK, C)
-    _store_rows(dw_ptr, dWs, bos, L, i_h, H, K, 0, BK, C)
+    dPD = scale * dP * decay(G, rows, cols, False)
+    dQ = dot_acc(dPD, W, scale * tl.exp(G)[:, None] * dQ, DT)
+    dWs = dot_acc(tl.trans(dPD), Q, dWs, DT)
+    dG = tl.sum(to_acc(Q) * dQ, axis=1) - tl.sum(to_acc(W) * dWs, axis=1)
+    store_rows(dq_ptr, dQ, bos, L, i_h, H, K, 0, BK, C)
+    store_rows(dw_ptr, dWs, bos, L, i_h, H, K, 0, BK, C)
     r = tl.arange(0, C)
     tl.store(dG_ptr + (bos + r) * H + i_h, dG + tl.where(r == L - 1, dG_end, 0.), mask=valid)
 
@@ -588,73 +295,47 @@ def _grads_wy_kernel(w_ptr, e_ptr, v_ptr, g_ptr, beta_ptr, chunks_ptr, T_ptr, du
     c² = 1/(‖k‖² + step_eps)): one key gradient dw + de − 2 β c² dβ k, and dη = c² dβ in place of dβ. Ũ and
     W̃ are recomputed from T (H100: loading the forward's instead took 0.417 ms against 0.356)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    bos, L, rows, cols, valid = _chunk_rows(chunks_ptr, i_c, C)
-    G, beta, G_end = _gates(g_ptr, beta_ptr, bos, L, i_h, H, valid, C)
+    bos, L, rows, cols, valid = chunk_rows(chunks_ptr, i_c, C)
+    G, beta, G_end = gates(g_ptr, beta_ptr, bos, L, i_h, H, valid, C)
     eG = tl.exp(G)
-    Tm = _raw_rows(T_ptr, bos, L, i_h, H, C, 0, C, C)
+    Tm = raw_rows(T_ptr, bos, L, i_h, H, C, 0, C, C)
     Tt = tl.trans(Tm)
     dA = tl.zeros([C, C], dtype=G.dtype)            # −Σ_v (Tᵀ dŨ) Ũᵀ
     dbeta = tl.zeros([C], dtype=G.dtype)
     for v0 in range(0, V, BV):
-        Vt = _load_rows(v_ptr, bos, L, i_h, H, V, v0, BV, C)
-        dXv = _dot(Tt, _raw_rows(du_ptr, bos, L, i_h, H, V, v0, BV, C), DT)                   # Tᵀ dŨ
-        _store_rows(dv_ptr, dXv * beta[:, None], bos, L, i_h, H, V, v0, BV, C)
+        Vt = load_rows(v_ptr, bos, L, i_h, H, V, v0, BV, C)
+        dXv = dot(Tt, raw_rows(du_ptr, bos, L, i_h, H, V, v0, BV, C), DT)                   # Tᵀ dŨ
+        store_rows(dv_ptr, dXv * beta[:, None], bos, L, i_h, H, V, v0, BV, C)
         dbeta += tl.sum(Vt * dXv, axis=1)
-        dA = _dot_acc(-dXv, tl.trans(_dot(Tm, Vt * beta[:, None], DT)), dA, DT)
-    E = _load_rows(e_ptr, bos, L, i_h, H, K, 0, BK, C)
-    W = _load_rows(w_ptr, bos, L, i_h, H, K, 0, BK, C)
-    dXe = _dot(Tt, _raw_rows(dwt_ptr, bos, L, i_h, H, K, 0, BK, C), DT)                       # Tᵀ dW̃
+        dA = dot_acc(-dXv, tl.trans(dot(Tm, Vt * beta[:, None], DT)), dA, DT)
+    E = load_rows(e_ptr, bos, L, i_h, H, K, 0, BK, C)
+    W = load_rows(w_ptr, bos, L, i_h, H, K, 0, BK, C)
+    dXe = dot(Tt, raw_rows(dwt_ptr, bos, L, i_h, H, K, 0, BK, C), DT)                       # Tᵀ dW̃
     t_e = eG * tl.sum(E * dXe, axis=1)
     dbeta += t_e
     r = tl.arange(0, C)
     dG = tl.load(dG_ptr + (bos + r) * H + i_h, mask=valid, other=0.) + beta * t_e
-    dA = _dot_acc(-dXe, tl.trans(_dot(Tm, E * (beta * eG)[:, None], DT)), dA, DT)
+    dA = dot_acc(-dXe, tl.trans(dot(Tm, E * (beta * eG)[:, None], DT)), dA, DT)
     # A = strictly_lower(diag(β)(E Wᵀ) ⊙ D)
-    D = _decay(G, rows, cols, True)
+    D = decay(G, rows, cols, True)
     dA = tl.where(cols < rows, dA, 0.)
-    M = dA * D * _dot(E, tl.trans(W), DT)
+    M = dA * D * dot(E, tl.trans(W), DT)
     dbeta += tl.sum(M, axis=1)
     M = M * beta[:, None]
     dG += tl.sum(M, axis=1) - tl.sum(M, axis=0)
     dAD = dA * D * beta[:, None]
-    dE = (beta * eG)[:, None] * dXe + _dot(dAD, W, DT)
-    dW = _load_rows(dwp_ptr, bos, L, i_h, H, K, 0, BK, C) + _dot(tl.trans(dAD), E, DT)
+    dE = (beta * eG)[:, None] * dXe + dot(dAD, W, DT)
+    dW = load_rows(dwp_ptr, bos, L, i_h, H, K, 0, BK, C) + dot(tl.trans(dAD), E, DT)
     if STEP:
-        c2 = _inv_sq_norm(E, step_eps)
-        _store_rows(dw_ptr, dW + dE - (2. * beta * c2 * dbeta)[:, None] * E, bos, L, i_h, H, K, 0, BK, C)
+        c2 = inv_sq_norm(E, step_eps)
+        store_rows(dw_ptr, dW + dE - (2. * beta * c2 * dbeta)[:, None] * E, bos, L, i_h, H, K, 0, BK, C)
         dbeta = c2 * dbeta
     else:
-        _store_rows(de_ptr, dE, bos, L, i_h, H, K, 0, BK, C)
-        _store_rows(dw_ptr, dW, bos, L, i_h, H, K, 0, BK, C)
+        store_rows(de_ptr, dE, bos, L, i_h, H, K, 0, BK, C)
+        store_rows(dw_ptr, dW, bos, L, i_h, H, K, 0, BK, C)
     dg = tl.sum(dG, axis=0) - tl.cumsum(dG, axis=0) + dG
     tl.store(dg_ptr + (bos + r) * H + i_h, dg.to(dg_ptr.dtype.element_ty), mask=valid)
     tl.store(dbeta_ptr + (bos + r) * H + i_h, dbeta.to(dbeta_ptr.dtype.element_ty), mask=valid)
-
-
-def _chunk_table(cu: torch.Tensor, B: int, T: int, C: int, packed: bool):
-    """Per sequence: its first chunk [N]; per chunk: its token range [NC, 2] (int32, on cu's device)."""
-    if not packed:
-        return batch_table(B, T, C, cu.device)
-    dev = cu.device
-    lens = cu[1:] - cu[:-1]
-    n = (lens + C - 1) // C
-    coff = torch.cumsum(n, 0) - n
-    n_total = int(n.sum())
-    seq = torch.repeat_interleave(torch.arange(len(n), device=dev), n, output_size=n_total)
-    start = cu[seq] + (torch.arange(n_total, device=dev) - coff[seq]) * C
-    end = torch.minimum(start + C, cu[seq + 1])
-    return coff.to(torch.int32), torch.stack([start, end], 1).to(torch.int32).contiguous()
-
-
-@functools.lru_cache(maxsize=64)
-def batch_table(B: int, T: int, C: int, device: torch.device):
-    """``_chunk_table`` of B sequences of T tokens, kept per shape: an op call on a batch builds no tables (they
-    took ~10 small kernels and their launches per call). The kernels only read them."""
-    n = triton.cdiv(T, C)
-    start = torch.arange(0, B * T, T)[:, None] + torch.arange(0, n * C, C)[None, :]
-    end = torch.minimum(start + C, torch.arange(T, (B + 1) * T, T)[:, None])
-    table = torch.stack([start, end], -1).view(-1, 2).to(device=device, dtype=torch.int32)
-    return batch_offsets(B, n, device)[:-1], table      # each sequence's first chunk: starts of B runs of n
 
 
 @functools.lru_cache(maxsize=None)
@@ -684,9 +365,7 @@ def _launch(dtype: torch.dtype, K: int, V: int, narrow: bool = False) -> dict:
     low = 32 if dtype.itemsize == 2 else 16
     BK = max(low, triton.next_power_of_2(K))
     BV = max(low, min(cfg["BV"], triton.next_power_of_2(V)))
-    # the interpreter's dot overflows on 16-bit operands (numpy has no bf16): there they are multiplied in fp32
-    DT = tl.float32 if INTERPRET and dtype.itemsize == 2 else _DT[dtype]
-    kw = dict(C=CHUNK, BK=BK, BV=BV, DT=DT, num_stages=cfg["stages"])
+    kw = dict(C=CHUNK, BK=BK, BV=BV, DT=operand_dtype(dtype), num_stages=cfg["stages"])
     # 16-wide tiles at 8 warps made illegal memory accesses on an H200 (triton 3.6: the fp32 output kernel, and
     # the 16-bit grads_wy kernel at 8 warps) with K = V = 16: small heads run at most 4 warps
     cap = 4 if min(BK, BV) <= 16 else 8
@@ -701,9 +380,6 @@ def _launch(dtype: torch.dtype, K: int, V: int, narrow: bool = False) -> dict:
                 kws[k]["BV"] = max(low, min(sub["BV"], triton.next_power_of_2(V)))
     kws["dstates"]["BH"] = max(low, kws["dstates"].pop("BK") // 2)      # dS in two blocks of rows
     return kws
-
-
-_DT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32, torch.float64: tl.float64}
 
 
 def _prep(w, e, v, g, beta, chunks, step_eps=None, check=False):
@@ -754,7 +430,7 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         B, T, H, K = q.shape
         V = v.shape[-1]
         flat = [x.reshape(B * T, *x.shape[2:]).contiguous() for x in (q, w, e, v, g, beta)]
-        coff, chunks = _chunk_table(cu, B, T, CHUNK, packed)
+        coff, chunks = chunk_table(cu if packed else None, B, T, CHUNK, q.device)
         s0 = None if s0 is None else s0.contiguous()
         Gc, Tm, wt, ut, step, ext = _prep(*flat[1:], chunks, step_eps, check)
         if step is not None:                    # beta was η; the backward takes the step η/(‖k‖² + eps)

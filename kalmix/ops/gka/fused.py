@@ -32,14 +32,16 @@ import triton.language as tl
 from kalmix.ops.common.carveout import prefer_l1
 from kalmix.ops.common.checks import compute_dtype, fail
 from kalmix.ops.common.precision import no_autocast
+from kalmix.ops.common.triton_utils import (DOT_FP32, chunk_at, chunk_rows, chunk_table, decay, dot, dot32, dot_acc,
+                                            gates, load_rows, load_state, load_tokens, operand_dtype, raw_rows,
+                                            raw_state, seq_range, store_rows, store_state)
 from kalmix.ops.common.varlen import batch_offsets
-from kalmix.ops.common.delta_triton import (_DT, DOT_FP32, INTERPRET, _chunk_at, _chunk_rows, _chunk_table, _decay,
-                                            _dot, _dot32, _dot_acc, _gates, _load_rows, _load_state, _load_tokens,
-                                            _raw_rows, _raw_state, _seq_range, _store_rows, _store_state)
 from kalmix.ops.gka.step import gka_step_fused
 
 _OP = "gated_kalmanet"
-MAX_K = 128         # H_c [K, K] is one tile
+# H_c [K, K] is one register tile; at K = 128 the adjoint solve takes 224 of the 227 KB of shared memory an H100 gives
+# a block (fp32 and fp64; `python benchmarks/kernel_report.py --ops limits`). V is walked in column blocks.
+MAX_K = 128
 # above this K the adjoint solve's tail runs as its own kernel: fused, it makes ptxas serialise the solve's tensor-core
 # instructions (at K = 64 the split solve is the serialised one). `python benchmarks/kernel_report.py --ops gka` prints
 # ptxas's warning; gpu_tests/test_ops_gpu.py::test_gka_solves_keep_their_tensor_core_pipeline fails on it
@@ -68,15 +70,15 @@ def _scan(x_ptr, D, d0, k_ptr, g_ptr, beta_ptr, s0_ptr, h_ptr, sT_ptr, cu_ptr, c
           C: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, DT: tl.constexpr):
     """Columns d0..d0+BD of S_t = γ_t S_{t−1} + β_t k_t x_tᵀ ([K, D]) at every chunk start of one sequence."""
     i_n, i_h = i_nh // H, i_nh % H
-    bos, eos, c0, n_c = _seq_range(cu_ptr, coff_ptr, i_n, C)
-    S = _load_state(s0_ptr, i_nh.to(tl.int64) * K * D, K, D, d0, BK, BD)
+    bos, eos, c0, n_c = seq_range(cu_ptr, coff_ptr, i_n, C)
+    S = load_state(s0_ptr, i_nh.to(tl.int64) * K * D, K, D, d0, BK, BD)
     for j in range(0, n_c):
-        t0, L, valid = _chunk_at(bos, eos, j, C)
-        _store_state(h_ptr, ((c0 + j).to(tl.int64) * H + i_h) * K * D, S, K, D, d0, BK, BD)
-        G, beta, G_end = _gates(g_ptr, beta_ptr, t0, L, i_h, H, valid, C)
-        Kd = _load_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C) * (beta * tl.exp(G_end - G))[:, None]
-        S = tl.exp(G_end) * S + _dot(tl.trans(Kd), _raw_rows(x_ptr, t0, L, i_h, H, D, d0, BD, C), DT)
-    _store_state(sT_ptr, i_nh.to(tl.int64) * K * D, S, K, D, d0, BK, BD)
+        t0, L, valid = chunk_at(bos, eos, j, C)
+        store_state(h_ptr, ((c0 + j).to(tl.int64) * H + i_h) * K * D, S, K, D, d0, BK, BD)
+        G, beta, G_end = gates(g_ptr, beta_ptr, t0, L, i_h, H, valid, C)
+        Kd = load_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C) * (beta * tl.exp(G_end - G))[:, None]
+        S = tl.exp(G_end) * S + dot(tl.trans(Kd), raw_rows(x_ptr, t0, L, i_h, H, D, d0, BD, C), DT)
+    store_state(sT_ptr, i_nh.to(tl.int64) * K * D, S, K, D, d0, BK, BD)
 
 
 @triton.jit
@@ -95,8 +97,8 @@ def _states_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, u0_ptr, cu_ptr, coff_p
 @triton.jit
 def _hnorm(Kc, Hc, M, Gam, DT: tl.constexpr):
     """‖H_t‖_F per row from the chunk expansion (every term >= 0 for PSD H_c)."""
-    kHk = tl.sum(_dot(Kc, Hc, DT) * Kc, axis=1)
-    Kg = _dot(Kc, tl.trans(Kc), DT)
+    kHk = tl.sum(dot(Kc, Hc, DT) * Kc, axis=1)
+    Kg = dot(Kc, tl.trans(Kc), DT)
     Hf = Hc.to(Gam.dtype)
     sq = (Gam * Gam * tl.sum(tl.sum(Hf * Hf, axis=1), axis=0) + 2. * Gam * tl.sum(M * kHk[None, :], axis=1)
           + tl.sum(_dotf(M, Kg * Kg) * M, axis=1))
@@ -115,8 +117,8 @@ def _chebyshev(R, Hc, Kc, M, Gam, hnorm, coef_ptr, n_iters, DT: tl.constexpr):
         keep = tl.load(coef_ptr + 3 + 2 * i)
         # the residual H_t x_t − r_t of every row in one accumulator: −R, + (M ⊙ X Kᵀ) K, + (Γ X) H_c (one [C, K]
         # fp32 tile fewer live in a kernel at its register limit)
-        E = _dot_acc(M * _dot(X, tl.trans(Kc), DT), Kc, -R.to(X.dtype), DT)
-        E = _dot_acc(Gam[:, None] * X, Hc, E, DT)
+        E = dot_acc(M * dot(X, tl.trans(Kc), DT), Kc, -R.to(X.dtype), DT)
+        E = dot_acc(Gam[:, None] * X, Hc, E, DT)
         X, X_prev = keep * X + (1. - omega) * X_prev - (omega * step)[:, None] * E, X
     return X
 
@@ -124,9 +126,9 @@ def _chebyshev(R, Hc, Kc, M, Gam, hnorm, coef_ptr, n_iters, DT: tl.constexpr):
 @triton.jit
 def _chunk(g_ptr, beta_ptr, chunks_ptr, i_c, i_h, H, C: tl.constexpr):
     """The chunk's rows, its G, β, G at its last token, Γ = e^G and M[t, s] = β_s e^{G_t − G_s} (s <= t)."""
-    bos, L, rows, cols, valid = _chunk_rows(chunks_ptr, i_c, C)
-    G, beta, G_end = _gates(g_ptr, beta_ptr, bos, L, i_h, H, valid, C)
-    Md = _decay(G, rows, cols, False)
+    bos, L, rows, cols, valid = chunk_rows(chunks_ptr, i_c, C)
+    G, beta, G_end = gates(g_ptr, beta_ptr, bos, L, i_h, H, valid, C)
+    Md = decay(G, rows, cols, False)
     return bos, L, rows, cols, valid, G, beta, G_end, tl.exp(G), Md, Md * beta[None, :]
 
 
@@ -137,25 +139,25 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_ptr, h_p
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, L, rows, cols, valid, G, beta, G_end, Gam, Md, M = _chunk(g_ptr, beta_ptr, chunks_ptr, i_c, i_h, H, C)
     # tiles stored in the operand dtype stay in it (exact; half the registers)
-    Q = _load_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)
-    Kc = _load_rows(k_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)
+    Q = load_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)
+    Kc = load_rows(k_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)
     base = i_c.to(tl.int64) * H + i_h
     if SOLVE:
-        Hc = _load_state(h_ptr, base * K * K, K, K, 0, BK, BK).to(DT)
+        Hc = load_state(h_ptr, base * K * K, K, K, 0, BK, BK).to(DT)
         hnorm = _hnorm(Kc, Hc, M, Gam, DT)
         X = _chebyshev(Q, Hc, Kc, M, Gam, hnorm, coef_ptr, n_iters, DT)
-        alpha = _load_tokens(alpha_ptr, bos, L, i_h, H, 0., C)
+        alpha = load_tokens(alpha_ptr, bos, L, i_h, H, 0., C)
         Qt = Q + alpha[:, None] * (X - Q)
         if STORE:
-            _store_rows(x_ptr, X, bos, L, i_h, H, K, 0, BK, C)
+            store_rows(x_ptr, X, bos, L, i_h, H, K, 0, BK, C)
             tl.store(hn_ptr + (bos + tl.arange(0, C)) * H + i_h, hnorm, mask=valid)
     else:
         Qt = Q
-    P = M * _dot(Qt, tl.trans(Kc), DT)
+    P = M * dot(Qt, tl.trans(Kc), DT)
     for v0 in range(0, V, BV):
-        U0 = _raw_state(u_ptr, base * K * V, K, V, v0, BK, BV)
-        out = _dot_acc(Gam[:, None] * Qt, U0, _dot(P, _raw_rows(v_ptr, bos, L, i_h, H, V, v0, BV, C), DT), DT)
-        _store_rows(o_ptr, scale * out, bos, L, i_h, H, V, v0, BV, C)
+        U0 = raw_state(u_ptr, base * K * V, K, V, v0, BK, BV)
+        out = dot_acc(Gam[:, None] * Qt, U0, dot(P, raw_rows(v_ptr, bos, L, i_h, H, V, v0, BV, C), DT), DT)
+        store_rows(o_ptr, scale * out, bos, L, i_h, H, V, v0, BV, C)
 
 
 @triton.jit
@@ -169,32 +171,32 @@ def _solve_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_pt
     and dα."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, L, rows, cols, valid, G, beta, G_end, Gam, Md, M = _chunk(g_ptr, beta_ptr, chunks_ptr, i_c, i_h, H, C)
-    Kc = _load_rows(k_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)
+    Kc = load_rows(k_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)
     base = i_c.to(tl.int64) * H + i_h
     dQt = tl.zeros([C, BK], dtype=G.dtype)          # scale·U_t do_t = Γ dO U_cᵀ + (M ⊙ dO Vᵀ) K
     for v0 in range(0, V, BV):
-        U0 = _raw_state(u_ptr, base * K * V, K, V, v0, BK, BV)
-        dO = _raw_rows(do_ptr, bos, L, i_h, H, V, v0, BV, C)
-        Vc = _raw_rows(v_ptr, bos, L, i_h, H, V, v0, BV, C)
-        dQt = _dot_acc(M * _dot(dO, tl.trans(Vc), DT), Kc, _dot_acc(Gam[:, None] * dO, tl.trans(U0), dQt, DT), DT)
+        U0 = raw_state(u_ptr, base * K * V, K, V, v0, BK, BV)
+        dO = raw_rows(do_ptr, bos, L, i_h, H, V, v0, BV, C)
+        Vc = raw_rows(v_ptr, bos, L, i_h, H, V, v0, BV, C)
+        dQt = dot_acc(M * dot(dO, tl.trans(Vc), DT), Kc, dot_acc(Gam[:, None] * dO, tl.trans(U0), dQt, DT), DT)
     dQt = scale * dQt
     r = tl.arange(0, C)
     tok = (bos + r) * H + i_h
     if SOLVE:
-        Hc = _load_state(h_ptr, base * K * K, K, K, 0, BK, BK).to(DT)
+        Hc = load_state(h_ptr, base * K * K, K, K, 0, BK, BK).to(DT)
         hnorm = tl.load(hn_ptr + tok, mask=valid, other=1.)
-        alpha = _load_tokens(alpha_ptr, bos, L, i_h, H, 0., C)
+        alpha = load_tokens(alpha_ptr, bos, L, i_h, H, 0., C)
         # dq̃ waits in dkp's rows (overwritten by _tail) while the solve runs on its right-hand side in the
         # operand dtype (like the forward's q)
-        _store_rows(dkp_ptr, dQt, bos, L, i_h, H, K, 0, BK, C)
+        store_rows(dkp_ptr, dQt, bos, L, i_h, H, K, 0, BK, C)
         Y = _chebyshev((alpha[:, None] * dQt).to(DT), Hc, Kc, M, Gam, hnorm, coef_ptr, n_iters, DT)
-        _store_rows(y_ptr, Y, bos, L, i_h, H, K, 0, BK, C)
+        store_rows(y_ptr, Y, bos, L, i_h, H, K, 0, BK, C)
         if not TAIL:
             _tail(q_ptr, x_ptr, coef_ptr, dq_ptr, dalpha_ptr, c_ptr, m_ptr, khk_ptr, dgam_ptr, dkp_ptr, Y, Hc, Kc,
                   alpha, hnorm, M, Gam, bos, L, i_h, H, K, valid, tok, C, BK, DT)
     else:
         tl.store(dalpha_ptr + tok, tl.zeros([C], dtype=G.dtype), mask=valid)
-        _store_rows(dq_ptr, dQt, bos, L, i_h, H, K, 0, BK, C)
+        store_rows(dq_ptr, dQt, bos, L, i_h, H, K, 0, BK, C)
 
 
 @triton.jit
@@ -203,16 +205,16 @@ def _tail(q_ptr, x_ptr, coef_ptr, dq_ptr, dalpha_ptr, c_ptr, m_ptr, khk_ptr, dga
     """After the adjoint solve, per chunk: dq = (1 − α) dq̃ + y (dq̃ from dkp's rows), dα, c_t, m_s = Σ_t M[t, s]
     c_t Γ_t, and what needs H_c in _grads_h_kernel: k_sᵀH_c k_s, the H_c terms of ∂/∂Γ_t (−y_tᵀH_c x_t + c_t
     (Γ_t ‖H_c‖² + Σ_s M[t, s] k_sᵀH_c k_s)), and dk's 2 m_s H_c k_s (into dkp; _grads_u_kernel adds to it)."""
-    dQt = _load_rows(dkp_ptr, bos, L, i_h, H, K, 0, BK, C)
-    _store_rows(dq_ptr, (1. - alpha)[:, None] * dQt + Y, bos, L, i_h, H, K, 0, BK, C)
-    X = _load_rows(x_ptr, bos, L, i_h, H, K, 0, BK, C)
-    tl.store(dalpha_ptr + tok, tl.sum(dQt * (X - _load_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C)), axis=1), mask=valid)
+    dQt = load_rows(dkp_ptr, bos, L, i_h, H, K, 0, BK, C)
+    store_rows(dq_ptr, (1. - alpha)[:, None] * dQt + Y, bos, L, i_h, H, K, 0, BK, C)
+    X = load_rows(x_ptr, bos, L, i_h, H, K, 0, BK, C)
+    tl.store(dalpha_ptr + tok, tl.sum(dQt * (X - load_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C)), axis=1), mask=valid)
     cvec = tl.where(valid & (hnorm > 0), -tl.load(coef_ptr + 1) * tl.sum(X * Y, axis=1) / hnorm, 0.)
-    dgam = -tl.sum(_dot(Y, Hc, DT) * X, axis=1)
+    dgam = -tl.sum(dot(Y, Hc, DT) * X, axis=1)
     mvec = tl.sum(M * (cvec * Gam)[:, None], axis=0)
-    KH = _dot(Kc, Hc, DT)
+    KH = dot(Kc, Hc, DT)
     kHk = tl.sum(KH * Kc, axis=1)
-    _store_rows(dkp_ptr, 2. * mvec[:, None] * KH, bos, L, i_h, H, K, 0, BK, C)
+    store_rows(dkp_ptr, 2. * mvec[:, None] * KH, bos, L, i_h, H, K, 0, BK, C)
     Hf = Hc.to(Gam.dtype)
     dgam += cvec * (Gam * tl.sum(tl.sum(Hf * Hf, axis=1), axis=0) + tl.sum(M * kHk[None, :], axis=1))
     tl.store(c_ptr + tok, cvec, mask=valid)
@@ -229,10 +231,10 @@ def _solve_tail_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_ptr, h_p
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, L, rows, cols, valid, G, beta, G_end, Gam, Md, M = _chunk(g_ptr, beta_ptr, chunks_ptr, i_c, i_h, H, C)
     tok = (bos + tl.arange(0, C)) * H + i_h
-    Hc = _load_state(h_ptr, (i_c.to(tl.int64) * H + i_h) * K * K, K, K, 0, BK, BK).to(DT)
-    Kc = _load_rows(k_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)
+    Hc = load_state(h_ptr, (i_c.to(tl.int64) * H + i_h) * K * K, K, K, 0, BK, BK).to(DT)
+    Kc = load_rows(k_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)
     _tail(q_ptr, x_ptr, coef_ptr, dq_ptr, dalpha_ptr, c_ptr, m_ptr, khk_ptr, dgam_ptr, dkp_ptr,
-          _load_rows(y_ptr, bos, L, i_h, H, K, 0, BK, C), Hc, Kc, _load_tokens(alpha_ptr, bos, L, i_h, H, 0., C),
+          load_rows(y_ptr, bos, L, i_h, H, K, 0, BK, C), Hc, Kc, load_tokens(alpha_ptr, bos, L, i_h, H, 0., C),
           tl.load(hn_ptr + tok, mask=valid, other=1.), M, Gam, bos, L, i_h, H, K, valid, tok, C, BK, DT)
 
 
@@ -244,39 +246,39 @@ def _dscan(D, d0, dsT_ptr, ds0_ptr, dst_ptr, s_ptr, dge_ptr, q_ptr, k_ptr, x_ptr
     (E_c = Γ_C E_{c+1} + scale Σ_t Γ_t q̃_t do_tᵀ), backwards over one sequence's chunks; adds these columns'
     share of ⟨D_{c+1}, H_c⟩ + ⟨E_{c+1}, U_c⟩ (the Γ_C-derivative of the chunk-end states) to dge."""
     i_n, i_h = i_nh // H, i_nh % H
-    bos, eos, c0, n_c = _seq_range(cu_ptr, coff_ptr, i_n, C)
+    bos, eos, c0, n_c = seq_range(cu_ptr, coff_ptr, i_n, C)
     if HAS_DST:
-        S = _load_state(dsT_ptr, i_nh.to(tl.int64) * K * D, K, D, d0, BK, BD)
+        S = load_state(dsT_ptr, i_nh.to(tl.int64) * K * D, K, D, d0, BK, BD)
     else:
         S = tl.zeros([BK, BD], dtype=ds0_ptr.dtype.element_ty)        # the compute dtype
     for jj in range(0, n_c):
         j = n_c - 1 - jj
-        t0, L, valid = _chunk_at(bos, eos, j, C)
+        t0, L, valid = chunk_at(bos, eos, j, C)
         base = (c0 + j).to(tl.int64) * H + i_h
-        _store_state(dst_ptr, base * K * D, S, K, D, d0, BK, BD)
-        S0 = _raw_state(s_ptr, base * K * D, K, D, d0, BK, BD)
+        store_state(dst_ptr, base * K * D, S, K, D, d0, BK, BD)
+        S0 = raw_state(s_ptr, base * K * D, K, D, d0, BK, BD)
         tl.atomic_add(dge_ptr + base, tl.sum(tl.sum(S * S0, axis=1), axis=0))
-        G, beta, G_end = _gates(g_ptr, beta_ptr, t0, L, i_h, H, valid, C)
+        G, beta, G_end = gates(g_ptr, beta_ptr, t0, L, i_h, H, valid, C)
         Gam = tl.exp(G)
         S = tl.exp(G_end) * S
         if IS_H:
             if SOLVE:
                 # Σ_t Γ_t dH_t = −(ΓY)ᵀX + (Σ_t Γ_t² c_t) H_c + Kᵀ diag(m) K
-                cvec = _load_tokens(c_ptr, t0, L, i_h, H, 0., C)
-                mvec = _load_tokens(m_ptr, t0, L, i_h, H, 0., C)
-                Y = _load_rows(y_ptr, t0, L, i_h, H, K, 0, BK, C)
-                Xd = _load_rows(x_ptr, t0, L, i_h, H, K, d0, BD, C)
-                Kc = _raw_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C)
-                Kd = _raw_rows(k_ptr, t0, L, i_h, H, K, d0, BD, C)
-                S += (tl.sum(Gam * Gam * cvec, axis=0) * S0 - _dot(tl.trans(Gam[:, None] * Y), Xd, DT)
-                      + _dot(tl.trans(Kc * mvec[:, None]), Kd, DT))
+                cvec = load_tokens(c_ptr, t0, L, i_h, H, 0., C)
+                mvec = load_tokens(m_ptr, t0, L, i_h, H, 0., C)
+                Y = load_rows(y_ptr, t0, L, i_h, H, K, 0, BK, C)
+                Xd = load_rows(x_ptr, t0, L, i_h, H, K, d0, BD, C)
+                Kc = raw_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C)
+                Kd = raw_rows(k_ptr, t0, L, i_h, H, K, d0, BD, C)
+                S += (tl.sum(Gam * Gam * cvec, axis=0) * S0 - dot(tl.trans(Gam[:, None] * Y), Xd, DT)
+                      + dot(tl.trans(Kc * mvec[:, None]), Kd, DT))
         else:
-            Q = _load_rows(q_ptr, t0, L, i_h, H, K, 0, BK, C)
+            Q = load_rows(q_ptr, t0, L, i_h, H, K, 0, BK, C)
             if SOLVE:
-                alpha = _load_tokens(alpha_ptr, t0, L, i_h, H, 0., C)
-                Q += alpha[:, None] * (_load_rows(x_ptr, t0, L, i_h, H, K, 0, BK, C) - Q)
-            S += scale * _dot(tl.trans(Gam[:, None] * Q), _raw_rows(do_ptr, t0, L, i_h, H, D, d0, BD, C), DT)
-    _store_state(ds0_ptr, i_nh.to(tl.int64) * K * D, S, K, D, d0, BK, BD)
+                alpha = load_tokens(alpha_ptr, t0, L, i_h, H, 0., C)
+                Q += alpha[:, None] * (load_rows(x_ptr, t0, L, i_h, H, K, 0, BK, C) - Q)
+            S += scale * dot(tl.trans(Gam[:, None] * Q), raw_rows(do_ptr, t0, L, i_h, H, D, d0, BD, C), DT)
+    store_state(ds0_ptr, i_nh.to(tl.int64) * K * D, S, K, D, d0, BK, BD)
 
 
 @triton.jit
@@ -304,35 +306,35 @@ def _grads_u_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, chunks_ptr,
     this path's shares of dG and dβ."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, L, rows, cols, valid, G, beta, G_end, Gam, Md, M = _chunk(g_ptr, beta_ptr, chunks_ptr, i_c, i_h, H, C)
-    Kc = _load_rows(k_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)
-    Qt = _load_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C)
+    Kc = load_rows(k_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)
+    Qt = load_rows(q_ptr, bos, L, i_h, H, K, 0, BK, C)
     if SOLVE:
-        alpha = _load_tokens(alpha_ptr, bos, L, i_h, H, 0., C)
-        Qt += alpha[:, None] * (_load_rows(x_ptr, bos, L, i_h, H, K, 0, BK, C) - Qt)
+        alpha = load_tokens(alpha_ptr, bos, L, i_h, H, 0., C)
+        Qt += alpha[:, None] * (load_rows(x_ptr, bos, L, i_h, H, K, 0, BK, C) - Qt)
     Qt = Qt.to(DT)                                  # only multiplied in DT
     base = i_c.to(tl.int64) * H + i_h
-    QtK = _dot(Qt, tl.trans(Kc), DT)
+    QtK = dot(Qt, tl.trans(Kc), DT)
     dOV = QtK * 0.                                  # dO Vᵀ
     VE = tl.zeros([C, BK], dtype=G.dtype)           # V Eᵀ
     e = Gam * 0.                                    # k_sᵀ E v_s
     dGam = Gam * 0.                                 # ∂/∂Γ_t of the Γ_t U_cᵀ q̃_t term
     bend = beta * tl.exp(G_end - G)
     for v0 in range(0, V, BV):
-        U0 = _raw_state(u_ptr, base * K * V, K, V, v0, BK, BV)
-        E = _raw_state(du_ptr, base * K * V, K, V, v0, BK, BV)
-        Vc = _raw_rows(v_ptr, bos, L, i_h, H, V, v0, BV, C)
-        dO = _raw_rows(do_ptr, bos, L, i_h, H, V, v0, BV, C)
-        dOV += _dot(dO, tl.trans(Vc), DT)
-        dGam += tl.sum(dO * _dot(Qt, U0, DT), axis=1)
-        KE = _dot(Kc, E, DT)
+        U0 = raw_state(u_ptr, base * K * V, K, V, v0, BK, BV)
+        E = raw_state(du_ptr, base * K * V, K, V, v0, BK, BV)
+        Vc = raw_rows(v_ptr, bos, L, i_h, H, V, v0, BV, C)
+        dO = raw_rows(do_ptr, bos, L, i_h, H, V, v0, BV, C)
+        dOV += dot(dO, tl.trans(Vc), DT)
+        dGam += tl.sum(dO * dot(Qt, U0, DT), axis=1)
+        KE = dot(Kc, E, DT)
         e += tl.sum(KE * Vc, axis=1)
-        VE += _dot(Vc, tl.trans(E), DT)
-        _store_rows(dv_ptr, scale * _dot(tl.trans(M * QtK), dO, DT) + bend[:, None] * KE, bos, L, i_h, H, V, v0,
+        VE += dot(Vc, tl.trans(E), DT)
+        store_rows(dv_ptr, scale * dot(tl.trans(M * QtK), dO, DT) + bend[:, None] * KE, bos, L, i_h, H, V, v0,
                     BV, C)
-    dK = scale * _dot(tl.trans(M * dOV), Qt, DT) + bend[:, None] * VE
+    dK = scale * dot(tl.trans(M * dOV), Qt, DT) + bend[:, None] * VE
     if SOLVE:
-        dK += _load_rows(dkp_ptr, bos, L, i_h, H, K, 0, BK, C)
-    _store_rows(dkp_ptr, dK, bos, L, i_h, H, K, 0, BK, C)
+        dK += load_rows(dkp_ptr, bos, L, i_h, H, K, 0, BK, C)
+    store_rows(dkp_ptr, dK, bos, L, i_h, H, K, 0, BK, C)
     dM = scale * dOV * QtK
     P = dM * M
     tok = (bos + tl.arange(0, C)) * H + i_h
@@ -350,32 +352,32 @@ def _grads_h_kernel(k_ptr, g_ptr, beta_ptr, chunks_ptr, dh_ptr, x_ptr, y_ptr, c_
     shares; dg is the reverse cumulative sum of dG (G_t = Σ_{r<=t} g_r)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, L, rows, cols, valid, G, beta, G_end, Gam, Md, M = _chunk(g_ptr, beta_ptr, chunks_ptr, i_c, i_h, H, C)
-    Kc = _load_rows(k_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)
+    Kc = load_rows(k_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)
     base = i_c.to(tl.int64) * H + i_h
     bend = beta * tl.exp(G_end - G)
-    Dm = _raw_state(dh_ptr, base * K * K, K, K, 0, BK, BK).to(DT)
-    KD = _dot(Kc, Dm, DT)
-    e = _load_tokens(e_ptr, bos, L, i_h, H, 0., C) + tl.sum(KD * Kc, axis=1)
-    dK = _load_rows(dkp_ptr, bos, L, i_h, H, K, 0, BK, C) + bend[:, None] * (KD + _dot(Kc, tl.trans(Dm), DT))
-    dG = _load_tokens(dGp_ptr, bos, L, i_h, H, 0., C)
-    dbeta = _load_tokens(dbp_ptr, bos, L, i_h, H, 0., C)
+    Dm = raw_state(dh_ptr, base * K * K, K, K, 0, BK, BK).to(DT)
+    KD = dot(Kc, Dm, DT)
+    e = load_tokens(e_ptr, bos, L, i_h, H, 0., C) + tl.sum(KD * Kc, axis=1)
+    dK = load_rows(dkp_ptr, bos, L, i_h, H, K, 0, BK, C) + bend[:, None] * (KD + dot(Kc, tl.trans(Dm), DT))
+    dG = load_tokens(dGp_ptr, bos, L, i_h, H, 0., C)
+    dbeta = load_tokens(dbp_ptr, bos, L, i_h, H, 0., C)
     if SOLVE:
-        X = _load_rows(x_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)         # only multiplied in DT
-        Y = _load_rows(y_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)
-        cvec = _load_tokens(c_ptr, bos, L, i_h, H, 0., C)
-        kHk = _load_tokens(khk_ptr, bos, L, i_h, H, 0., C)
+        X = load_rows(x_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)         # only multiplied in DT
+        Y = load_rows(y_ptr, bos, L, i_h, H, K, 0, BK, C).to(DT)
+        cvec = load_tokens(c_ptr, bos, L, i_h, H, 0., C)
+        kHk = load_tokens(khk_ptr, bos, L, i_h, H, 0., C)
         # each [C, C] term is reduced as soon as it is formed (fewer live tiles)
-        XK = _dot(X, tl.trans(Kc), DT)
-        YK = _dot(Y, tl.trans(Kc), DT)
-        dK -= _dot(tl.trans(M * XK), Y, DT) + _dot(tl.trans(M * YK), X, DT)
+        XK = dot(X, tl.trans(Kc), DT)
+        YK = dot(Y, tl.trans(Kc), DT)
+        dK -= dot(tl.trans(M * XK), Y, DT) + dot(tl.trans(M * YK), X, DT)
         dM = -YK * XK
-        Kg = _dot(Kc, tl.trans(Kc), DT)
-        dK += 2. * _dot(_dot32(tl.trans(M * cvec[:, None]), M, DT) * Kg, Kc, DT)      # Mᵀ diag(c) M
-        dM += cvec[:, None] * (Gam[:, None] * kHk[None, :] + _dot32(M, Kg * Kg, DT))
+        Kg = dot(Kc, tl.trans(Kc), DT)
+        dK += 2. * dot(dot32(tl.trans(M * cvec[:, None]), M, DT) * Kg, Kc, DT)      # Mᵀ diag(c) M
+        dM += cvec[:, None] * (Gam[:, None] * kHk[None, :] + dot32(M, Kg * Kg, DT))
         P = dM * M
-        dG += tl.sum(P, axis=1) - tl.sum(P, axis=0) + Gam * _load_tokens(dgam_ptr, bos, L, i_h, H, 0., C)
+        dG += tl.sum(P, axis=1) - tl.sum(P, axis=0) + Gam * load_tokens(dgam_ptr, bos, L, i_h, H, 0., C)
         dbeta += tl.sum(dM * Md, axis=0)
-    _store_rows(dk_ptr, dK, bos, L, i_h, H, K, 0, BK, C)
+    store_rows(dk_ptr, dK, bos, L, i_h, H, K, 0, BK, C)
     eb = e * bend
     r = tl.arange(0, C)
     dG += tl.where(r == L - 1, tl.sum(eb, axis=0) + tl.exp(G_end) * tl.load(dge_ptr + base), 0.) - eb
@@ -404,9 +406,7 @@ def _launch(dtype: torch.dtype, K: int, V: int):
     cfg = _config(dtype)
     BK = max(16, triton.next_power_of_2(K))
     BD = max(16, min(cfg["BV"], triton.next_power_of_2(V)))
-    # the interpreter's dot overflows on 16-bit operands (numpy has no bf16): there they are multiplied in fp32
-    DT = tl.float32 if INTERPRET and dtype.itemsize == 2 else _DT[dtype]
-    kw = dict(C=cfg["C"], BK=BK, DT=DT)
+    kw = dict(C=cfg["C"], BK=BK, DT=operand_dtype(dtype))
     return BK, BD, {k: dict(kw, num_warps=w[0], num_stages=w[1]) if isinstance(w, tuple) else
                     dict(kw, num_warps=w, num_stages=1) for k, w in cfg.items() if k not in ("C", "BV")}
 
@@ -446,7 +446,7 @@ def _flatten(q, k, v, g, beta, alpha, cu, packed):
     """[B·T, H, *] contiguous views and the chunk table."""
     B, T = q.shape[:2]
     flat = [x.reshape(B * T, *x.shape[2:]).contiguous() for x in (q, k, v, g, beta, alpha)]
-    return flat, _chunk_table(cu, B, T, _config(q.dtype)["C"], packed)
+    return flat, chunk_table(cu if packed else None, B, T, _config(q.dtype)["C"], q.device)
 
 
 class GKAFunction(torch.autograd.Function):
@@ -507,19 +507,22 @@ class GKAFunction(torch.autograd.Function):
                 None, None, None, None, None)
 
 
+def max_head_sizes(dtype: torch.dtype, device: torch.device) -> dict[str, tuple[int, str]]:
+    """{"K": (the largest K the kernels take, why)}, for ``checks.check_head_sizes``."""
+    return {"K": (MAX_K, "the kernels hold H_c [K, K] in one register tile")}
+
+
 def gka_fused(q, k, v, g, beta, alpha, *, state, scale, ridge, num_iters, cu_seqlens=None):
     """The op on GPU tensors (or under TRITON_INTERPRET), sequences packed by ``cu_seqlens`` in the kernels.
 
     Args:
-        q, k: [B, T, H, K] (K <= 128); v: [B, T, H, V], one dtype (bf16/fp16/fp32; fp64 runs in fp64);
+        q, k: [B, T, H, K] (K <= MAX_K, which the op checks); v: [B, T, H, V], one dtype (bf16/fp16/fp32; fp64
+            runs in fp64);
         g, beta, alpha: [B, T, H]; state: (H [N, H, K, K], U [N, H, K, V]) in the compute dtype.
     Returns:
         o [B, T, H, V] in v's dtype, (H, U) final states in the compute dtype.
     """
     B, T, H, K = q.shape
-    if K > MAX_K:
-        fail(_OP, f"impl='triton' keeps H_c [K, K] in registers and takes K <= {MAX_K}, got K = {K}; "
-                  "use impl='torch'")
     if num_iters is None:
         fail(_OP, "num_iters=None (the exact solve, a reference) runs with impl='torch' or 'naive' only")
     cu = batch_offsets(B, T, q.device) if cu_seqlens is None else cu_seqlens.to(device=q.device, dtype=torch.int32)

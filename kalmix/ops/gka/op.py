@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from kalmix.ops.common.checks import (Range, TritonImpl, check_cu_seqlens, check_gates, check_ranges, check_same,
-                                      no_check, check_tensor, compute_dtype, fail, reset_range, resolve_impl)
+from kalmix.ops.common.checks import (Range, TritonImpl, check_cu_seqlens, check_gates, check_head_sizes, check_ranges,
+                                      check_same, check_tensor, compute_dtype, fail, no_check, reset_range,
+                                      resolve_impl)
 from kalmix.ops.common.precision import no_autocast
 from kalmix.ops.common.varlen import run_packed
 from kalmix.ops.gka.chunk import gka_chunk
@@ -65,6 +66,8 @@ def gated_kalmanet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         fail(_OP, f"`num_iters` must be None (exact solve) or an int >= 0, got {num_iters!r}")
     n_seq = check_cu_seqlens(_OP, cu_seqlens, B, T, q.device)
     fn = resolve_impl(_OP, impl, q.device, _IMPLS)
+    if fn is gka_fused:
+        check_head_sizes(_OP, gka_fused.module.max_head_sizes(q.dtype, q.device), K=K)
     dt = compute_dtype(q)
     hints = {"initial_state_is_zero": initial_state is None} if fn is gka_chunk else {}
     ranges = [r for r in (reset_range(g, fn is gka_fused), Range("beta", beta, 0.0, None)) if r.x is not None]

@@ -7,7 +7,7 @@ on k/‖k‖, v/‖k‖ with β = η‖k‖²/(‖k‖² + eps).) Gradients reac
 
 Two engines run it:
 - fla's public ``chunk_gated_delta_rule`` on CUDA wherever fla runs it both ways (β from ``kaczmarz_step``, one
-  Triton pass over k, differentiable);
+  Triton pass over k, differentiable: beta_triton.py);
 - kalmix's own chunked Triton kernels (kalmix/ops/common/delta_triton.py, ``step_eps``: their first kernel
   computes β from the keys it loads, and the backward folds β's gradient into dk and dη) where fla refuses the
   backward of its gated chunk kernels (Hopper with triton in [3.4.0, 3.7.1): a miscompile, its issue #640),
@@ -26,7 +26,8 @@ import torch
 import triton
 
 from kalmix.ops.common.checks import Range, compute_dtype, defer_check, no_check
-from kalmix.ops.common.delta_triton import chunk_delta_rule_triton, kaczmarz_step, step_extrema
+from kalmix.ops.common.delta_triton import chunk_delta_rule_triton, max_head_size
+from kalmix.ops.kaczmarz.beta_triton import kaczmarz_step, step_extrema
 from kalmix.ops.kaczmarz.step import kaczmarz_step_fused
 
 _OP = "kaczmarz_attention"
@@ -50,6 +51,17 @@ def engine(device: torch.device, dtype: torch.dtype) -> str:
     if device.type != "cuda" or dtype == torch.float64 or fla_gated_backward_refused(device):
         return "kalmix"
     return "fla"
+
+
+FLA_MAX_K = 256     # fla's chunk_gated_delta_rule asserts K <= 256
+
+
+def max_head_sizes(dtype: torch.dtype, device: torch.device) -> dict[str, tuple[int, str]]:
+    """{"K": (the largest K the engine that runs inputs of ``dtype`` on ``device`` takes, why)}; V is walked in
+    blocks by both."""
+    if engine(device, dtype) == "fla":
+        return {"K": (FLA_MAX_K, "fla's chunk_gated_delta_rule holds K in one tile")}
+    return {"K": max_head_size(dtype)}
 
 
 def _fla_gdn(q, k, v, g, beta, *, scale, state, cu_seqlens, final_state):

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from kalmix.ops.common.checks import (Range, TritonImpl, check_cu_seqlens, check_gates, check_ranges, check_same,
-                                      check_tensor, compute_dtype, reset_range, resolve_impl)
+from kalmix.ops.common.checks import (Range, TritonImpl, check_cu_seqlens, check_gates, check_head_sizes, check_ranges,
+                                      check_same, check_tensor, compute_dtype, reset_range, resolve_impl)
 from kalmix.ops.common.precision import no_autocast
 from kalmix.ops.common.varlen import run_packed
 from kalmix.ops.kaczmarz.chunk import kaczmarz_chunk
@@ -31,7 +31,8 @@ def kaczmarz_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
         initial_state: [B, H, K, V] (B = number of sequences with ``cu_seqlens``); default zeros.
         cu_seqlens: [N + 1] offsets of packed sequences (B must be 1).
         impl: "naive" | "torch" | "triton" | None (triton on CUDA, torch otherwise). "triton" runs fla's
-            chunk_gated_delta_rule, or kalmix's own chunk kernels where fla cannot (fused.py says where).
+            chunk_gated_delta_rule, or kalmix's own chunk kernels where fla cannot (fused.py says where), and
+            takes K <= 128 with 16-bit activations, 256 in fp32, 64 in fp64 (fla's: 256); a larger K is an error.
         check_values: check the values (no NaN or Inf in q, k, v and the state; no NaN in the gates; the ranges
             above), raising a ValueError naming the argument; False skips that check and its one host
             synchronisation, for callers whose inputs are in range by construction (the layers).
@@ -51,6 +52,8 @@ def kaczmarz_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
         raise ValueError(f"{_OP}: `eps` must be >= 0, got {eps}")
     n_seq = check_cu_seqlens(_OP, cu_seqlens, B, T, q.device)
     fn = resolve_impl(_OP, impl, q.device, _IMPLS)
+    if fn is kaczmarz_fused:
+        check_head_sizes(_OP, kaczmarz_fused.module.max_head_sizes(q.dtype, q.device), K=K)
     ranges = [reset_range(g, fn is kaczmarz_fused), Range("eta", eta, 0.0, 1.0, lo_open=True)] if check_values else []
     dt = compute_dtype(q)
     if initial_state is not None:

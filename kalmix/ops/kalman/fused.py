@@ -16,16 +16,14 @@ chunk ahead of its use (software pipelining by hand), so the loads' latency hide
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from kalmix.ops.common.precision import no_autocast
+from kalmix.ops.common.triton_utils import INTERPRET, chunk_starts
 from kalmix.ops.common.varlen import batch_offsets
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # `python benchmarks/kalman_fused.py --configs CHUNK,FWD_BD,FWD_WARPS,BWD_BD1,BWD_BD2,BWD_WARPS` times other values
 # of the constants below on a GPU; `python benchmarks/kernel_report.py --ops kalman` prints registers and spills.
 CHUNK = 4                               # tokens between checkpoints (unrolled; the backward holds their states)
@@ -357,13 +355,10 @@ def _pow2(n: int) -> int:
 
 
 def _offsets(cu_seqlens: torch.Tensor | None, B: int, T: int, device: torch.device):
-    """Sequence starts ``cu`` [S + 1], each sequence's first checkpoint [S] and the number of checkpoints."""
-    if cu_seqlens is None:
-        n = triton.cdiv(T, CHUNK)
-        # each sequence's first checkpoint: the starts of B runs of n checkpoints (cached per shape, no kernel)
-        return batch_offsets(B, T, device), batch_offsets(B, n, device)[:-1], B * n
-    n = (cu_seqlens[1:] - cu_seqlens[:-1] + CHUNK - 1) // CHUNK
-    return cu_seqlens, (torch.cumsum(n, 0) - n).to(torch.int32), int(n.sum())
+    """Sequence starts ``cu`` [S + 1], each sequence's first checkpoint [S] and the number of checkpoints (one per
+    chunk of CHUNK tokens)."""
+    cu = batch_offsets(B, T, device) if cu_seqlens is None else cu_seqlens
+    return cu, *chunk_starts(cu_seqlens, B, T, CHUNK, device)
 
 
 class KalmanFusedFunction(torch.autograd.Function):

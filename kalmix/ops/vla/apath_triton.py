@@ -38,14 +38,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kalmix.ops.common.checks import fail
-from kalmix.ops.common.delta_triton import (_DT, _dot, _dot_acc, _load_rows, _load_state, _load_tokens, _store_rows,
-                                            _store_state, _store_tokens)
 from kalmix.ops.common.precision import no_autocast
+from kalmix.ops.common.triton_utils import (batch_chunk, dot, dot_acc, load_rows, load_state, load_tokens,
+                                            operand_dtype, store_rows, store_state, store_tokens)
 
 C_SUB = 16      # tokens per sub-chunk (one unblocked 16×16 Cholesky each)
 SAVE = 4        # the forward keeps A every SAVE sub-chunks for the backward
-MAX_K = 128     # the backward holds A [K, K] (and its gradient) in registers
+MAX_K = 128     # the backward holds A [K, K] (and its gradient) in registers (the op checks K)
 ROW_BLOCK = 32  # rows of A per streamed block
 CARRY_COLS = 32  # columns of B̃ per program of the backward's carry
 MIN_PROGRAMS = 128   # the forward cuts sequences into parts until B·H·parts reaches this (one program per SM)
@@ -77,12 +76,6 @@ def _chol_inv(G, rows, cols, C: tl.constexpr):
 
 
 @triton.jit
-def _sub_chunk(i_b, T, j, C: tl.constexpr):
-    """First token row and length of sub-chunk j of sequence i_b (sequences of T tokens laid end to end)."""
-    return i_b * T + j * C, tl.minimum(C, T - j * C)
-
-
-@triton.jit
 def _a_rows(K, r0, BR: tl.constexpr, BK: tl.constexpr):
     """Offsets of rows r0..r0+BR of a [K, K] matrix (all BK columns), and their mask."""
     r = r0 + tl.arange(0, BR)[:, None]
@@ -105,9 +98,9 @@ def _apath_fwd_kernel(k_ptr, u_ptr, a_ptr, al_ptr, asv_ptr, rinv_ptr, w_ptr, nrm
     rows, cols = tl.arange(0, C)[:, None], tl.arange(0, C)[None, :]
     a_work = a_ptr + (i_bh * NPART + i_p).to(tl.int64) * K * K
     for j in range(i_p * SPP, tl.minimum(tl.cdiv(T, C), (i_p + 1) * SPP)):
-        t0, L = _sub_chunk(i_b, T, j, C)
-        Kh = _load_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C)
-        U = _load_rows(u_ptr, t0, L, i_h, H, K, 0, BK, C)
+        t0, L = batch_chunk(i_b, T, j, C)
+        Kh = load_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C)
+        U = load_rows(u_ptr, t0, L, i_h, H, K, 0, BK, C)
         UA = tl.zeros([C, BK], DT)
         KA = tl.zeros([C, BK], DT)
         # runtime loops over A's row blocks: unrolled, they let the compiler hoist every block's loads and spill
@@ -118,33 +111,33 @@ def _apath_fwd_kernel(k_ptr, u_ptr, a_ptr, al_ptr, asv_ptr, rinv_ptr, w_ptr, nrm
             if STORE:
                 if j % SAVE == 0:
                     tl.store(asv_ptr + (i_bh * NSEG + j // SAVE).to(tl.int64) * K * K + o, Ar, mask=m)
-            UA = _dot_acc(_load_rows(u_ptr, t0, L, i_h, H, K, r0, BR, C), Ar, UA, DT)
-            KA = _dot_acc(_load_rows(k_ptr, t0, L, i_h, H, K, r0, BR, C), Ar, KA, DT)
-        G = _dot_acc(U, tl.trans(UA), (rows == cols).to(DT), DT)
+            UA = dot_acc(load_rows(u_ptr, t0, L, i_h, H, K, r0, BR, C), Ar, UA, DT)
+            KA = dot_acc(load_rows(k_ptr, t0, L, i_h, H, K, r0, BR, C), Ar, KA, DT)
+        G = dot_acc(U, tl.trans(UA), (rows == cols).to(DT), DT)
         Rinv = _chol_inv(G, rows, cols, C)
-        W = _dot(Rinv, UA, DT)
-        KW = tl.where(cols <= rows, _dot(Kh, tl.trans(W), DT), 0.)
-        a = _dot_acc(-KW, W, KA, DT)
+        W = dot(Rinv, UA, DT)
+        KW = tl.where(cols <= rows, dot(Kh, tl.trans(W), DT), 0.)
+        a = dot_acc(-KW, W, KA, DT)
         nrm = tl.maximum(tl.sqrt(tl.sum(a * a, axis=1)), 1e-12)
-        _store_rows(al_ptr, a / nrm[:, None], t0, L, i_h, H, K, 0, BK, C)
+        store_rows(al_ptr, a / nrm[:, None], t0, L, i_h, H, K, 0, BK, C)
         if RINV:
-            _store_rows(rinv_ptr, Rinv, t0, L, i_h, H, C, 0, C, C)
+            store_rows(rinv_ptr, Rinv, t0, L, i_h, H, C, 0, C, C)
         if STORE:
-            _store_tokens(nrm_ptr, nrm, t0, L, i_h, H, C)
+            store_tokens(nrm_ptr, nrm, t0, L, i_h, H, C)
             w0, w_h, w_H = t0, i_h, H                          # W's rows in the backward's [B, T, H, K] buffer
         else:
             w0, w_h, w_H = (i_bh * NPART + i_p) * C, 0, 1      # the program's [C, K] scratch
-        _store_rows(w_ptr, W, w0, L, w_h, w_H, K, 0, BK, C)
+        store_rows(w_ptr, W, w0, L, w_h, w_H, K, 0, BK, C)
         tl.debug_barrier()
         for r0 in range(0, BK, BR):
             o, m = _a_rows(K, r0, BR, BK)
-            Wr = _load_rows(w_ptr, w0, L, w_h, w_H, K, r0, BR, C)           # columns r0.. of W
-            tl.store(a_work + o, _dot_acc(-tl.trans(Wr), W, tl.load(a_work + o, mask=m, other=0.), DT), mask=m)
+            Wr = load_rows(w_ptr, w0, L, w_h, w_H, K, r0, BR, C)           # columns r0.. of W
+            tl.store(a_work + o, dot_acc(-tl.trans(Wr), W, tl.load(a_work + o, mask=m, other=0.), DT), mask=m)
         tl.debug_barrier()
 
 
 @triton.jit
-def _unit_grad(al, dal, nrm):
+def unit_grad(al, dal, nrm):
     """∂a from ∂α̂ through α̂ = a/‖a‖ (rows; ‖a‖ below 1e-12 was clamped, so there the map was a/1e-12)."""
     return tl.where(nrm[:, None] > 1e-12, dal - al * tl.sum(al * dal, axis=1)[:, None], dal) / nrm[:, None]
 
@@ -152,8 +145,8 @@ def _unit_grad(al, dal, nrm):
 @triton.jit
 def _block_da(al_ptr, nrm_ptr, dal_ptr, t0, L, i_h, H, K, BK: tl.constexpr, C: tl.constexpr):
     """The ∂a rows [C, BK] of C tokens from t0 (L of them real), through α̂ = a/‖a‖."""
-    return _unit_grad(_load_rows(al_ptr, t0, L, i_h, H, K, 0, BK, C), _load_rows(dal_ptr, t0, L, i_h, H, K, 0, BK, C),
-                      _load_tokens(nrm_ptr, t0, L, i_h, H, 1., C))
+    return unit_grad(load_rows(al_ptr, t0, L, i_h, H, K, 0, BK, C), load_rows(dal_ptr, t0, L, i_h, H, K, 0, BK, C),
+                      load_tokens(nrm_ptr, t0, L, i_h, H, 1., C))
 
 
 @triton.jit
@@ -164,13 +157,13 @@ def _apath_bwd_b_kernel(al_ptr, asv_ptr, w_ptr, nrm_ptr, dal_ptr, dk_ptr, T, H, 
     i_c, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     c0 = i_c * BC
-    t0, L = _sub_chunk(i_b, T, i_s, C)
+    t0, L = batch_chunk(i_b, T, i_s, C)
     rows, cols = tl.arange(0, C)[:, None], tl.arange(0, C)[None, :]
     da = _block_da(al_ptr, nrm_ptr, dal_ptr, t0, L, i_h, H, K, BK, C)
-    P = tl.where(cols <= rows, _dot(da, tl.trans(_load_rows(w_ptr, t0, L, i_h, H, K, 0, BK, C)), DT), 0.)
-    A = _load_state(asv_ptr, (i_bh * NSEG + i_s).to(tl.int64) * K * K, K, K, c0, BK, BC)
-    Bm = _dot(da, A, DT) - _dot(P, _load_rows(w_ptr, t0, L, i_h, H, K, c0, BC, C), DT)
-    _store_rows(dk_ptr, Bm, t0, L, i_h, H, K, c0, BC, C)
+    P = tl.where(cols <= rows, dot(da, tl.trans(load_rows(w_ptr, t0, L, i_h, H, K, 0, BK, C)), DT), 0.)
+    A = load_state(asv_ptr, (i_bh * NSEG + i_s).to(tl.int64) * K * K, K, K, c0, BK, BC)
+    Bm = dot(da, A, DT) - dot(P, load_rows(w_ptr, t0, L, i_h, H, K, c0, BC, C), DT)
+    store_rows(dk_ptr, Bm, t0, L, i_h, H, K, c0, BC, C)
 
 
 @triton.jit
@@ -181,16 +174,16 @@ def _apath_bwd_du_kernel(u_ptr, al_ptr, nrm_ptr, dk_ptr, du_ptr, T, H, K, C: tl.
     i_c, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     c0 = i_c * BC
-    t0, L = _sub_chunk(i_b, T, i_s, C)
+    t0, L = batch_chunk(i_b, T, i_s, C)
     rows, cols = tl.arange(0, C)[:, None], tl.arange(0, C)[None, :]
-    U = _load_rows(u_ptr, t0, L, i_h, H, K, 0, BK, C)
-    nrm = _load_tokens(nrm_ptr, t0, L, i_h, H, 1., C)[:, None]
+    U = load_rows(u_ptr, t0, L, i_h, H, K, 0, BK, C)
+    nrm = load_tokens(nrm_ptr, t0, L, i_h, H, 1., C)[:, None]
     up = cols >= rows
-    Ua = tl.where(up, _dot(U, tl.trans(_load_rows(al_ptr, t0, L, i_h, H, K, 0, BK, C) * nrm), DT), 0.)
-    Ub = tl.where(up, _dot(U, tl.trans(_load_rows(dk_ptr, t0, L, i_h, H, K, 0, BK, C)), DT), 0.)
-    dU = _dot(Ua, _load_rows(dk_ptr, t0, L, i_h, H, K, c0, BC, C), DT) \
-        + _dot(Ub, _load_rows(al_ptr, t0, L, i_h, H, K, c0, BC, C) * nrm, DT)
-    _store_rows(du_ptr, -dU, t0, L, i_h, H, K, c0, BC, C)
+    Ua = tl.where(up, dot(U, tl.trans(load_rows(al_ptr, t0, L, i_h, H, K, 0, BK, C) * nrm), DT), 0.)
+    Ub = tl.where(up, dot(U, tl.trans(load_rows(dk_ptr, t0, L, i_h, H, K, 0, BK, C)), DT), 0.)
+    dU = dot(Ua, load_rows(dk_ptr, t0, L, i_h, H, K, c0, BC, C), DT) \
+        + dot(Ub, load_rows(al_ptr, t0, L, i_h, H, K, c0, BC, C) * nrm, DT)
+    store_rows(du_ptr, -dU, t0, L, i_h, H, K, c0, BC, C)
 
 
 @triton.jit
@@ -207,24 +200,24 @@ def _apath_carry_kernel(u_ptr, al_ptr, nrm_ptr, dk_ptr, b0_ptr, du_ptr, tot_ptr,
     c0 = i_c * BC
     base = (i_bh * NPART + i_p).to(tl.int64) * K * K
     if HAS_B0:
-        Bt = _load_state(b0_ptr, base, K, K, c0, BK, BC)
+        Bt = load_state(b0_ptr, base, K, K, c0, BK, BC)
     else:
         Bt = tl.zeros([BK, BC], dtype=DT)
     first, end = i_p * BPP, tl.minimum(NSEG, (i_p + 1) * BPP)
     for i in range(first, end):
-        t0, L = _sub_chunk(i_b, T, first + end - 1 - i, C)             # the part's blocks, last first
+        t0, L = batch_chunk(i_b, T, first + end - 1 - i, C)             # the part's blocks, last first
         if not TOTAL:
-            dU = _load_rows(du_ptr, t0, L, i_h, H, K, c0, BC, C)
-            dU = _dot_acc(_load_rows(u_ptr, t0, L, i_h, H, K, 0, BK, C), -2. * Bt, dU, DT)
-            _store_rows(du_ptr, dU, t0, L, i_h, H, K, c0, BC, C)
-        nrm = _load_tokens(nrm_ptr, t0, L, i_h, H, 1., C)[:, None]
-        a = _load_rows(al_ptr, t0, L, i_h, H, K, 0, BK, C) * nrm
-        Bm = _load_rows(dk_ptr, t0, L, i_h, H, K, 0, BK, C)
-        sym = _dot_acc(tl.trans(a), _load_rows(dk_ptr, t0, L, i_h, H, K, c0, BC, C),
-                       _dot(tl.trans(Bm), _load_rows(al_ptr, t0, L, i_h, H, K, c0, BC, C) * nrm, DT), DT)
+            dU = load_rows(du_ptr, t0, L, i_h, H, K, c0, BC, C)
+            dU = dot_acc(load_rows(u_ptr, t0, L, i_h, H, K, 0, BK, C), -2. * Bt, dU, DT)
+            store_rows(du_ptr, dU, t0, L, i_h, H, K, c0, BC, C)
+        nrm = load_tokens(nrm_ptr, t0, L, i_h, H, 1., C)[:, None]
+        a = load_rows(al_ptr, t0, L, i_h, H, K, 0, BK, C) * nrm
+        Bm = load_rows(dk_ptr, t0, L, i_h, H, K, 0, BK, C)
+        sym = dot_acc(tl.trans(a), load_rows(dk_ptr, t0, L, i_h, H, K, c0, BC, C),
+                       dot(tl.trans(Bm), load_rows(al_ptr, t0, L, i_h, H, K, c0, BC, C) * nrm, DT), DT)
         Bt += 0.5 * sym
     if TOTAL:
-        _store_state(tot_ptr, base, Bt, K, K, c0, BK, BC)
+        store_state(tot_ptr, base, Bt, K, K, c0, BK, BC)
 
 
 @triton.jit
@@ -237,22 +230,22 @@ def _apath_da0_kernel(k_ptr, u_ptr, al_ptr, rinv_ptr, w_ptr, nrm_ptr, dal_ptr, d
     i_b, i_h = i_bh // H, i_bh % H
     rows, cols = tl.arange(0, C)[:, None], tl.arange(0, C)[None, :]
     if HAS_DAT:
-        Ab = _load_state(daT_ptr, i_bh.to(tl.int64) * K * K, K, K, 0, BK, BK)
+        Ab = load_state(daT_ptr, i_bh.to(tl.int64) * K * K, K, K, 0, BK, BK)
     else:
         Ab = tl.zeros([BK, BK], dtype=DT)
     NS = tl.cdiv(T, C)
     for i in range(0, NS):
-        t0, L = _sub_chunk(i_b, T, NS - 1 - i, C)
-        Kh = _load_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C)
-        W = _load_rows(w_ptr, t0, L, i_h, H, K, 0, BK, C)
-        Y = _dot(_load_rows(rinv_ptr, t0, L, i_h, H, C, 0, C, C), _load_rows(u_ptr, t0, L, i_h, H, K, 0, BK, C), DT)
+        t0, L = batch_chunk(i_b, T, NS - 1 - i, C)
+        Kh = load_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C)
+        W = load_rows(w_ptr, t0, L, i_h, H, K, 0, BK, C)
+        Y = dot(load_rows(rinv_ptr, t0, L, i_h, H, C, 0, C, C), load_rows(u_ptr, t0, L, i_h, H, K, 0, BK, C), DT)
         da = _block_da(al_ptr, nrm_ptr, dal_ptr, t0, L, i_h, H, K, BK, C)
-        Pd = da - _dot(tl.where(cols <= rows, _dot(da, tl.trans(W), DT), 0.), Y, DT)
-        Pk = Kh - _dot(tl.where(cols <= rows, _dot(Kh, tl.trans(W), DT), 0.), Y, DT)
-        Z = _dot(W, Ab, DT)
-        Ab += _dot(tl.trans(Y), _dot(_dot(Z, tl.trans(W), DT), Y, DT) - Z, DT) - _dot(tl.trans(Z), Y, DT) \
-            + 0.5 * (_dot(tl.trans(Pd), Pk, DT) + _dot(tl.trans(Pk), Pd, DT))
-    _store_state(da0_ptr, i_bh.to(tl.int64) * K * K, Ab, K, K, 0, BK, BK)
+        Pd = da - dot(tl.where(cols <= rows, dot(da, tl.trans(W), DT), 0.), Y, DT)
+        Pk = Kh - dot(tl.where(cols <= rows, dot(Kh, tl.trans(W), DT), 0.), Y, DT)
+        Z = dot(W, Ab, DT)
+        Ab += dot(tl.trans(Y), dot(dot(Z, tl.trans(W), DT), Y, DT) - Z, DT) - dot(tl.trans(Z), Y, DT) \
+            + 0.5 * (dot(tl.trans(Pd), Pk, DT) + dot(tl.trans(Pk), Pd, DT))
+    store_state(da0_ptr, i_bh.to(tl.int64) * K * K, Ab, K, K, 0, BK, BK)
 
 
 def _warps(name: str, width: int) -> int:
@@ -262,13 +255,10 @@ def _warps(name: str, width: int) -> int:
 
 
 def _config(kh: torch.Tensor):
-    B, T, H, K = kh.shape
-    if K > MAX_K:
-        fail("variational_linear_attention", f"impl='triton' keeps A [K, K] in registers: K <= {MAX_K}, got {K}; "
-             "use impl='torch'")
+    K = kh.shape[-1]
     if kh.dtype not in (torch.float32, torch.float64):
         raise TypeError(f"the A path runs in fp32 or fp64, got {kh.dtype}")
-    return dict(C=C_SUB, BK=max(16, triton.next_power_of_2(K)), DT=_DT[kh.dtype])
+    return dict(C=C_SUB, BK=max(16, triton.next_power_of_2(K)), DT=operand_dtype(kh.dtype))
 
 
 def _parts(n_blocks: int, programs: int, min_programs: int) -> tuple[int, int]:

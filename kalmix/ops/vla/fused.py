@@ -14,14 +14,20 @@ from __future__ import annotations
 
 import torch
 
-from kalmix.ops.common.delta_triton import chunk_delta_rule_triton
+from kalmix.ops.common.delta_triton import chunk_delta_rule_triton, max_head_size
 from kalmix.ops.common.varlen import LengthBuckets
-from kalmix.ops.vla.apath_triton import C_SUB, write_directions_triton
+from kalmix.ops.vla.apath_triton import C_SUB, MAX_K, write_directions_triton
 from kalmix.ops.vla.io_triton import prologue, readout
 
 # every length below 2·C_SUB shares the first bucket: it is at most two of the A path's sub-chunks and one of the
 # readout's chunks of 32 tokens (whatever the padding), so splitting it further would only add calls
 MIN_BITS = (2 * C_SUB - 1).bit_length()
+
+
+def max_head_sizes(dtype: torch.dtype, device: torch.device) -> dict[str, tuple[int, str]]:
+    """{"K": (the largest K the A path and the S path's delta-rule kernels both take for activations of ``dtype``,
+    why)}; V is walked in blocks."""
+    return {"K": min((MAX_K, "the A path holds A [K, K] in registers"), max_head_size(dtype), key=lambda x: x[0])}
 
 
 def vla_fused(q, k, v, u, *, state, eps, feature_key=False, cu_seqlens=None):

@@ -17,9 +17,10 @@ import triton
 import triton.language as tl
 
 from kalmix.ops.common.checks import compute_dtype
-from kalmix.ops.common.delta_triton import _DT, _dot, _load_rows, _load_tokens, _store_rows, _store_tokens
 from kalmix.ops.common.precision import no_autocast
-from kalmix.ops.vla.apath_triton import _sub_chunk, _unit_grad
+from kalmix.ops.common.triton_utils import (batch_chunk, dot, load_rows, load_tokens, operand_dtype, store_rows,
+                                            store_tokens)
+from kalmix.ops.vla.apath_triton import unit_grad
 
 ROWS = 16       # token rows (of one head) per program of the prologue kernels
 # The readout's chunks, and the warps of its per-chunk kernels. H100, bf16, H = 8, K = V = 128, 32K tokens
@@ -54,7 +55,7 @@ def _unit(x):
 def _unit_back(x, g):
     """The gradient of x from that of x / max(‖x‖, 1e-12)."""
     xh, nrm = _unit(x)
-    return _unit_grad(xh, g, nrm)
+    return unit_grad(xh, g, nrm)
 
 
 @triton.jit
@@ -78,12 +79,12 @@ def _prologue_fwd_kernel(q_ptr, k_ptr, u_ptr, kh32_ptr, uh32_ptr, fq_ptr, kh_ptr
     """ROWS rows of the [rows, K] views of the tensors per program (rows as tokens of one head: H = 1)."""
     r0 = tl.program_id(0) * ROWS
     L = n_rows - r0
-    k, _ = _unit(_key_in(_load_rows(k_ptr, r0, L, 0, 1, K, 0, BK, ROWS), L, K, FEATURE_KEY, BK, ROWS))
-    u, _ = _unit(_load_rows(u_ptr, r0, L, 0, 1, K, 0, BK, ROWS))
-    _store_rows(kh32_ptr, k, r0, L, 0, 1, K, 0, BK, ROWS)
-    _store_rows(kh_ptr, k, r0, L, 0, 1, K, 0, BK, ROWS)
-    _store_rows(uh32_ptr, u, r0, L, 0, 1, K, 0, BK, ROWS)
-    _store_rows(fq_ptr, _phi(_load_rows(q_ptr, r0, L, 0, 1, K, 0, BK, ROWS)), r0, L, 0, 1, K, 0, BK, ROWS)
+    k, _ = _unit(_key_in(load_rows(k_ptr, r0, L, 0, 1, K, 0, BK, ROWS), L, K, FEATURE_KEY, BK, ROWS))
+    u, _ = _unit(load_rows(u_ptr, r0, L, 0, 1, K, 0, BK, ROWS))
+    store_rows(kh32_ptr, k, r0, L, 0, 1, K, 0, BK, ROWS)
+    store_rows(kh_ptr, k, r0, L, 0, 1, K, 0, BK, ROWS)
+    store_rows(uh32_ptr, u, r0, L, 0, 1, K, 0, BK, ROWS)
+    store_rows(fq_ptr, _phi(load_rows(q_ptr, r0, L, 0, 1, K, 0, BK, ROWS)), r0, L, 0, 1, K, 0, BK, ROWS)
 
 
 @triton.jit
@@ -92,38 +93,38 @@ def _prologue_bwd_kernel(q_ptr, k_ptr, u_ptr, dkh32_ptr, duh32_ptr, dfq_ptr, dkh
                          HAS_DKH: tl.constexpr, FEATURE_KEY: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr):
     r0 = tl.program_id(0) * ROWS
     L = n_rows - r0
-    q = _load_rows(q_ptr, r0, L, 0, 1, K, 0, BK, ROWS)
+    q = load_rows(q_ptr, r0, L, 0, 1, K, 0, BK, ROWS)
     dq = tl.zeros_like(q)
     if HAS_DFQ:
-        dq = _load_rows(dfq_ptr, r0, L, 0, 1, K, 0, BK, ROWS) * _dphi(q)
-    _store_rows(dq_ptr, dq, r0, L, 0, 1, K, 0, BK, ROWS)
+        dq = load_rows(dfq_ptr, r0, L, 0, 1, K, 0, BK, ROWS) * _dphi(q)
+    store_rows(dq_ptr, dq, r0, L, 0, 1, K, 0, BK, ROWS)
     g = tl.zeros_like(q)
     if HAS_DKH32:
-        g += _load_rows(dkh32_ptr, r0, L, 0, 1, K, 0, BK, ROWS)
+        g += load_rows(dkh32_ptr, r0, L, 0, 1, K, 0, BK, ROWS)
     if HAS_DKH:
-        g += _load_rows(dkh_ptr, r0, L, 0, 1, K, 0, BK, ROWS)
-    k = _load_rows(k_ptr, r0, L, 0, 1, K, 0, BK, ROWS)
+        g += load_rows(dkh_ptr, r0, L, 0, 1, K, 0, BK, ROWS)
+    k = load_rows(k_ptr, r0, L, 0, 1, K, 0, BK, ROWS)
     dk = _unit_back(_key_in(k, L, K, FEATURE_KEY, BK, ROWS), g)
     if FEATURE_KEY:
         dk *= _dphi(k)
-    _store_rows(dk_ptr, dk, r0, L, 0, 1, K, 0, BK, ROWS)
+    store_rows(dk_ptr, dk, r0, L, 0, 1, K, 0, BK, ROWS)
     g = tl.zeros_like(q)
     if HAS_DUH32:
-        g = _load_rows(duh32_ptr, r0, L, 0, 1, K, 0, BK, ROWS)
-    _store_rows(du_ptr, _unit_back(_load_rows(u_ptr, r0, L, 0, 1, K, 0, BK, ROWS), g), r0, L, 0, 1, K, 0, BK, ROWS)
+        g = load_rows(duh32_ptr, r0, L, 0, 1, K, 0, BK, ROWS)
+    store_rows(du_ptr, _unit_back(load_rows(u_ptr, r0, L, 0, 1, K, 0, BK, ROWS), g), r0, L, 0, 1, K, 0, BK, ROWS)
 
 
 @triton.jit
 def _phi_rows(ptr, t0, L, i_h, H, K, BK: tl.constexpr, C: tl.constexpr):
     """(x, φ(x)) for rows t0..t0+C of head i_h of a [tokens, H, K] tensor, φ zero outside the rows and columns."""
-    x = _load_rows(ptr, t0, L, i_h, H, K, 0, BK, C)
+    x = load_rows(ptr, t0, L, i_h, H, K, 0, BK, C)
     return x, _phi_in(x, L, K, BK, C)
 
 
 @triton.jit
 def _chunk(j, i_bh, T, H, C: tl.constexpr):
     """First token row, length and head of chunk j of (sequence, head) i_bh."""
-    t0, L = _sub_chunk(i_bh // H, T, j, C)
+    t0, L = batch_chunk(i_bh // H, T, j, C)
     return t0, L, i_bh % H
 
 
@@ -174,11 +175,11 @@ def _readout_fwd_kernel(os_ptr, q_ptr, k_ptr, nst_ptr, o_ptr, den_ptr, T, H, K, 
     n = tl.load(p, mask=m, other=0.)
     _, fq = _phi_rows(q_ptr, t0, L, i_h, H, K, BK, C)
     _, fk = _phi_rows(k_ptr, t0, L, i_h, H, K, BK, C)
-    den = tl.sum(fq * n[None, :], axis=1) + tl.sum(tl.where(cols <= rows, _dot(fq, tl.trans(fk), DT), 0.), axis=1)
-    _store_tokens(den_ptr, den, t0, L, i_h, H, C)
+    den = tl.sum(fq * n[None, :], axis=1) + tl.sum(tl.where(cols <= rows, dot(fq, tl.trans(fk), DT), 0.), axis=1)
+    store_tokens(den_ptr, den, t0, L, i_h, H, C)
     inv = 1. / tl.maximum(den, eps)[:, None]
     for v0 in range(0, V, BV):
-        _store_rows(o_ptr, _load_rows(os_ptr, t0, L, i_h, H, V, v0, BV, C) * inv, t0, L, i_h, H, V, v0, BV, C)
+        store_rows(o_ptr, load_rows(os_ptr, t0, L, i_h, H, V, v0, BV, C) * inv, t0, L, i_h, H, V, v0, BV, C)
 
 
 @triton.jit
@@ -189,20 +190,20 @@ def _readout_bwd_kernel(do_ptr, os_ptr, q_ptr, k_ptr, nst_ptr, den_ptr, dos_ptr,
     j, i_bh = tl.program_id(0), tl.program_id(1)
     t0, L, i_h = _chunk(j, i_bh, T, H, C)
     rows, cols = tl.arange(0, C)[:, None], tl.arange(0, C)[None, :]
-    den = _load_tokens(den_ptr, t0, L, i_h, H, 1., C)
+    den = load_tokens(den_ptr, t0, L, i_h, H, 1., C)
     inv = 1. / tl.maximum(den, eps)
     dd = tl.zeros([C], DT)
     for v0 in range(0, V, BV):
-        do = _load_rows(do_ptr, t0, L, i_h, H, V, v0, BV, C)
-        dd += tl.sum(do * _load_rows(os_ptr, t0, L, i_h, H, V, v0, BV, C), axis=1)
-        _store_rows(dos_ptr, do * inv[:, None], t0, L, i_h, H, V, v0, BV, C)
+        do = load_rows(do_ptr, t0, L, i_h, H, V, v0, BV, C)
+        dd += tl.sum(do * load_rows(os_ptr, t0, L, i_h, H, V, v0, BV, C), axis=1)
+        store_rows(dos_ptr, do * inv[:, None], t0, L, i_h, H, V, v0, BV, C)
     dd = tl.where(den > eps, -dd * inv * inv, 0.)
-    _store_tokens(dden_ptr, dd, t0, L, i_h, H, C)
+    store_tokens(dden_ptr, dd, t0, L, i_h, H, C)
     q, fq = _phi_rows(q_ptr, t0, L, i_h, H, K, BK, C)
     _, fk = _phi_rows(k_ptr, t0, L, i_h, H, K, BK, C)
     p, m = _chunk_vec(nst_ptr, j, i_bh, NC, K, BK)
-    n_t = tl.load(p, mask=m, other=0.)[None, :] + _dot(tl.where(cols <= rows, 1., 0.).to(DT), fk, DT)
-    _store_rows(dq_ptr, dd[:, None] * n_t * _dphi(q), t0, L, i_h, H, K, 0, BK, C)
+    n_t = tl.load(p, mask=m, other=0.)[None, :] + dot(tl.where(cols <= rows, 1., 0.).to(DT), fk, DT)
+    store_rows(dq_ptr, dd[:, None] * n_t * _dphi(q), t0, L, i_h, H, K, 0, BK, C)
     p, m = _chunk_vec(p_ptr, j, i_bh, NC, K, BK)
     tl.store(p, tl.sum(dd[:, None] * fq, axis=0), mask=m)
 
@@ -214,11 +215,11 @@ def _readout_dk_kernel(q_ptr, k_ptr, dden_ptr, gst_ptr, dk_ptr, T, H, K, NC, C: 
     j, i_bh = tl.program_id(0), tl.program_id(1)
     t0, L, i_h = _chunk(j, i_bh, T, H, C)
     rows, cols = tl.arange(0, C)[:, None], tl.arange(0, C)[None, :]
-    dd = _load_tokens(dden_ptr, t0, L, i_h, H, 0., C)
+    dd = load_tokens(dden_ptr, t0, L, i_h, H, 0., C)
     _, fq = _phi_rows(q_ptr, t0, L, i_h, H, K, BK, C)
     p, m = _chunk_vec(gst_ptr, j, i_bh, NC, K, BK)
-    dfk = tl.load(p, mask=m, other=0.)[None, :] + _dot(tl.where(cols >= rows, dd[None, :], 0.), fq, DT)
-    _store_rows(dk_ptr, dfk * _dphi(_load_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C)), t0, L, i_h, H, K, 0, BK, C)
+    dfk = tl.load(p, mask=m, other=0.)[None, :] + dot(tl.where(cols >= rows, dd[None, :], 0.), fq, DT)
+    store_rows(dk_ptr, dfk * _dphi(load_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C)), t0, L, i_h, H, K, 0, BK, C)
 
 
 class PrologueFunction(torch.autograd.Function):
@@ -263,7 +264,7 @@ class ReadoutFunction(torch.autograd.Function):
         o = torch.empty_like(o_s)
         den = torch.empty(B, T, H, dtype=n0.dtype, device=q.device)
         _readout_fwd_kernel[(NC, B * H)](o_s, q, k, n_start, o, den, T, H, K, V, NC, eps, BV=_bv(V),
-                                         DT=_DT[n0.dtype], num_warps=WARPS, num_stages=_stages(q), **kw)
+                                         DT=operand_dtype(n0.dtype), num_warps=WARPS, num_stages=_stages(q), **kw)
         ctx.save_for_backward(o_s, q, k, n_start, den)
         ctx.eps = eps
         ctx.set_materialize_grads(False)
@@ -275,7 +276,7 @@ class ReadoutFunction(torch.autograd.Function):
         o_s, q, k, n_start, den = ctx.saved_tensors
         B, T, H, K = q.shape
         V = o_s.shape[-1]
-        NC, kw = n_start.shape[1], dict(C=C, BK=_bk(K), DT=_DT[n_start.dtype])
+        NC, kw = n_start.shape[1], dict(C=C, BK=_bk(K), DT=operand_dtype(n_start.dtype))
         do = torch.zeros_like(o_s) if do is None else do.contiguous()
         dnT = torch.zeros(B, H, K, dtype=n_start.dtype, device=q.device) if dnT is None else dnT.contiguous()
         dos, dq, dk, dn0 = torch.empty_like(o_s), torch.empty_like(q), torch.empty_like(k), torch.empty_like(dnT)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from kalmix.ops.common.checks import (Range, TritonImpl, check_cu_seqlens, check_ranges, check_same, check_tensor,
-                                      compute_dtype, fail, no_check, resolve_impl)
+from kalmix.ops.common.checks import (Range, TritonImpl, check_cu_seqlens, check_head_sizes, check_ranges, check_same,
+                                      check_tensor, compute_dtype, fail, no_check, resolve_impl)
 from kalmix.ops.common.precision import no_autocast
 from kalmix.ops.common.varlen import run_packed
 from kalmix.ops.vla.chunk import vla_chunk
@@ -36,7 +36,8 @@ def variational_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             default (0, I / lambda0, 0). The op reads A as (A + Aᵀ)/2, so A's gradient is symmetric.
         cu_seqlens: [N + 1] offsets of packed sequences (B must be 1; the states' leading dimension is then N).
             "naive" and "torch" run them one at a time, "triton" in a bounded number of kernel calls (README.md).
-        impl: "naive" | "torch" | "triton" | None (triton on CUDA, torch otherwise).
+        impl: "naive" | "torch" | "triton" | None (triton on CUDA, torch otherwise). "triton" takes K <= 128
+            (64 with fp64 activations); a larger K is an error.
         check_values: check that q, k, v, u and the state have no NaN or Inf and that the initial A is symmetric
             (within SYM_TOL · max|A|) and positive definite (a Cholesky factorisation), raising a ValueError
             naming the argument (one host synchronisation); False skips it, for callers whose inputs come from
@@ -60,6 +61,8 @@ def variational_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         fail(_OP, f"`write_key` must be one of {WRITE_KEYS}, got {write_key!r}")
     n_seq = check_cu_seqlens(_OP, cu_seqlens, B, T, q.device)
     fn = resolve_impl(_OP, impl, q.device, _IMPLS)
+    if fn is vla_fused:
+        check_head_sizes(_OP, vla_fused.module.max_head_sizes(q.dtype, q.device), K=K)
     dt = compute_dtype(q)
     ranges, finite = [], {"q": q, "k": k, "v": v, "u": u}
     if initial_state is None:

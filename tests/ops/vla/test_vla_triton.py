@@ -5,8 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kalmix import ops
 from kalmix.ops.common.testing import assert_close, launch_args, random_functional_grads
-from kalmix.ops.vla import apath_triton
+from kalmix.ops.vla import apath_triton, io_triton
 from kalmix.ops.vla.apath_triton import write_directions_triton
 from kalmix.ops.vla.chunk import normaliser, write_directions
 from kalmix.ops.vla.io_triton import prologue, readout
@@ -139,10 +140,18 @@ def test_gradients_without_the_initial_state_gradient():
         assert_close(name, x, r, 1e-11)
 
 
-def test_head_dim_beyond_registers_is_refused():
-    xs = _inputs(1, 4, 1, apath_triton.MAX_K + 1, seed=0, dtype=torch.float32)
-    with pytest.raises(ValueError, match="impl='torch'"):
-        write_directions_triton(*xs)
+@pytest.mark.parametrize("dtype,limit,holder", [(torch.float32, apath_triton.MAX_K, "the A path holds A"),
+                                                 (torch.bfloat16, apath_triton.MAX_K, "the A path holds A"),
+                                                 (torch.float64, 64, "kalmix's chunked delta-rule kernels")])
+def test_head_dim_beyond_the_kernels_is_refused_at_entry(dtype, limit, holder, monkeypatch, draw):
+    """K above the A path's register tile, or for fp64 above what the S path's delta-rule kernels hold, is a
+    ValueError naming the limit and K, raised before any kernel is launched."""
+    launched = launch_args(monkeypatch, io_triton._prologue_fwd_kernel, "ROWS")
+    (q, k, v, u), _ = draw("vla", 1, 4, 1, limit + 1, 4, dtype=dtype)
+    with pytest.raises(ValueError, match=rf"variational_linear_attention: impl='triton' takes K <= {limit} "
+                                         rf"\({holder}.*\), got K = {limit + 1}; impl='torch' takes any K"):
+        ops.variational_linear_attention(q, k, v, u, impl="triton")
+    assert launched == []
 
 
 @pytest.mark.parametrize("T", [1, 64, 100])

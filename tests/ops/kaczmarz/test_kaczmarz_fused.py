@@ -10,9 +10,9 @@ import torch
 from kalmix import ops
 from kalmix.ops.common import delta_triton
 from kalmix.ops.common.delta import chunk_delta_rule
-from kalmix.ops.common.testing import CASES, assert_close, random_functional_grads
+from kalmix.ops.common.testing import CASES, assert_close, launch_args, random_functional_grads
 from kalmix.ops.common.varlen import run_packed
-from kalmix.ops.kaczmarz import fused
+from kalmix.ops.kaczmarz import beta_triton, fused
 
 
 def _gdn_stand_in(q, k, v, g, beta, *, scale, state, cu_seqlens, final_state):
@@ -119,7 +119,7 @@ def test_step_kernel_and_its_gradient_match_torch(monkeypatch, dtype):
     """kaczmarz_step's kernels against autograd through η/(‖k‖² + eps), over rows that span several programs (a
     zero key with eps > 0 included, each program striding over several row blocks); 16-bit keys are squared and
     summed in fp32."""
-    monkeypatch.setattr(delta_triton, "_STEP_PROGRAMS", 2)
+    monkeypatch.setattr(beta_triton, "STEP_PROGRAMS", 2)
     gen = torch.Generator().manual_seed(7)
     k = torch.randn(3, 11, 2, 5, generator=gen, dtype=torch.float64).to(dtype)
     k[1, 4, 0] = 0.0
@@ -146,7 +146,7 @@ def test_the_step_pass_checks_the_values_like_the_other_impls(monkeypatch, engin
     program per chunk and head, the bad value in the short last chunk or a middle one): the same errors as
     check_ranges, NaN included; check_values=False skips it."""
     if programs is not None:
-        monkeypatch.setattr(delta_triton, "_STEP_PROGRAMS", programs)
+        monkeypatch.setattr(beta_triton, "STEP_PROGRAMS", programs)
     monkeypatch.setattr(fused, "_fla_gdn", _gdn_stand_in)
     monkeypatch.setattr(fused, "engine", lambda device, dtype: engine)
     args, _ = _draw(T, seed=6)
@@ -185,3 +185,28 @@ def test_decoding_step_kernel_matches_the_token_loop(K, V, eps, dtype):
     tol = 1e-14 if dtype == torch.float64 else 1e-6
     for name, x, r in zip(("o", "S"), outs["triton"], outs["naive"]):
         assert_close(name, x, r, tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_head_dim_beyond_the_chunked_kernels_is_refused_at_entry(dtype, monkeypatch, draw):
+    """One K above the largest kalmix's chunked kernels hold for the dtype (the next power of two runs out of an
+    H100's shared memory) is a ValueError naming the limit and K, raised before any kernel is launched; at the limit
+    the op runs."""
+    limit = delta_triton.MAX_K[dtype]
+    launched = launch_args(monkeypatch, delta_triton._prep_kernel, "STEP")
+    (q, k, v, g, eta), _ = draw("kaczmarz", 1, 3, 1, limit + 1, 4, dtype=dtype)
+    with pytest.raises(ValueError, match=rf"kaczmarz_attention: impl='triton' takes K <= {limit} \(kalmix's chunked "
+                                         rf"delta-rule kernels .*\), got K = {limit + 1}; impl='torch' takes any K"):
+        ops.kaczmarz_attention(q, k, v, g, eta, impl="triton")
+    assert launched == []
+    (q, k, v, g, eta), _ = draw("kaczmarz", 1, 3, 1, limit, 4, dtype=dtype)
+    o, _ = ops.kaczmarz_attention(q, k, v, g, eta, impl="triton")
+    assert launched == [True] and torch.isfinite(o).all()
+
+
+def test_head_dim_beyond_flas_kernels_is_refused_at_entry(monkeypatch, draw):
+    """Where fla's engine runs, its limit (K <= 256, which fla asserts) is the op's ValueError."""
+    monkeypatch.setattr(fused, "engine", lambda device, dtype: "fla")
+    (q, k, v, g, eta), _ = draw("kaczmarz", 1, 3, 1, fused.FLA_MAX_K + 1, 4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"takes K <= 256 \(fla's chunk_gated_delta_rule .*\), got K = 257"):
+        ops.kaczmarz_attention(q, k, v, g, eta, impl="triton")

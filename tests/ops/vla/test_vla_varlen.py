@@ -92,7 +92,8 @@ def test_buckets_pad_and_restore():
     assert padded[0][:, :, 0].tolist()[1] == [75.] + [-1.] * 29
     assert_close("unpad", b.unpad(padded), x, 0)
     s0 = torch.arange(6.)[:, None]
-    assert b.finals(s0, [-s for s in b.states(s0)]).flatten().tolist() == [0., 1., -2., -3., -4., -5.]   # seq 1 is empty
+    # sequence 1 is empty: it keeps its initial state
+    assert b.finals(s0, [-s for s in b.states(s0)]).flatten().tolist() == [0., 1., -2., -3., -4., -5.]
 
 
 def test_right_padding_changes_nothing():

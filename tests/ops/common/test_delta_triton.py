@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from kalmix.ops.common import delta_triton as dt
 from kalmix.ops.common.delta import chunk_delta_rule
 from kalmix.ops.common.testing import assert_close, random_functional_grads
-from kalmix.ops.common.varlen import batch_offsets, run_packed
+from kalmix.ops.common.varlen import run_packed
 
 
 def _inputs(B, T, H, K, V, n_seq, seed, similar_keys=False):
@@ -133,15 +133,6 @@ def test_16_bit_activations_at_both_launches_of_the_sequential_kernels(monkeypat
                              xs, torch.float64)
     for name, x, r in zip("o S dq dw de dv dg dbeta dS0".split(), got, ref):
         assert_close(name, x.double(), r, 2e-2)
-
-
-def test_batch_table_is_the_packed_table_of_equal_lengths():
-    """The cached table of an unpacked batch equals the one built from its cu_seqlens (a partial last chunk)."""
-    B, T = 3, 2 * dt.CHUNK + 5
-    cu = torch.arange(0, (B + 1) * T, T)
-    for got, want in zip(dt.batch_table(B, T, dt.CHUNK, cu.device), dt._chunk_table(cu, B, T, dt.CHUNK, True)):
-        assert got.dtype == want.dtype == torch.int32 and torch.equal(got, want)
-    assert torch.equal(batch_offsets(B, T, cu.device), cu.to(torch.int32))
 
 
 def test_no_initial_state_and_16_bit_gates():
