@@ -41,3 +41,28 @@ def test_unit_step_projects_onto_the_constraint(impl):
         _, S = ops.kaczmarz_attention(q[:, sl], k[:, sl], v[:, sl], g[:, sl], torch.ones_like(g[:, sl]), eps=0.0,
                                       initial_state=S, output_final_state=True, impl=impl)
         assert_close(f"Sᵀk at t={t}", torch.einsum("bhk,bhkv->bhv", k[:, t], S), v[:, t], 1e-12)
+
+
+@pytest.mark.parametrize("impl", ["naive", "torch", "triton"])
+def test_zero_key_with_no_eps_writes_nothing(impl):
+    """eps = 0 (the GDN layer) and an all-zero key: that token writes nothing (β = 0), as the Triton kernels and
+    fla do, instead of 0/0: outputs and state equal a GDN loop with β = 0 there, every gradient finite and equal
+    to the fp64 token loop's."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, g, eta = CASES["kaczmarz"].inputs(1, 9, 2, 4, 3, torch.float64, gen)
+    k = k.clone()
+    k[:, 2] = 0
+    kn = (k * k).sum(-1)
+    beta = torch.where(kn > 0, eta / kn.clamp_min(1e-300), torch.zeros_like(eta))
+    ro, rS = gdn_loop(q, k, v, g, beta, torch.zeros(1, 2, 4, 3, dtype=torch.float64), 4 ** -0.5)
+    dtype, tol = (torch.float32, 1e-5) if impl == "triton" else (torch.float64, 1e-10)
+    res = {}
+    for which in (impl, "naive"):
+        xs = [t.to(dtype if which == impl else torch.float64).clone().requires_grad_() for t in (q, k, v, g, eta)]
+        o, S = ops.kaczmarz_attention(*xs, eps=0.0, output_final_state=True, impl=which)
+        res[which] = [o, S, *torch.autograd.grad(o.square().sum() + S.square().sum(), xs)]
+    for name, a, b in zip(["o", "S", "dq", "dk", "dv", "dg", "deta"], res[impl], res["naive"]):
+        assert torch.isfinite(a).all(), name
+        assert_close(name, a.double(), b, tol)
+    assert_close("o", res[impl][0].double(), ro, tol)
+    assert_close("S", res[impl][1].double(), rS, tol)
