@@ -17,9 +17,17 @@ from kalmix.bench.synthetic import Recipe, read_rows, run_key
 
 
 def load_rows(paths: list[str]) -> list[dict]:
-    rows = [row for path in paths for row in read_rows(path)]
-    if not rows:
-        raise ValueError(f"no result rows in {paths}")
+    """The rows of every results file; each must hold at least one."""
+    rows = []
+    for path in paths:
+        if os.path.isdir(path):
+            raise ValueError(f"{path!r} is a folder; give the JSONL files `kalmix bench run` wrote")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"results file {path!r} does not exist")
+        found = read_rows(path)
+        if not found:
+            raise ValueError(f"{path}: no result rows (an empty file)")
+        rows += found
     return rows
 
 
@@ -250,6 +258,8 @@ def plot(recipe: Recipe, summary: dict, path: str) -> None:
 
 def report(paths: list[str], out_dir: str) -> str:
     """Write ``out_dir/README.md`` and one PNG per recipe; returns the markdown."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"out {out_dir!r} is a file; the report is a folder")
     rows = load_rows(paths)
     by_recipe = defaultdict(list)
     for row in rows:
