@@ -215,7 +215,7 @@ def _cuda() -> bool:
 def _run_recipe(args) -> int:
     from kalmix.bench.synthetic import load_recipe, plan, resolve_recipe, run as run_recipe
     recipe = load_recipe(resolve_recipe(args.recipe), args.overrides)
-    out = args.out or os.path.join("runs", "bench", recipe.name + ".jsonl")
+    out = os.path.join("runs", "bench", recipe.name + ".jsonl") if args.out is None else args.out
     if args.dry_run:
         todo = plan(recipe, out, device=args.device, impl=args.impl, mixers=args.mixers)
         print(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False), end="")
@@ -263,26 +263,32 @@ def _check_generate(args) -> None:
         raise ValueError(f"--temperature must be a positive number, got {args.temperature}")
     if args.top_k is not None and args.top_k < 1:
         raise ValueError(f"--top-k must be >= 1, got {args.top_k}")
-    if args.seed < 0:
-        raise ValueError(f"--seed must be >= 0, got {args.seed}")
+    if not 0 <= args.seed < 2 ** 63:
+        raise ValueError(f"--seed must be in [0, 2**63), got {args.seed}")
     if args.device is not None:
         check_device(args.device)
+    _check_folder(f"--model {args.model!r}", args.model)
     config = os.path.join(args.model, "config.json")
     if not os.path.isfile(config):
         raise ValueError(f"--model {args.model!r} is not a saved model folder (no config.json there; "
-                         "KalmixForCausalLM.save_pretrained writes one)" if os.path.isdir(args.model) else
-                         f"--model {args.model!r}: no such folder")
-    with open(config) as f:
-        saved = json.load(f)
-    if saved.get("model_type") != "kalmix":
-        raise ValueError(f"--model {args.model!r} holds a {saved.get('model_type')!r} model, not a kalmix one")
-    if args.top_k is not None and args.top_k > saved["vocab_size"]:
-        raise ValueError(f"--top-k {args.top_k} exceeds the model's vocabulary of {saved['vocab_size']}")
+                         "KalmixForCausalLM.save_pretrained writes one)")
+    try:
+        with open(config) as f:
+            saved = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--model {args.model!r}: config.json is not JSON ({e})") from None
+    if not isinstance(saved, dict) or saved.get("model_type") != "kalmix":
+        kind = saved.get("model_type") if isinstance(saved, dict) else None
+        raise ValueError(f"--model {args.model!r} holds a {kind!r} model, not a kalmix one")
+    vocab = saved.get("vocab_size", 0)
+    if args.top_k is not None and args.top_k > vocab:
+        raise ValueError(f"--top-k {args.top_k} exceeds the model's vocabulary of {vocab}")
     tokenizer = args.tokenizer or args.model
     where = f"{'--tokenizer' if args.tokenizer else '--model'} {tokenizer!r}"
+    _check_folder(where, tokenizer)
     if not any(os.path.isfile(os.path.join(tokenizer, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
         raise ValueError(f"{where} holds no tokenizer (tokenizer.json); save the tokenizer there or pass --tokenizer "
-                         "FOLDER" if os.path.isdir(tokenizer) else f"{where}: no such folder")
+                         "FOLDER")
     from transformers import AutoTokenizer
     try:
         ids = AutoTokenizer.from_pretrained(tokenizer)(args.prompt).input_ids
@@ -290,9 +296,14 @@ def _check_generate(args) -> None:
         raise ValueError(f"{where}: its tokenizer does not load ({str(e).strip().splitlines()[0]})") from None
     if not ids:
         raise ValueError(f"--prompt {args.prompt!r} tokenises to no tokens")
-    if max(ids) >= saved["vocab_size"]:
-        raise ValueError(f"--prompt tokenises to id {max(ids)}, outside the model's vocabulary of "
-                         f"{saved['vocab_size']}: is {tokenizer!r} the model's tokenizer?")
+    if max(ids) >= vocab:
+        raise ValueError(f"--prompt tokenises to id {max(ids)}, outside the model's vocabulary of {vocab}: is "
+                         f"{tokenizer!r} the model's tokenizer?")
+
+
+def _check_folder(what: str, path: str) -> None:
+    if not os.path.isdir(path):
+        raise ValueError(f"{what}: {'not a folder' if os.path.exists(path) else 'no such folder'}")
 
 
 def _run_generate(args) -> int:
@@ -412,6 +423,8 @@ def _run_train(args, parser) -> int:
 def _run_tokenizer(args) -> int:
     from kalmix.train.data import DataConfig, iter_documents
     from kalmix.train.tokenizer import train_tokenizer
+    if not args.source:
+        raise ValueError("--source is empty; give 'stdlib', 'python' or a path")
     data = _flag_config(DataConfig, {"source": args.source, "format": args.format, "text_field": args.text_field})
     train_tokenizer(iter_documents(data), args.vocab_size, args.out)
     print(f"tokenizer written to {args.out}")

@@ -51,12 +51,17 @@ def files(tmp_path_factory):
     (d / "good.jsonl").write_text('{"kind": "train", "step": 1, "loss": 2.0}\n')
     (d / "bad.yaml").write_text("name: x\n  bad: [\n")
     (d / "recipe.yaml").write_text(yaml.safe_dump(tiny()))
+    (d / "badjson").mkdir()
+    (d / "badjson" / "config.json").write_text("{model_type")
+    row = {"recipe": "tiny", "spec": {**tiny(), "train": {"steps": 0, "lrs": [1e-3]}}, "key": "k", "point": {},
+           "mixer": "gdn", "lr": 1e-3, "seed": 0, "status": "ok", "time": "2026-01-01T00:00:00"}
+    (d / "badspec.jsonl").write_text(json.dumps(row) + "\n")
     (d / "run").mkdir()
     return {k: str(d / v) for k, v in {
         "tmp": ".", "model": "model", "notok": "notok", "small": "small", "llama": "llama", "nope": "nope",
         "norecipe": "norecipe.jsonl", "empty": "empty.jsonl", "nonjson": "nonjson.jsonl", "list": "list.jsonl",
         "startonly": "startonly.jsonl", "noloss": "noloss.jsonl", "good": "good.jsonl", "badyaml": "bad.yaml",
-        "recipe": "recipe.yaml", "run": "run"}.items()}
+        "recipe": "recipe.yaml", "run": "run", "badjson": "badjson", "badspec": "badspec.jsonl"}.items()}
 
 
 G = "generate --model {model} --prompt the --device cpu"
@@ -80,7 +85,10 @@ CASES = [
     (G + " --sample --top-k 100000", "--top-k 100000 exceeds the model's vocabulary of"),
     (G + " --top-k 5", "--temperature and --top-k shape sampling; add --sample"),
     (G + " --temperature 0.5", "add --sample"),
-    (G + " --seed -1", "--seed must be >= 0, got -1"),
+    (G + " --seed -1", "--seed must be in [0, 2**63), got -1"),
+    (G.replace("{model}", "{good}"), "--model '{good}': not a folder"),
+    (G.replace("{model}", "{badjson}"), "config.json is not JSON"),
+    (G + " --tokenizer {good}", "--tokenizer '{good}': not a folder"),
     (G.replace("{model}", "{nope}"), "--model '{nope}': no such folder"),
     (G.replace("{model}", "{tmp}"), "is not a saved model folder (no config.json there"),
     (G.replace("{model}", "{llama}"), "holds a 'llama' model, not a kalmix one"),
@@ -106,6 +114,9 @@ CASES = [
     (MQAR + " --mixers mamba", "--mixers: Input should be 'attention', 'gdn'"),
     (MQAR + " --impl cuda", "--impl: Input should be 'naive', 'torch' or 'triton'"),
     (MQAR + " --out {tmp}", "output file '{tmp}' is a folder"),
+    (MQAR + " --out ''", "the output file is an empty path"),
+    (MQAR + " --out {good}/m.jsonl", "output file '{good}/m.jsonl': {good} is a file, not a folder"),
+    (MQAR + " --seed 9223372036854775808", "--seed: Input should be less than 9223372036854775808"),
     (MQAR + " --steps 0 --lr 0", "2 invalid values:\n  --steps: "),
     (MQAR + " --bogus 1", "unrecognized arguments: --bogus 1"),
     # kalmix bench decode
@@ -119,6 +130,7 @@ CASES = [
     (DECODE + " --graph", "graph=True (a CUDA graph) needs a CUDA device, got device 'cpu'"),
     (DECODE + " --d-model 15 --num-heads 2 --mixers attention", "d_model = 15 must split into 2 heads"),
     (DECODE + " --out {tmp}", "output file '{tmp}' is a folder"),
+    (DECODE + " --out ''", "the output file is an empty path"),
     # kalmix speed
     ("speed", "device 'cuda': "),
     (SPEED + " --seq-lens -4", "--seq-lens: Input should be greater than 0 (got -4)"),
@@ -131,7 +143,9 @@ CASES = [
     (SPEED + " --modes decode --ops gated_kalmanet", "select nothing to time on cpu"),
     (SPEED + " --heads 3 --ops layer.attention", "d_model = 8 must split into 3 heads"),
     (SPEED + " --dtypes fp8", "argument --dtypes: invalid choice: 'fp8'"),
-    (SPEED.replace("{tmp}/speed", "{good}"), "out '{good}' is a file; the output is a folder"),
+    (SPEED.replace("{tmp}/speed", "{good}"), "output folder '{good}' is a file"),
+    (SPEED.replace("{tmp}/speed", "''"), "the output folder is an empty path"),
+    (SPEED.replace("{tmp}/speed", "{good}/speed"), "output folder '{good}/speed': {good} is a file, not a folder"),
     # kalmix bench run
     ("bench run nope --dry-run", "recipe 'nope' is neither a file nor a shipped recipe; shipped: gka_mqar"),
     ("bench run {tmp} --dry-run", "recipe '{tmp}' is a folder"),
@@ -155,7 +169,8 @@ CASES = [
     ("bench run gka_mqar --dry-run --out {tmp}/g.jsonl --set grid.model.d_model=[63] --mixers attention",
      "mixer attention at seq_len=256 d_model=63: SoftmaxAttention: d_model = 63"),
     (RUN.replace("{tmp}/r.jsonl", "{norecipe}"), "{norecipe}:1: not a `kalmix bench run` result row"),
-    (RUN.replace("{tmp}/r.jsonl", "{tmp}"), "{tmp}: Is a directory"),
+    (RUN.replace("{tmp}/r.jsonl", "{tmp}"), "output file '{tmp}' is a folder"),
+    (RUN.replace("{tmp}/r.jsonl", "''"), "the output file is an empty path"),
     # kalmix bench report
     ("bench report {norecipe} --out {tmp}/rep", "{norecipe}:1: not a `kalmix bench run` result row (it lacks recipe"),
     ("bench report {list} --out {tmp}/rep", "{list}:1: not a `kalmix bench run` result row"),
@@ -163,13 +178,18 @@ CASES = [
     ("bench report {nope} --out {tmp}/rep", "results file '{nope}' does not exist"),
     ("bench report {nonjson} --out {tmp}/rep", "{nonjson}:1: not JSON"),
     ("bench report {tmp} --out {tmp}/rep", "'{tmp}' is a folder; give the JSONL files"),
-    ("bench report {nonjson} --out {good}", "out '{good}' is a file; the report is a folder"),
+    ("bench report {nonjson} --out {good}", "output folder '{good}' is a file"),
+    ("bench report {nonjson} --out ''", "the output folder is an empty path"),
+    ("bench report {badspec} --out {tmp}/rep", "recipe tiny: the recipe its newest row ran is not valid here: "
+     "train.steps: Input should be greater than 0 (got 0)"),
     # kalmix tokenizer train
     ("tokenizer train --source {nope} --out {tmp}/tok", "data source not found: {nope}"),
     ("tokenizer train --vocab-size 10 --out {tmp}/tok", "vocab_size must be >= 257"),
     ("tokenizer train --vocab-size x --out {tmp}/tok", "argument --vocab-size: invalid int value: 'x'"),
     ("tokenizer train --format xml --out {tmp}/tok", "--format: Input should be 'auto', 'text', 'jsonl'"),
     ("tokenizer train --out {model}", "{model} already exists and is not an empty directory"),
+    ("tokenizer train --source '' --out {tmp}/tok", "--source is empty"),
+    ("tokenizer train --source stdlib --format text --out {tmp}/tok", "leave format 'auto'"),
     # kalmix plot
     ("plot {run} --out {tmp}/p.png", "{run}: no metrics.jsonl"),
     ("plot {startonly} --out {tmp}/p.png", "{startonly}: no train or eval rows yet"),
@@ -177,7 +197,8 @@ CASES = [
     ("plot {nonjson} --out {tmp}/p.png", "{nonjson}:1: not a JSON line"),
     ("plot {noloss} --out {tmp}/p.png", "{noloss}:1: a train row without loss"),
     ("plot {good} --out {tmp}/p.xyz", "the file's suffix names its format, one of"),
-    ("plot {good} --out {tmp}", "out '{tmp}' is a folder; give the image file"),
+    ("plot {good} --out {tmp}", "output file '{tmp}' is a folder"),
+    ("plot {good} --out {good}/loss.png", "output file '{good}/loss.png': {good} is a file, not a folder"),
     ("plot {good} --x epoch", "argument --x: invalid choice: 'epoch'"),
     # kalmix train (the common path: unknown flags name the subcommand)
     ("train --train.stepz 3 --print-config", "unrecognized arguments: --train.stepz"),
@@ -214,7 +235,8 @@ def test_impl_triton_on_cpu_without_the_interpreter(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "mqar", "--impl", "triton"])
     assert e.value.code == 2
-    assert "kalmix bench mqar: error: impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "kalmix bench mqar: error: impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1)" in err
 
 
 def test_a_cuda_index_the_machine_lacks(monkeypatch):

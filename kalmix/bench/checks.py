@@ -1,5 +1,5 @@
 """Checks the benchmarks and ``kalmix generate`` make before any work: a device this machine has, an op backend
-that runs on it, models that build, an output file that can be written; and pydantic errors as readable lines."""
+that runs on it, models that build, an output that can be written; and pydantic errors as readable lines."""
 from __future__ import annotations
 
 import os
@@ -49,11 +49,21 @@ def check_model(config) -> None:
         KalmixForCausalLM(config)
 
 
-def check_out_file(path: str) -> None:
-    """Make the folder of the output file ``path``; a ValueError if ``path`` is itself a folder."""
-    if os.path.isdir(path):
-        raise ValueError(f"output file {path!r} is a folder")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+def check_out(path: str, folder: bool = False) -> None:
+    """A ValueError unless ``path`` can be written as a file (``folder``: made as a folder): not empty, not
+    something of the other kind, under a writable folder. Nothing is created (the writer makes the folders)."""
+    kind = "folder" if folder else "file"
+    if not path:
+        raise ValueError(f"the output {kind} is an empty path")
+    if os.path.exists(path) and os.path.isdir(path) != folder:
+        raise ValueError(f"output {kind} {path!r} is a {'file' if folder else 'folder'}")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"output {kind} {path!r}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"output {kind} {path!r}: the folder {parent} is not writable")
 
 
 def _key(loc: tuple) -> str:

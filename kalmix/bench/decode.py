@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import gc
+import os
 import time
 
 from typing import Literal
@@ -17,7 +18,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
-from kalmix.bench.checks import check_device, check_model, check_out_file
+from kalmix.bench.checks import check_device, check_model, check_out
 from kalmix.layers import MIXERS
 from kalmix.models import KalmixConfig, KalmixForCausalLM
 from kalmix.models.decoding import Decoder
@@ -114,8 +115,8 @@ def measure(model, mixer: str, B: int, context: int, cfg: DecodeBenchConfig) -> 
 def run(cfg: DecodeBenchConfig, progress: bool = True) -> list[dict]:
     """Measure every (mixer, B, context) of ``cfg``; print a table; write CSV rows to ``cfg.out``."""
     from tqdm.auto import tqdm
-    if cfg.out:
-        check_out_file(cfg.out)
+    if cfg.out is not None:
+        check_out(cfg.out)
     rows = []
     todo = [(m, B, L) for m in cfg.mixers for B in cfg.batch_sizes for L in cfg.contexts]
     bar = tqdm(todo, disable=not progress, desc="decode")
@@ -137,7 +138,8 @@ def run(cfg: DecodeBenchConfig, progress: bool = True) -> list[dict]:
             rows.append({"mixer": mixer, "B": B, "context": L, "status": "OOM"})
         gc.collect()
     print(format_table(rows))
-    if cfg.out:
+    if cfg.out is not None:
+        os.makedirs(os.path.dirname(os.path.abspath(cfg.out)), exist_ok=True)
         keys = sorted({k for r in rows for k in r})
         with open(cfg.out, "w", newline="") as f:
             w = csv.DictWriter(f, keys)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from tqdm.auto import tqdm
 
-from kalmix.bench.checks import check_device, check_impl, check_model, check_out_file, validation_lines
+from kalmix.bench.checks import check_device, check_impl, check_model, check_out, validation_lines
 from kalmix.layers import MIXERS
 from kalmix.models import KalmixConfig, KalmixForCausalLM
 from kalmix.tasks import MQARConfig
@@ -44,7 +44,7 @@ class MQARBenchConfig(BaseModel):
     lr: float = Field(3e-3, gt=0)
     weight_decay: float = Field(0.1, ge=0)
     warmup: float = Field(0.1, ge=0, lt=1)
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, lt=2 ** 63)
     device: str = "cpu"
     impl: Literal["naive", "torch", "triton"] | None = None
     threads: int | None = Field(None, ge=1)
@@ -150,8 +150,8 @@ def _git_sha() -> str | None:
 
 def run(cfg: MQARBenchConfig, out_path: str | None) -> list[dict]:
     """Train every mixer of ``cfg``, print a table, append one JSONL row per mixer to ``out_path``."""
-    if out_path:
-        check_out_file(out_path)
+    if out_path is not None:
+        check_out(out_path)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     task = dict(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, num_kv_pairs=cfg.num_kv_pairs)
@@ -166,7 +166,8 @@ def run(cfg: MQARBenchConfig, out_path: str | None) -> list[dict]:
         row.update({f"config.{k}": v for k, v in cfg.model_dump().items() if k != "mixers"})
         row.update({"torch": torch.__version__, "git": _git_sha(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
         rows.append(row)
-        if out_path:
+        if out_path is not None:
+            os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
             with open(out_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
     print(format_table(rows, cfg))

@@ -13,6 +13,9 @@ import os
 import statistics
 from collections import defaultdict
 
+from pydantic import ValidationError
+
+from kalmix.bench.checks import check_out, validation_lines
 from kalmix.bench.synthetic import Recipe, read_rows, run_key
 
 
@@ -258,16 +261,21 @@ def plot(recipe: Recipe, summary: dict, path: str) -> None:
 
 def report(paths: list[str], out_dir: str) -> str:
     """Write ``out_dir/README.md`` and one PNG per recipe; returns the markdown."""
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise ValueError(f"out {out_dir!r} is a file; the report is a folder")
+    check_out(out_dir, folder=True)
     rows = load_rows(paths)
     by_recipe = defaultdict(list)
     for row in rows:
         by_recipe[row["recipe"]].append(row)
+    versions = {}
+    for name, rs in by_recipe.items():
+        try:
+            versions[name] = current(rs)
+        except ValidationError as e:
+            raise ValueError(f"recipe {name}: the recipe its newest row ran is not valid here: "
+                             f"{'; '.join(validation_lines(e))}") from None
     os.makedirs(out_dir, exist_ok=True)
     parts = []
-    for name, rs in by_recipe.items():
-        recipe, rs, stale = current(rs)
+    for name, (recipe, rs, stale) in versions.items():
         summary = summarise(recipe, rs)
         summary["stale"] = stale
         image = None

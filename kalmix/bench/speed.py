@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
 
 from kalmix import ops
-from kalmix.bench.checks import check_device
+from kalmix.bench.checks import check_device, check_out
 from kalmix.bench.models import Shape, op_bytes, op_flops
 from kalmix.ops.common.checks import triton_module
 from kalmix.ops.common.testing import CASES
@@ -399,8 +399,7 @@ def run(cfg: SpeedConfig, progress: bool = True) -> list[dict]:
     """Time everything ``cfg`` selects; write CSV (and plots) under ``cfg.out``; return the rows."""
     from tqdm.auto import tqdm
 
-    if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
-        raise ValueError(f"out {cfg.out!r} is a file; the output is a folder")
+    check_out(cfg.out, folder=True)
     os.makedirs(cfg.out, exist_ok=True)
     device = torch.device(cfg.device)
     meta = versions()

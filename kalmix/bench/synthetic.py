@@ -31,7 +31,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from tqdm.auto import tqdm
 
-from kalmix.bench.checks import check_device, check_impl, check_model, check_out_file
+from kalmix.bench.checks import check_device, check_impl, check_model, check_out
 from kalmix.bench.mqar import _git_sha
 from kalmix.layers import ALL_MIXERS, BASELINES
 from kalmix.layers.baselines import _GatedLinearLayer
@@ -591,6 +591,7 @@ def plan(recipe: Recipe, out_path: str, device: str = "cpu", impl: str | None = 
     unknown = sorted(set(labels) - set(recipe.mixers))
     if unknown:
         raise ValueError(f"recipe {recipe.name} has no mixer(s) {unknown}; it has {sorted(recipe.mixers)}")
+    check_out(out_path)
     done = recorded(out_path)
     runs = {}                                           # key -> (point, recipe at it, label, seed, lr)
     for point in recipe.points():
@@ -611,7 +612,7 @@ def run(recipe: Recipe, out_path: str, device: str = "cpu", impl: str | None = N
     """Every run of ``plan`` (checked before any work), appended to ``out_path`` (JSONL) one row per run as it
     ends; a bar over the runs on a terminal and one line per finished run. Returns the new rows."""
     todo = plan(recipe, out_path, device, impl, mixers)
-    check_out_file(out_path)
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     dev = torch.device(device)
     total = recipe.planned_runs(None if mixers is None else len(mixers))
     base = {"recipe": recipe.name, "paper": recipe.paper, "spec": recipe.model_dump(mode="json"),

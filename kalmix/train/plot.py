@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kalmix.bench.checks import check_out
+
 
 # the fields ``plot_runs`` reads from each kind of row
 _FIELDS = {"train": ("step", "loss"), "eval": ("step", "val_loss", "loss_by_position")}
@@ -52,8 +54,7 @@ def plot_runs(runs: list[str], out: str, x: str = "step", log_y: bool = False) -
 
     if x not in ("step", "tokens"):
         raise ValueError(f"x must be 'step' or 'tokens', got {x!r}")
-    if Path(out).is_dir():
-        raise ValueError(f"out {out!r} is a folder; give the image file, e.g. {Path(out) / 'loss.png'}")
+    check_out(out)
     formats = plt.figure().canvas.get_supported_filetypes()
     plt.close()
     if Path(out).suffix[1:].lower() not in formats:
