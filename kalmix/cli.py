@@ -283,8 +283,8 @@ def _check_generate(args) -> None:
     vocab = saved.get("vocab_size", 0)
     if args.top_k is not None and args.top_k > vocab:
         raise ValueError(f"--top-k {args.top_k} exceeds the model's vocabulary of {vocab}")
-    tokenizer = args.tokenizer or args.model
-    where = f"{'--tokenizer' if args.tokenizer else '--model'} {tokenizer!r}"
+    tokenizer = args.model if args.tokenizer is None else args.tokenizer
+    where = f"{'--model' if args.tokenizer is None else '--tokenizer'} {tokenizer!r}"
     _check_folder(where, tokenizer)
     if not any(os.path.isfile(os.path.join(tokenizer, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
         raise ValueError(f"{where} holds no tokenizer (tokenizer.json); save the tokenizer there or pass --tokenizer "

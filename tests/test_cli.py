@@ -89,6 +89,7 @@ CASES = [
     (G.replace("{model}", "{good}"), "--model '{good}': not a folder"),
     (G.replace("{model}", "{badjson}"), "config.json is not JSON"),
     (G + " --tokenizer {good}", "--tokenizer '{good}': not a folder"),
+    (G + " --tokenizer ''", "--tokenizer '': no such folder"),
     (G.replace("{model}", "{nope}"), "--model '{nope}': no such folder"),
     (G.replace("{model}", "{tmp}"), "is not a saved model folder (no config.json there"),
     (G.replace("{model}", "{llama}"), "holds a 'llama' model, not a kalmix one"),
@@ -117,6 +118,8 @@ CASES = [
     (MQAR + " --out ''", "the output file is an empty path"),
     (MQAR + " --out {good}/m.jsonl", "output file '{good}/m.jsonl': {good} is a file, not a folder"),
     (MQAR + " --seed 9223372036854775808", "--seed: Input should be less than 9223372036854775808"),
+    (MQAR + " --mixers gdn --d-model 99999999999999999999999", "the gdn model of width 99999999999999999999999, 2 "
+     "layers and vocabulary 64 does not build: TypeError: "),
     (MQAR + " --steps 0 --lr 0", "2 invalid values:\n  --steps: "),
     (MQAR + " --bogus 1", "unrecognized arguments: --bogus 1"),
     # kalmix bench decode
@@ -124,6 +127,7 @@ CASES = [
     (DECODE + " --batch-sizes -1", "--batch-sizes: Input should be greater than 0 (got '-1')"),
     (DECODE + " --contexts 0", "--contexts: Input should be greater than 0"),
     (DECODE + " --layers 0", "--layers: Input should be greater than 0"),
+    (DECODE + " --layers 99999999999999999999999", "99999999999999999999999 layers and vocabulary 32 does not build"),
     (DECODE + " --steps x", "--steps: Input should be a valid integer"),
     (DECODE + " --mixers nope", "--mixers: Input should be 'attention'"),
     (DECODE + " --dtype fp8", "--dtype: Input should be 'bf16', 'fp16' or 'fp32' (got 'fp8')"),
@@ -142,6 +146,8 @@ CASES = [
     (SPEED + " --impls triton --ops layer.gla", "select nothing to time on cpu"),
     (SPEED + " --modes decode --ops gated_kalmanet", "select nothing to time on cpu"),
     (SPEED + " --heads 3 --ops layer.attention", "d_model = 8 must split into 3 heads"),
+    (SPEED + " --head-dim 99999999999999999999999 --ops layer.vla", "layer.vla with {{'num_heads': 2, 'head_dim': "
+     "99999999999999999999999}} does not build"),
     (SPEED + " --dtypes fp8", "argument --dtypes: invalid choice: 'fp8'"),
     (SPEED.replace("{tmp}/speed", "{good}"), "output folder '{good}' is a file"),
     (SPEED.replace("{tmp}/speed", "''"), "the output folder is an empty path"),

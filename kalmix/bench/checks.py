@@ -40,13 +40,23 @@ def check_impl(impl: str | None, device: torch.device) -> None:
         raise ValueError(why)
 
 
-def check_model(config) -> None:
-    """Build the ``KalmixForCausalLM`` of ``config`` on the meta device (no memory, no initialisation time), so
-    that a mixer that cannot take its arguments (e.g. heads that do not divide the width) is refused before any
-    data is made or any other model trained."""
+def check_builds(build: Callable[[], object], what: str) -> None:
+    """Run ``build`` (a constructor call) on the meta device: no memory, no initialisation time. Its own
+    ValueError (e.g. heads that do not divide the width) passes through; sizes torch cannot take become a
+    ValueError naming ``what``."""
+    try:
+        with torch.device("meta"):
+            build()
+    except (TypeError, OverflowError, RuntimeError) as e:
+        raise ValueError(f"{what} does not build: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+
+
+def check_model(make_config: Callable[[], object], what: str) -> None:
+    """Build the ``KalmixForCausalLM`` of the ``KalmixConfig`` that ``make_config()`` returns on the meta device
+    (``check_builds``; ``what`` names it), so that a model that cannot be made is refused before any data is made
+    or any other model trained."""
     from kalmix.models import KalmixForCausalLM
-    with torch.device("meta"):
-        KalmixForCausalLM(config)
+    check_builds(lambda: KalmixForCausalLM(make_config()), what)
 
 
 def check_out(path: str, folder: bool = False) -> None:

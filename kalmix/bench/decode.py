@@ -53,7 +53,8 @@ class DecodeBenchConfig(BaseModel):
         if check_device(self.device).type != "cuda" and self.graph:
             raise ValueError(f"graph=True (a CUDA graph) needs a CUDA device, got device {self.device!r}")
         for mixer in self.mixers:
-            check_model(lm_config(mixer, self))
+            check_model(lambda: lm_config(mixer, self), f"the {mixer} model of width {self.d_model}, {self.layers} "
+                        f"layers and vocabulary {self.vocab_size}")
         return self
 
 

@@ -58,7 +58,8 @@ class MQARBenchConfig(BaseModel):
         except ValidationError as e:
             raise ValueError(f"the MQAR task: {'; '.join(validation_lines(e))}") from None
         for mixer in self.mixers:
-            check_model(self.lm_config(mixer))
+            check_model(lambda: self.lm_config(mixer), f"the {mixer} model of width {self.d_model}, {self.n_layers} "
+                        f"layers and vocabulary {self.vocab_size}")
         return self
 
     def lm_config(self, mixer: str) -> KalmixConfig:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
 
 from kalmix import ops
-from kalmix.bench.checks import check_device, check_out
+from kalmix.bench.checks import check_builds, check_device, check_out
 from kalmix.bench.models import Shape, op_bytes, op_flops
 from kalmix.ops.common.checks import triton_module
 from kalmix.ops.common.testing import CASES
@@ -310,9 +310,8 @@ class SpeedConfig(BaseModel):
                              f"nothing to time on {device.type}")
         for name in MIXERS:
             if _selected(f"layer.{name}", self.ops):
-                with torch.device("meta"):
-                    MIXERS[name](self.d_model, **layer_kwargs(name, self.d_model, self.heads, self.head_dim,
-                                                              self.d_state))
+                kw = layer_kwargs(name, self.d_model, self.heads, self.head_dim, self.d_state)
+                check_builds(lambda: MIXERS[name](self.d_model, **kw), f"layer.{name} with {kw}")
         return self
 
 

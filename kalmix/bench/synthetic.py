@@ -599,7 +599,7 @@ def plan(recipe: Recipe, out_path: str, device: str = "cpu", impl: str | None = 
         for label in labels:
             if _available(r.mixers[label], torch.device(device)) is None:
                 try:
-                    check_model(lm_config(r, r.mixers[label], impl))
+                    check_model(lambda: lm_config(r, r.mixers[label], impl), "its model")
                 except ValueError as e:
                     raise ValueError(f"mixer {label} at {_fmt_point(point)}: {e}") from None
             for seed, lr in itertools.product(r.train.seeds, r.train.lrs):
