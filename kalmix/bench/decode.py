@@ -12,7 +12,6 @@ import csv
 import gc
 import os
 import time
-
 from typing import Literal
 
 import torch
@@ -50,7 +49,8 @@ class DecodeBenchConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self):
-        if check_device(self.device).type != "cuda" and self.graph:
+        device = check_device(self.device)
+        if self.graph and device.type != "cuda":
             raise ValueError(f"graph=True (a CUDA graph) needs a CUDA device, got device {self.device!r}")
         for mixer in self.mixers:
             check_model(lambda: lm_config(mixer, self), f"the {mixer} model of width {self.d_model}, {self.layers} "

@@ -51,12 +51,12 @@ def plot_runs(runs: list[str], out: str, x: str = "step", log_y: bool = False) -
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.backend_bases import FigureCanvasBase
 
     if x not in ("step", "tokens"):
         raise ValueError(f"x must be 'step' or 'tokens', got {x!r}")
     check_out(out)
-    formats = plt.figure().canvas.get_supported_filetypes()
-    plt.close()
+    formats = FigureCanvasBase.get_supported_filetypes()
     if Path(out).suffix[1:].lower() not in formats:
         raise ValueError(f"out {out!r}: the file's suffix names its format, one of {', '.join(sorted(formats))}")
     metrics = [read_metrics(run) for run in runs]        # every run checked before drawing
