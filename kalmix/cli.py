@@ -1,13 +1,23 @@
-"""The `kalmix` command."""
+"""The `kalmix` command.
+
+Every subcommand checks its arguments before any work. A bad argument or input ends it with one message,
+``kalmix <command>: error: <what, which value, what is allowed>``, on stderr and exit status 2 (argparse's usage
+errors too); any other failure prints a one-line message and exits 1; Ctrl-C exits 130. ``--debug`` (anywhere on
+the command line) shows the traceback instead.
+"""
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import sys
 import typing
 
+import yaml
 from pydantic import ValidationError
 
+from kalmix.bench.checks import check_device, validation_lines
 from kalmix.bench.mqar import MIXER_NAMES, MQARBenchConfig, run
 
 _HELP = {
@@ -19,7 +29,7 @@ _HELP = {
     "d_state": "Kalman state slots N", "steps": "optimiser steps per mixer", "batch_size": "sequences per step",
     "lr": "peak AdamW learning rate (cosine schedule)", "weight_decay": "AdamW weight decay on matrices",
     "warmup": "fraction of steps of linear warm-up", "seed": "seed of data, init and sampling",
-    "device": "torch device, e.g. cpu or cuda", "impl": "op backend: naive, torch or triton (default: by device)",
+    "device": "cpu, cuda or cuda:N", "impl": "op backend: naive, torch or triton (default: by device)",
     "threads": "torch CPU threads (default: torch's choice)",
 }
 
@@ -32,54 +42,119 @@ def _add_config_flags(parser: argparse.ArgumentParser, model: type) -> None:
         parser.add_argument(flag, nargs=nargs, default=default, help=_HELP[name])
 
 
+def _run_mqar(args) -> int:
+    values = {k: v for k, v in vars(args).items() if k in MQARBenchConfig.model_fields}
+    values = {k: (None if v in ("None", "none") else v) for k, v in values.items()}
+    run(_flag_config(MQARBenchConfig, values), args.out)
+    return 0
+
+
+# a flag every subcommand takes (its default left to the top-level parser's)
+_COMMON = argparse.ArgumentParser(add_help=False)
+_COMMON.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                     help="show the traceback of an error instead of its one-line message")
+
+# exceptions that mean a bad argument or input (exit 2); others are failures (exit 1)
+_BAD_INPUT = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError, PermissionError,
+              NotImplementedError, yaml.YAMLError)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run ``kalmix ARGV``; returns 0 on success. Errors print ``kalmix <command>: error: ...`` on stderr and raise
+    SystemExit (2: a bad argument or input, 1: another failure, 130: interrupted), as argparse's do."""
     parser = argparse.ArgumentParser(prog="kalmix", description="kalmix: attention as online least squares")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error instead of its "
+                        "one-line message (also taken after the subcommand)")
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="train-and-evaluate benchmarks")
     tasks = bench.add_subparsers(dest="task", required=True)
     mqar = tasks.add_parser("mqar", help="multi-query associative recall: train each mixer, print a table",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter, parents=[_COMMON])
     _add_config_flags(mqar, MQARBenchConfig)
     mqar.add_argument("--out", default="runs/mqar.jsonl", help="JSONL file the results are appended to")
     decode = tasks.add_parser("decode", help="ms per generated token of whole models: eager, CUDA-graphed and "
-                              "the kernels' GPU time", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              "the kernels' GPU time", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                              parents=[_COMMON])
     _add_decode_flags(decode)
     _add_recipe_parsers(tasks)
     _add_lm_parser(tasks)
     _add_speed_parser(sub)
     _add_generate_parser(sub)
     _add_train_parsers(sub)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:                                     # argparse would name the top-level command, not this one
+        print(f"{_command(args)}: error: unrecognized arguments: {' '.join(unknown)} (see {_command(args)} --help)",
+              file=sys.stderr)
+        raise SystemExit(2)
+    try:
+        return _dispatch(args, sub.choices["train"])
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print(f"{_command(args)}: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+    except Exception as e:                                      # noqa: BLE001  one message, never a traceback
+        if args.debug:
+            raise
+        message, code = _describe(e)
+        print(f"{_command(args)}: error: {message}", file=sys.stderr)
+        raise SystemExit(code) from None
+
+
+def _dispatch(args, train_parser) -> int:
     if args.command == "speed":
         return _run_speed(args)
     if args.command == "generate":
         return _run_generate(args)
     if args.command == "train":
-        return _run_train(args, parser)
+        return _run_train(args, train_parser)
     if args.command == "tokenizer":
-        return _run_tokenizer(args, parser)
+        return _run_tokenizer(args)
     if args.command == "plot":
-        return _run_plot(args, parser)
+        return _run_plot(args)
     if args.task == "decode":
-        return _run_decode(args, parser)
+        return _run_decode(args)
     if args.task == "lm":
         from kalmix.bench.lm import main as run_lm
-        return run_lm(args, parser)
+        return run_lm(args)
     if args.task == "run":
-        return _run_recipe(args, parser)
+        return _run_recipe(args)
     if args.task == "report":
-        return _run_report(args, parser)
-    values = {k: v for k, v in vars(args).items() if k in MQARBenchConfig.model_fields}
-    values = {k: (None if v in ("None", "none") else v) for k, v in values.items()}
+        return _run_report(args)
+    return _run_mqar(args)
+
+
+def _command(args) -> str:
+    """``kalmix`` and the subcommand's words, e.g. ``kalmix bench mqar``."""
+    words = [args.command] + [getattr(args, k) for k in ("task", "tokenizer_command") if getattr(args, k, None)]
+    return " ".join(["kalmix", *words])
+
+
+def _joined(lines: list[str]) -> str:
+    return lines[0] if len(lines) == 1 else "\n  ".join([f"{len(lines)} invalid values:", *lines])
+
+
+def _describe(e: Exception) -> tuple[str, int]:
+    """The message and exit status of an error."""
+    if isinstance(e, ValidationError):
+        return _joined(validation_lines(e)), 2
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        return f"{e.filename}: {e.strerror}", 2 if isinstance(e, _BAD_INPUT) else 1
+    if isinstance(e, _BAD_INPUT):
+        return str(e), 2
+    if isinstance(e, ImportError):                 # a missing package: the message names it
+        return str(e), 1
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first} (run with --debug for the traceback)", 1
+
+
+def _flag_config(model: type, values: dict):
+    """``model`` validated from the values of its flags; an error names each bad flag (a ValueError)."""
     try:
-        cfg = MQARBenchConfig.model_validate(values, strict=False)
+        return model.model_validate(values)
     except ValidationError as e:
-        parser.error(str(e))
-    try:
-        run(cfg, args.out)
-    except NotImplementedError as e:   # e.g. the default impl of a device that has no kernels yet
-        parser.error(f"{e} (on the command line: --impl torch)")
-    return 0
+        flag = lambda loc: "--" + str(loc[0]).replace("_", "-") if loc else ""     # noqa: E731
+        raise ValueError(_joined(validation_lines(e, key=flag))) from None
 
 
 _DECODE_HELP = {
@@ -87,7 +162,8 @@ _DECODE_HELP = {
     "contexts": "tokens prefilled per sequence before the timed steps", "layers": "blocks per model",
     "d_model": "model width", "vocab_size": "vocabulary", "num_heads": "heads of every mixer but Kalman (H = 1)",
     "steps": "decode steps timed", "prefill_chunk": "tokens per prefill call across the batch",
-    "dtype": "weights' dtype: bf16, fp16 or fp32", "device": "torch device", "graph": "also time the CUDA graph",
+    "dtype": "weights' dtype: bf16, fp16 or fp32", "device": "torch device: cpu, cuda or cuda:N",
+    "graph": "also time the CUDA graph (default: on CUDA)",
     "compile": "run the step through torch.compile before timing and capturing it",
     "out": "CSV file of the rows",
 }
@@ -98,22 +174,17 @@ def _add_decode_flags(parser) -> None:
     for name, field in DecodeBenchConfig.model_fields.items():
         flag = "--" + name.replace("_", "-")
         default = field.get_default(call_default_factory=True)
-        if field.annotation is bool:
+        if field.annotation in (bool, bool | None):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_DECODE_HELP[name])
             continue
         nargs = "+" if typing.get_origin(field.annotation) is list else None
-        kind = int if field.annotation in (int, list[int]) else None
-        parser.add_argument(flag, nargs=nargs, type=kind, default=default, help=_DECODE_HELP[name])
+        parser.add_argument(flag, nargs=nargs, default=default, help=_DECODE_HELP[name])
 
 
-def _run_decode(args, parser) -> int:
+def _run_decode(args) -> int:
     from kalmix.bench.decode import DecodeBenchConfig, run as run_decode
-    values = {k: v for k, v in vars(args).items() if k in DecodeBenchConfig.model_fields}
-    try:
-        cfg = DecodeBenchConfig.model_validate(values)
-    except ValidationError as e:
-        parser.error(str(e))
-    run_decode(cfg)
+    run_decode(_flag_config(DecodeBenchConfig, {k: v for k, v in vars(args).items()
+                                                if k in DecodeBenchConfig.model_fields}))
     return 0
 
 
@@ -124,26 +195,28 @@ def _add_lm_parser(tasks) -> None:
         "Llama) at matched parameter counts", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Times each model's training step (forward, backward, fused AdamW; bf16 autocast) at each T "
         "with B x T tokens per step, on plain and packed rows; writes lm.csv and PNG plots to --out and prints a "
-        "table. --table CSV prints the markdown table of a CSV instead."))
+        "table. --table CSV prints the markdown table of a CSV instead.", parents=[_COMMON]))
 
 
 def _add_recipe_parsers(tasks) -> None:
-    r = tasks.add_parser("run", help="a paper's synthetic experiment from a recipe (kalmix/bench/recipes/*.yaml): train every "
-                         "grid point, mixer, seed and learning rate; append one JSONL row per run; resumable",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    r = tasks.add_parser("run", help="a paper's synthetic experiment from a recipe (kalmix/bench/recipes/*.yaml): "
+                         "train every grid point, mixer, seed and learning rate; append one JSONL row per run; "
+                         "resumable",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter, parents=[_COMMON])
     r.add_argument("recipe", help="recipe YAML file, or the name of one shipped with kalmix (kalmix/bench/recipes)")
     r.add_argument("--out", default=None, help="JSONL results file (default: runs/bench/RECIPE.jsonl); runs "
                    "already in it are skipped")
-    r.add_argument("--device", default="cuda" if _cuda() else "cpu", help="torch device")
+    r.add_argument("--device", default="cuda" if _cuda() else "cpu", help="torch device: cpu, cuda or cuda:N")
     r.add_argument("--impl", default=None, choices=["naive", "torch", "triton"],
                    help="kalmix ops' backend (default: triton on CUDA, torch otherwise)")
     r.add_argument("--mixers", nargs="+", default=None, help="only these of the recipe's mixer labels")
     r.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
                    help="override a recipe field, VALUE as YAML, e.g. --set train.steps=200 --set "
                    "'grid.task.params.num_kv_pairs=[4, 8]' (repeatable)")
-    r.add_argument("--dry-run", action="store_true", help="print the resolved recipe and the number of runs")
+    r.add_argument("--dry-run", action="store_true", help="check everything, print the resolved recipe and the "
+                   "number of runs")
     rp = tasks.add_parser("report", help="markdown tables and PNG plots from `kalmix bench run` results",
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter, parents=[_COMMON])
     rp.add_argument("results", nargs="+", help="JSONL results files")
     rp.add_argument("--out", default="runs/bench/report", help="output folder (README.md and PNGs)")
 
@@ -153,61 +226,107 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def _run_recipe(args, parser) -> int:
-    import yaml
-
-    from kalmix.bench.synthetic import load_recipe, run as run_recipe
-    from kalmix.bench.synthetic import resolve_recipe
-    path = resolve_recipe(args.recipe)
-    try:
-        recipe = load_recipe(path, args.overrides)
-    except (ValidationError, ValueError, FileNotFoundError, yaml.YAMLError) as e:
-        parser.error(str(e))
-    out = args.out or os.path.join("runs", "bench", recipe.name + ".jsonl")
-    n = recipe.planned_runs(len(args.mixers) if args.mixers else None)
+def _run_recipe(args) -> int:
+    from kalmix.bench.synthetic import load_recipe, plan, resolve_recipe, run as run_recipe
+    recipe = load_recipe(resolve_recipe(args.recipe), args.overrides)
+    out = os.path.join("runs", "bench", recipe.name + ".jsonl") if args.out is None else args.out
     if args.dry_run:
+        todo = plan(recipe, out, device=args.device, impl=args.impl, mixers=args.mixers)
         print(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False), end="")
-        print(f"# {n} runs ({len(recipe.points())} grid points), results to {out}")
+        print(f"# {recipe.planned_runs(len(args.mixers) if args.mixers else None)} runs ({len(recipe.points())} grid "
+              f"points), {len(todo)} not yet in {out}")
         return 0
-    try:
-        run_recipe(recipe, out, device=args.device, impl=args.impl, mixers=args.mixers)
-    except ValueError as e:
-        parser.error(str(e))
+    run_recipe(recipe, out, device=args.device, impl=args.impl, mixers=args.mixers)
     print(f"results in {out}; `kalmix bench report {out}` renders them")
     return 0
 
 
-def _run_report(args, parser) -> int:
+def _run_report(args) -> int:
     from kalmix.bench.report import report
-    try:
-        report(args.results, args.out)
-    except (ValueError, FileNotFoundError) as e:
-        parser.error(str(e))
+    report(args.results, args.out)
     print(f"wrote {os.path.join(args.out, 'README.md')}")
     return 0
 
 
 def _add_generate_parser(sub) -> None:
     g = sub.add_parser("generate", help="decode text from a saved model (static cache, CUDA-graphed steps)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter, parents=[_COMMON])
     g.add_argument("--model", required=True, help="folder of a saved KalmixForCausalLM (save_pretrained)")
     g.add_argument("--prompt", required=True, help="prompt text")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
     g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
-    g.add_argument("--device", default=None, help="torch device (default: cuda if available)")
+    g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"], help="weights' dtype")
     g.add_argument("--no-graph", action="store_true", help="run the decode steps eagerly (no CUDA graph)")
     g.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    g.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
+    g.add_argument("--temperature", type=float, default=None, help="sampling temperature (with --sample; default 1)")
+    g.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens (with --sample; "
+                   "default: all)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed")
+
+
+def _check_generate(args) -> None:
+    """Every argument of ``kalmix generate``, before the model is loaded: a ValueError naming the flag."""
+    if not args.prompt:
+        raise ValueError("--prompt is empty; give the text to continue")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not args.sample and (args.temperature is not None or args.top_k is not None):
+        raise ValueError("--temperature and --top-k shape sampling; add --sample (without it decoding is greedy)")
+    if args.temperature is not None and not (math.isfinite(args.temperature) and args.temperature > 0):
+        raise ValueError(f"--temperature must be a positive number, got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        raise ValueError(f"--top-k must be >= 1, got {args.top_k}")
+    if not 0 <= args.seed < 2 ** 63:
+        raise ValueError(f"--seed must be in [0, 2**63), got {args.seed}")
+    if args.device is not None:
+        check_device(args.device)
+    _check_folder(f"--model {args.model!r}", args.model)
+    config = os.path.join(args.model, "config.json")
+    if not os.path.isfile(config):
+        raise ValueError(f"--model {args.model!r} is not a saved model folder (no config.json there; "
+                         "KalmixForCausalLM.save_pretrained writes one)")
+    try:
+        with open(config) as f:
+            saved = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--model {args.model!r}: config.json is not JSON ({e})") from None
+    if not isinstance(saved, dict) or saved.get("model_type") != "kalmix":
+        kind = saved.get("model_type") if isinstance(saved, dict) else None
+        raise ValueError(f"--model {args.model!r} holds a {kind!r} model, not a kalmix one")
+    vocab = saved.get("vocab_size", 0)
+    if args.top_k is not None and args.top_k > vocab:
+        raise ValueError(f"--top-k {args.top_k} exceeds the model's vocabulary of {vocab}")
+    tokenizer = args.model if args.tokenizer is None else args.tokenizer
+    where = f"{'--model' if args.tokenizer is None else '--tokenizer'} {tokenizer!r}"
+    _check_folder(where, tokenizer)
+    if not any(os.path.isfile(os.path.join(tokenizer, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise ValueError(f"{where} holds no tokenizer (tokenizer.json); save the tokenizer there or pass --tokenizer "
+                         "FOLDER")
+    from transformers import AutoTokenizer
+    try:
+        ids = AutoTokenizer.from_pretrained(tokenizer)(args.prompt).input_ids
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{where}: its tokenizer does not load ({str(e).strip().splitlines()[0]})") from None
+    if not ids:
+        raise ValueError(f"--prompt {args.prompt!r} tokenises to no tokens")
+    if max(ids) >= vocab:
+        raise ValueError(f"--prompt tokenises to id {max(ids)}, outside the model's vocabulary of {vocab}: is "
+                         f"{tokenizer!r} the model's tokenizer?")
+
+
+def _check_folder(what: str, path: str) -> None:
+    if not os.path.isdir(path):
+        raise ValueError(f"{what}: {'not a folder' if os.path.exists(path) else 'no such folder'}")
 
 
 def _run_generate(args) -> int:
     from kalmix.models.decoding import generate_text
+    _check_generate(args)
     r = generate_text(args.model, args.prompt, max_new_tokens=args.max_new_tokens, tokenizer=args.tokenizer,
                       device=args.device, dtype=args.dtype, graph=False if args.no_graph else None,
-                      do_sample=args.sample, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+                      do_sample=args.sample, temperature=1.0 if args.temperature is None else args.temperature,
+                      top_k=args.top_k, seed=args.seed)
     print(args.prompt + r["text"])
     print(f"-- {len(r['new_tokens'])} tokens in {r['decode_s']:.3f} s: {r['tokens_per_s']:.1f} tokens/s "
           f"({'CUDA graph' if r['graph'] else 'eager'}; prefill {1e3 * r['prefill_s']:.1f} ms)", file=sys.stderr)
@@ -216,26 +335,26 @@ def _run_generate(args) -> int:
 
 def _add_speed_parser(sub) -> None:
     from kalmix.bench.speed import MODES, SpeedConfig
-    d = SpeedConfig()
+    d = {name: field.default for name, field in SpeedConfig.model_fields.items()}   # unchecked: cuda may be absent
     sp = sub.add_parser("speed", help="time every op and layer against fla and SDPA anchors (GPU; CPU for tiny "
-                        "shapes)", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                        "shapes)", formatter_class=argparse.ArgumentDefaultsHelpFormatter, parents=[_COMMON],
                         description="Times kalmix ops (every available impl) and layers next to fla's chunk_delta_rule,"
                         " chunk_gated_delta_rule, chunk_simple_gla, chunk_gla and GatedDeltaNet layer (CUDA only) and "
                         "SDPA causal attention, in forward, forward+backward and decode modes, at a fixed token "
                         "budget per call. Writes speed.csv and PNG plots to --out and prints a table.")
-    sp.add_argument("--device", default=d.device, help="torch device (cuda, or cpu for tiny smoke runs)")
-    sp.add_argument("--out", default=d.out, help="output folder for speed.csv and the plots")
-    sp.add_argument("--modes", nargs="+", default=list(d.modes), choices=list(MODES),
+    sp.add_argument("--device", default=d["device"], help="cuda, cuda:N, or cpu for tiny smoke runs")
+    sp.add_argument("--out", default=d["out"], help="output folder for speed.csv and the plots")
+    sp.add_argument("--modes", nargs="+", default=list(d["modes"]), choices=list(MODES),
                     help="what to time")
-    sp.add_argument("--seq-lens", nargs="+", type=int, default=list(d.seq_lens), help="sequence lengths T")
-    sp.add_argument("--tokens", type=int, default=d.tokens, help="tokens per call: B = tokens // T")
-    sp.add_argument("--dtypes", nargs="+", default=list(d.dtypes), choices=["bf16", "fp16", "fp32"],
+    sp.add_argument("--seq-lens", nargs="+", type=int, default=list(d["seq_lens"]), help="sequence lengths T")
+    sp.add_argument("--tokens", type=int, default=d["tokens"], help="tokens per call: B = tokens // T")
+    sp.add_argument("--dtypes", nargs="+", default=list(d["dtypes"]), choices=["bf16", "fp16", "fp32"],
                     help="activation dtypes")
-    sp.add_argument("--heads", type=int, default=d.heads, help="heads of the matrix-state mixers and anchors")
-    sp.add_argument("--head-dim", type=int, default=d.head_dim, help="K = V of the matrix-state mixers and anchors")
-    sp.add_argument("--d-model", type=int, default=d.d_model, help="layer width (Kalman op: D = 2 * d-model)")
-    sp.add_argument("--d-state", type=int, default=d.d_state, help="Kalman state slots N")
-    sp.add_argument("--decode-contexts", nargs="+", type=int, default=list(d.decode_contexts),
+    sp.add_argument("--heads", type=int, default=d["heads"], help="heads of the matrix-state mixers and anchors")
+    sp.add_argument("--head-dim", type=int, default=d["head_dim"], help="K = V of the matrix-state mixers and anchors")
+    sp.add_argument("--d-model", type=int, default=d["d_model"], help="layer width (Kalman op: D = 2 * d-model)")
+    sp.add_argument("--d-state", type=int, default=d["d_state"], help="Kalman state slots N")
+    sp.add_argument("--decode-contexts", nargs="+", type=int, default=list(d["decode_contexts"]),
                     help="context lengths of the decode comparison (KV cache length of attention)")
     sp.add_argument("--ops", nargs="*", default=[],
                     help="only targets whose name contains one of these (layer.kalman, fla, sdpa, ...; decode rows "
@@ -244,12 +363,12 @@ def _add_speed_parser(sub) -> None:
                     help="only these impls (naive, torch, triton, fla, flash, ...); default: all but the naive "
                     "token loops, which take seconds to minutes per call at 32K tokens; decode rows too "
                     "(attention: -)")
-    sp.add_argument("--naive-max-len", type=int, default=d.naive_max_len,
+    sp.add_argument("--naive-max-len", type=int, default=d["naive_max_len"],
                     help="skip the token-loop impls above this T (they take seconds per call)")
-    sp.add_argument("--warmup", type=int, default=d.warmup, help="do_bench warm-up (ms)")
-    sp.add_argument("--rep", type=int, default=d.rep, help="do_bench repetition time (ms)")
+    sp.add_argument("--warmup", type=int, default=d["warmup"], help="do_bench warm-up (ms)")
+    sp.add_argument("--rep", type=int, default=d["rep"], help="do_bench repetition time (ms)")
     sp.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    sp.add_argument("--gka-iters", nargs="+", type=int, default=list(d.gka_iters),
+    sp.add_argument("--gka-iters", nargs="+", type=int, default=list(d["gka_iters"]),
                     help="Chebyshev steps of the gated_kalmanet rows, one row each (named "
                     "gated_kalmanet[num_iters=N] but for the op's default)")
     sp.add_argument("--check-values", action="store_true",
@@ -259,13 +378,8 @@ def _add_speed_parser(sub) -> None:
 
 def _run_speed(args) -> int:
     from kalmix.bench.speed import SpeedConfig, run as run_speed
-    cfg = SpeedConfig(device=args.device, out=args.out, modes=tuple(args.modes), seq_lens=tuple(args.seq_lens),
-                      tokens=args.tokens, dtypes=tuple(args.dtypes), heads=args.heads, head_dim=args.head_dim,
-                      d_model=args.d_model, d_state=args.d_state, decode_contexts=tuple(args.decode_contexts),
-                      ops=tuple(args.ops), impls=tuple(args.impls), naive_max_len=args.naive_max_len,
-                      warmup=args.warmup, rep=args.rep, plots=not args.no_plots, check_values=args.check_values,
-                      gka_iters=tuple(args.gka_iters))
-    run_speed(cfg)
+    values = {k: v for k, v in vars(args).items() if k in SpeedConfig.model_fields}
+    run_speed(_flag_config(SpeedConfig, {**values, "plots": not args.no_plots}))
     return 0
 
 
@@ -276,14 +390,14 @@ def _add_train_parsers(sub) -> None:
                        "several: DDP or FSDP2)", description="Pretrain a KalmixForCausalLM. CONFIG is a YAML file or "
                        f"a preset name ({', '.join(presets())}); every key can be overridden by its dotted flag, "
                        "e.g. --optim.lr 1e-3 --model.mixer kalman. Under torchrun --nproc_per_node=N the same "
-                       "command trains with N processes.")
+                       "command trains with N processes.", parents=[_COMMON])
     t.add_argument("config", nargs="?", default=None, help="YAML config file or preset name (default: the defaults)")
     t.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     add_flags(t)
     tok = sub.add_parser("tokenizer", help="tokenizer tools")
     tsub = tok.add_subparsers(dest="tokenizer_command", required=True)
     tt = tsub.add_parser("train", help="train a byte-level BPE on local documents and save it as a Hugging Face "
-                         "tokenizer folder", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                         "tokenizer folder", formatter_class=argparse.ArgumentDefaultsHelpFormatter, parents=[_COMMON])
     tt.add_argument("--source", default="stdlib", help="'stdlib' (the Python standard library's source), a text "
                     "file or folder, JSONL, parquet or a saved datasets folder")
     tt.add_argument("--format", default="auto", choices=typing.get_args(DataConfig.model_fields["format"].annotation),
@@ -292,7 +406,7 @@ def _add_train_parsers(sub) -> None:
     tt.add_argument("--vocab-size", type=int, default=8192, help="vocabulary size")
     tt.add_argument("--out", required=True, help="output folder")
     pl = sub.add_parser("plot", help="loss curves of training runs on one PNG",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter, parents=[_COMMON])
     pl.add_argument("runs", nargs="+", help="run directories (or their metrics.jsonl)")
     pl.add_argument("--out", default="runs/loss.png", help="PNG file")
     pl.add_argument("--x", default="step", choices=["step", "tokens"], help="x axis")
@@ -326,30 +440,20 @@ def _run_train(args, parser) -> int:
     return 0
 
 
-def _run_tokenizer(args, parser) -> int:
+def _run_tokenizer(args) -> int:
     from kalmix.train.data import DataConfig, iter_documents
     from kalmix.train.tokenizer import train_tokenizer
-    try:
-        data = DataConfig(source=args.source, format=args.format, text_field=args.text_field)
-        train_tokenizer(iter_documents(data), args.vocab_size, args.out)
-    except ValidationError as e:
-        why = "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())
-        print(f"kalmix tokenizer train: error: {why}", file=sys.stderr)
-        return 2
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"kalmix tokenizer train: error: {e}", file=sys.stderr)
-        return 2
+    if not args.source:
+        raise ValueError("--source is empty; give 'stdlib', 'python' or a path")
+    data = _flag_config(DataConfig, {"source": args.source, "format": args.format, "text_field": args.text_field})
+    train_tokenizer(iter_documents(data), args.vocab_size, args.out)
     print(f"tokenizer written to {args.out}")
     return 0
 
 
-def _run_plot(args, parser) -> int:
+def _run_plot(args) -> int:
     from kalmix.train.plot import plot_runs
-    try:
-        out = plot_runs(args.runs, args.out, x=args.x, log_y=args.log_y)
-    except (FileNotFoundError, ValueError) as e:
-        parser.error(str(e))
-    print(f"wrote {out}")
+    print(f"wrote {plot_runs(args.runs, args.out, x=args.x, log_y=args.log_y)}")
     return 0
 
 

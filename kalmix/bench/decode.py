@@ -12,37 +12,50 @@ import csv
 import gc
 import os
 import time
+from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
+from kalmix.bench.checks import check_device, check_model, check_out
 from kalmix.layers import MIXERS
 from kalmix.models import KalmixConfig, KalmixForCausalLM
 from kalmix.models.decoding import Decoder
 
 
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
 class DecodeBenchConfig(BaseModel):
-    """One run; every field is a CLI flag (kebab-case)."""
+    """One run; every field is a CLI flag (kebab-case). Construction checks the device and that every mixer's
+    model builds, before any work."""
 
     model_config = ConfigDict(extra="forbid")
 
-    mixers: list[str] = Field(default_factory=lambda: list(MIXERS))
-    batch_sizes: list[int] = [1, 32]
-    contexts: list[int] = [1024, 8192, 32768]
-    layers: int = 8
-    d_model: int = 1024
-    vocab_size: int = 32000
-    num_heads: int = 8
-    steps: int = 50
-    prefill_chunk: int = 65536
-    dtype: str = "bf16"
+    mixers: list[Literal[tuple(MIXERS)]] = Field(default_factory=lambda: list(MIXERS), min_length=1)
+    batch_sizes: list[PositiveInt] = Field([1, 32], min_length=1)
+    contexts: list[PositiveInt] = Field([1024, 8192, 32768], min_length=1)
+    layers: PositiveInt = 8
+    d_model: PositiveInt = 1024
+    vocab_size: PositiveInt = 32000
+    num_heads: PositiveInt = 8
+    steps: PositiveInt = 50
+    prefill_chunk: PositiveInt = 65536
+    dtype: Literal[tuple(_DTYPES)] = "bf16"
     device: str = "cuda"
-    graph: bool = True
+    graph: bool | None = Field(None, description="also time the CUDA graph; None: on CUDA")
     compile: bool = False
     out: str | None = "runs/decode.csv"
 
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    @model_validator(mode="after")
+    def _check(self):
+        device = check_device(self.device)
+        if self.graph and device.type != "cuda":
+            raise ValueError(f"graph=True (a CUDA graph) needs a CUDA device, got device {self.device!r}")
+        for mixer in self.mixers:
+            check_model(lambda: lm_config(mixer, self), f"the {mixer} model of width {self.d_model}, {self.layers} "
+                        f"layers and vocabulary {self.vocab_size}")
+        return self
 
 
 def lm_config(mixer: str, cfg: DecodeBenchConfig) -> KalmixConfig:
@@ -90,7 +103,7 @@ def measure(model, mixer: str, B: int, context: int, cfg: DecodeBenchConfig) -> 
         rewind()
         tok = torch.zeros(B, dtype=torch.long, device=device)
         row["kernel_ms"] = kernel_ms(lambda: dec.step(tok))
-        if cfg.graph:
+        if cfg.graph is not False:
             rewind()
             dec._capture()
             row["graph_ms"] = dec.time_step(cfg.steps)
@@ -103,11 +116,8 @@ def measure(model, mixer: str, B: int, context: int, cfg: DecodeBenchConfig) -> 
 def run(cfg: DecodeBenchConfig, progress: bool = True) -> list[dict]:
     """Measure every (mixer, B, context) of ``cfg``; print a table; write CSV rows to ``cfg.out``."""
     from tqdm.auto import tqdm
-    for m in cfg.mixers:
-        if m not in MIXERS:
-            raise ValueError(f"bench decode: unknown mixer {m!r}; expected one of {sorted(MIXERS)}")
-    if cfg.dtype not in _DTYPES:
-        raise ValueError(f"bench decode: dtype must be one of {sorted(_DTYPES)}, got {cfg.dtype!r}")
+    if cfg.out is not None:
+        check_out(cfg.out)
     rows = []
     todo = [(m, B, L) for m in cfg.mixers for B in cfg.batch_sizes for L in cfg.contexts]
     bar = tqdm(todo, disable=not progress, desc="decode")
@@ -129,7 +139,7 @@ def run(cfg: DecodeBenchConfig, progress: bool = True) -> list[dict]:
             rows.append({"mixer": mixer, "B": B, "context": L, "status": "OOM"})
         gc.collect()
     print(format_table(rows))
-    if cfg.out:
+    if cfg.out is not None:
         os.makedirs(os.path.dirname(os.path.abspath(cfg.out)), exist_ok=True)
         keys = sorted({k for r in rows for k in r})
         with open(cfg.out, "w", newline="") as f:
@@ -140,7 +150,8 @@ def run(cfg: DecodeBenchConfig, progress: bool = True) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    cols = f"{'mixer':<10} {'B':>3} {'context':>8} {'eager ms':>9} {'graph ms':>9} {'kernels ms':>10} {'graph/kern':>10}"
+    cols = (f"{'mixer':<10} {'B':>3} {'context':>8} {'eager ms':>9} {'graph ms':>9} {'kernels ms':>10} "
+            f"{'graph/kern':>10}")
     lines = [cols, "-" * len(cols)]
     fmt = lambda r, k: f"{r[k]:.3f}" if k in r else "-"                  # noqa: E731
     for r in rows:

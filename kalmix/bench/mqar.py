@@ -10,9 +10,10 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from tqdm.auto import tqdm
 
+from kalmix.bench.checks import check_device, check_impl, check_model, check_out, validation_lines
 from kalmix.layers import MIXERS
 from kalmix.models import KalmixConfig, KalmixForCausalLM
 from kalmix.tasks import MQARConfig
@@ -23,9 +24,10 @@ DEFAULT_MIXERS = ["attention", "gdn", "kaczmarz", "gka", "vla", "kalman"]
 
 
 class MQARBenchConfig(BaseModel):
-    """One run of the benchmark; every field is a CLI flag (kebab-case)."""
+    """One run of the benchmark; every field is a CLI flag (kebab-case). Construction checks everything before any
+    work: the device, the backend on it, the task size and that every mixer's model builds."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     mixers: list[Literal[MIXER_NAMES]] = Field(DEFAULT_MIXERS, min_length=1)
     vocab_size: int = Field(64, ge=1)
@@ -42,10 +44,23 @@ class MQARBenchConfig(BaseModel):
     lr: float = Field(3e-3, gt=0)
     weight_decay: float = Field(0.1, ge=0)
     warmup: float = Field(0.1, ge=0, lt=1)
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2 ** 63)
     device: str = "cpu"
     impl: Literal["naive", "torch", "triton"] | None = None
     threads: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self):
+        check_impl(self.impl, check_device(self.device))
+        try:
+            MQARConfig(vocab_size=self.vocab_size, seq_len=self.seq_len, num_kv_pairs=self.num_kv_pairs,
+                       num_examples=1)
+        except ValidationError as e:
+            raise ValueError(f"the MQAR task: {'; '.join(validation_lines(e))}") from None
+        for mixer in self.mixers:
+            check_model(lambda: self.lm_config(mixer), f"the {mixer} model of width {self.d_model}, {self.n_layers} "
+                        f"layers and vocabulary {self.vocab_size}")
+        return self
 
     def lm_config(self, mixer: str) -> KalmixConfig:
         """``n_layers`` blocks of ``mixer`` without MLPs (Zoology's MQAR models), untied embeddings."""
@@ -136,6 +151,8 @@ def _git_sha() -> str | None:
 
 def run(cfg: MQARBenchConfig, out_path: str | None) -> list[dict]:
     """Train every mixer of ``cfg``, print a table, append one JSONL row per mixer to ``out_path``."""
+    if out_path is not None:
+        check_out(out_path)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     task = dict(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, num_kv_pairs=cfg.num_kv_pairs)
@@ -150,7 +167,7 @@ def run(cfg: MQARBenchConfig, out_path: str | None) -> list[dict]:
         row.update({f"config.{k}": v for k, v in cfg.model_dump().items() if k != "mixers"})
         row.update({"torch": torch.__version__, "git": _git_sha(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
         rows.append(row)
-        if out_path:
+        if out_path is not None:
             os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
             with open(out_path, "a") as f:
                 f.write(json.dumps(row) + "\n")

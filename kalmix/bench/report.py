@@ -18,13 +18,24 @@ import os
 import statistics
 from collections import Counter, defaultdict
 
+from pydantic import ValidationError
+
+from kalmix.bench.checks import check_out, validation_lines
 from kalmix.bench.synthetic import Recipe, read_rows, run_key
 
 
 def load_rows(paths: list[str]) -> list[dict]:
-    rows = [row for path in paths for row in read_rows(path)]
-    if not rows:
-        raise ValueError(f"no result rows in {paths}")
+    """The rows of every results file; each must hold at least one."""
+    rows = []
+    for path in paths:
+        if os.path.isdir(path):
+            raise ValueError(f"{path!r} is a folder; give the JSONL files `kalmix bench run` wrote")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"results file {path!r} does not exist")
+        found = read_rows(path)
+        if not found:
+            raise ValueError(f"{path}: no result rows (an empty file)")
+        rows += found
     return rows
 
 
@@ -342,14 +353,21 @@ def plot(recipe: Recipe, summary: dict, path: str) -> None:
 
 def report(paths: list[str], out_dir: str) -> str:
     """Write ``out_dir/README.md`` and one PNG per recipe; returns the markdown."""
+    check_out(out_dir, folder=True)
     rows = load_rows(paths)
     by_recipe = defaultdict(list)
     for row in rows:
         by_recipe[row["recipe"]].append(row)
+    versions = {}
+    for name, rs in by_recipe.items():
+        try:
+            versions[name] = current(rs)
+        except ValidationError as e:
+            raise ValueError(f"recipe {name}: the recipe its newest row ran is not valid here: "
+                             f"{'; '.join(validation_lines(e))}") from None
     os.makedirs(out_dir, exist_ok=True)
     parts = []
-    for name, rs in by_recipe.items():
-        recipe, rs, stale = current(rs)
+    for name, (recipe, rs, stale) in versions.items():
         summary = summarise(recipe, rs)
         summary["stale"] = stale
         image = None

@@ -9,7 +9,6 @@ cores).
 from __future__ import annotations
 
 import csv
-import importlib.util
 import inspect
 import math
 import os
@@ -17,12 +16,14 @@ import platform
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
 
 from kalmix import ops
+from kalmix.bench.checks import check_builds, check_device, check_out
 from kalmix.bench.models import Shape, op_bytes, op_flops
 from kalmix.ops.common.checks import triton_module
 from kalmix.ops.common.testing import CASES
@@ -263,30 +264,55 @@ def _is_refusal(err: Exception) -> bool:
         w in msg for w in ("not supported", "not implemented", "refuse", "triton", "hopper", "640"))
 
 
-@dataclass
-class SpeedConfig:
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# every impl name a row can carry: the ops' backends, fla's kernels, attention's flash / SDPA, "-" (attention layer)
+IMPLS = tuple(sorted({i for impls in ops.AVAILABLE_IMPLS.values() for i in impls} | {"fla", "flash", "sdpa", "-"}))
+
+
+class SpeedConfig(BaseModel):
+    """One run; every field is a CLI flag (kebab-case; ``plots``: --no-plots). Construction checks, before any
+    work: the device, the sizes, that every selected layer builds, and that ``ops`` / ``impls`` select something."""
+
+    model_config = ConfigDict(extra="forbid")
+
     device: str = "cuda"
     out: str = "runs/speed"
-    modes: tuple = MODES
-    seq_lens: tuple = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
-    tokens: int = 32768
-    dtypes: tuple = ("bf16",)
-    heads: int = 8
-    head_dim: int = 128
-    d_model: int = 1024
-    d_state: int = 16
-    decode_contexts: tuple = (1024, 4096, 16384, 65536)
-    ops: tuple = ()
-    impls: tuple = ()
-    naive_max_len: int = 2048
-    warmup: int = 25
-    rep: int = 100
+    modes: tuple[Literal[MODES], ...] = Field(MODES, min_length=1)
+    seq_lens: tuple[PositiveInt, ...] = Field((1024, 2048, 4096, 8192, 16384, 32768, 65536), min_length=1)
+    tokens: PositiveInt = 32768
+    dtypes: tuple[Literal[tuple(DTYPES)], ...] = Field(("bf16",), min_length=1)
+    heads: PositiveInt = 8
+    head_dim: PositiveInt = 128
+    d_model: PositiveInt = 1024
+    d_state: PositiveInt = 16
+    decode_contexts: tuple[PositiveInt, ...] = Field((1024, 4096, 16384, 65536), min_length=1)
+    ops: tuple[str, ...] = ()
+    impls: tuple[Literal[IMPLS], ...] = ()
+    naive_max_len: NonNegativeInt = 2048
+    warmup: NonNegativeInt = 25
+    rep: PositiveInt = 100
     plots: bool = True
     check_values: bool = False
-    gka_iters: tuple = (GKA_ITERS,)
+    gka_iters: tuple[NonNegativeInt, ...] = Field((GKA_ITERS,), min_length=1)
 
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    @model_validator(mode="after")
+    def _check(self):
+        device = check_device(self.device)
+        every = [t.name for t in targets((), IMPLS, self.d_model, self.heads, self.head_dim, self.d_state, device)]
+        every += [f"layer.{name}" for name in MIXERS] + ["sdpa_kv_cache"]
+        for f in self.ops:
+            if not any(f in name for name in every):
+                raise ValueError(f"ops: {f!r} is in no target's name on {device.type}; the names: "
+                                 f"{', '.join(dict.fromkeys(every))}")
+        timed = targets(self.ops, self.impls, self.d_model, self.heads, self.head_dim, self.d_state, device)
+        if not ((timed and set(self.modes) - {"decode"}) or ("decode" in self.modes and decode_targets(self, device))):
+            raise ValueError(f"modes {list(self.modes)}, ops {list(self.ops)} and impls {list(self.impls)} select "
+                             f"nothing to time on {device.type}")
+        for name in MIXERS:
+            if _selected(f"layer.{name}", self.ops):
+                kw = layer_kwargs(name, self.d_model, self.heads, self.head_dim, self.d_state)
+                check_builds(lambda: MIXERS[name](self.d_model, **kw), f"layer.{name} with {kw}")
+        return self
 
 
 def _shape(t: Target, cfg: SpeedConfig, B: int, T: int) -> Shape:
@@ -327,35 +353,42 @@ def _row(t: Target, mode, dtype_name, s: Shape, timing, ceil, meta, elt) -> dict
             "fp32_TFLOPs_measured": ceil["fp32_TFLOPs"]}
 
 
+def decode_targets(cfg: SpeedConfig, device: torch.device) -> list[tuple[str, str]]:
+    """The (layer, impl) pairs of the decode comparison that ``cfg.ops`` / ``cfg.impls`` select, and
+    ("sdpa_kv_cache", "sdpa") unless ``cfg.ops`` leaves it out."""
+    pairs = [(name, impl) for name in MIXERS if _selected(f"layer.{name}", cfg.ops)
+             for impl in layer_impls(name, device) if not cfg.impls or impl in cfg.impls]
+    return pairs + ([("sdpa_kv_cache", "sdpa")] if _selected("sdpa_kv_cache", cfg.ops) else [])
+
+
 def _decode_rows(cfg, device, dtype_name, ceil, meta) -> list[dict]:
     """Per-token latency of one layer call on one token (B = 1) with a cache of each context, for every impl
     of each layer (its ``step_impl`` runs), against bare attention with a KV cache."""
     dt = DTYPES[dtype_name]
     rows = []
     with torch.no_grad():
-        for name in MIXERS:
-            if not _selected(f"layer.{name}", cfg.ops):
+        for name, impl in decode_targets(cfg, device):
+            if name == "sdpa_kv_cache":
+                for L in cfg.decode_contexts:
+                    q = _rand((1, cfg.heads, 1, cfg.head_dim), dt, device)
+                    kv = [_rand((1, cfg.heads, L, cfg.head_dim), dt, device) for _ in range(2)]
+                    timing = _measure(lambda: F.scaled_dot_product_attention(q, *kv), [], device, cfg)
+                    rows.append(_row(Target(name, impl, "anchor", None, "matrix", None), "decode", dtype_name,
+                                     Shape(1, L, cfg.heads, cfg.head_dim, cfg.head_dim), timing, ceil, meta, 0))
                 continue
             kw = layer_kwargs(name, cfg.d_model, cfg.heads, cfg.head_dim, cfg.d_state)
-            for impl in [i for i in layer_impls(name, device) if not cfg.impls or i in cfg.impls]:
-                layer = (MIXERS[name](cfg.d_model, **kw) if name == "attention" else
-                         MIXERS[name](cfg.d_model, impl=impl, **kw)).to(device, dt)
-                x1 = _rand((1, 1, cfg.d_model), dt, device)
-                timing = None
-                for L in cfg.decode_contexts:
-                    if name == "attention" or timing is None:   # a recurrent step does not depend on the context
-                        prompt = L if name == "attention" else 16
-                        _, _, cache = layer(_rand((1, prompt, cfg.d_model), dt, device), use_cache=True)
-                        timing = _measure(lambda c=cache, m=layer: m(x1, past_key_values=c)[0], [], device, cfg)
-                    s = Shape(1, L, cfg.heads, cfg.head_dim, cfg.head_dim)
-                    rows.append(_row(Target(f"layer.{name}", impl, "layer", None, "matrix", None), "decode",
-                                     dtype_name, s, timing, ceil, meta, 0))
-        for L in cfg.decode_contexts if _selected("sdpa_kv_cache", cfg.ops) else ():
-            q = _rand((1, cfg.heads, 1, cfg.head_dim), dt, device)
-            kv = [_rand((1, cfg.heads, L, cfg.head_dim), dt, device) for _ in range(2)]
-            timing = _measure(lambda: F.scaled_dot_product_attention(q, *kv), [], device, cfg)
-            rows.append(_row(Target("sdpa_kv_cache", "sdpa", "anchor", None, "matrix", None), "decode", dtype_name,
-                             Shape(1, L, cfg.heads, cfg.head_dim, cfg.head_dim), timing, ceil, meta, 0))
+            layer = (MIXERS[name](cfg.d_model, **kw) if name == "attention" else
+                     MIXERS[name](cfg.d_model, impl=impl, **kw)).to(device, dt)
+            x1 = _rand((1, 1, cfg.d_model), dt, device)
+            timing = None
+            for L in cfg.decode_contexts:
+                if name == "attention" or timing is None:   # a recurrent step does not depend on the context
+                    prompt = L if name == "attention" else 16
+                    _, _, cache = layer(_rand((1, prompt, cfg.d_model), dt, device), use_cache=True)
+                    timing = _measure(lambda c=cache, m=layer: m(x1, past_key_values=c)[0], [], device, cfg)
+                s = Shape(1, L, cfg.heads, cfg.head_dim, cfg.head_dim)
+                rows.append(_row(Target(f"layer.{name}", impl, "layer", None, "matrix", None), "decode",
+                                 dtype_name, s, timing, ceil, meta, 0))
     for r in rows:
         r["tokens"] = 1
     return rows
@@ -365,10 +398,8 @@ def run(cfg: SpeedConfig, progress: bool = True) -> list[dict]:
     """Time everything ``cfg`` selects; write CSV (and plots) under ``cfg.out``; return the rows."""
     from tqdm.auto import tqdm
 
-    if cfg.plots and importlib.util.find_spec("matplotlib") is None:
-        raise ImportError("kalmix speed draws its plots with matplotlib, which is not installed: "
-                          "pip install 'kalmix[plots]' (or matplotlib), or pass --no-plots")
-
+    check_out(cfg.out, folder=True)
+    os.makedirs(cfg.out, exist_ok=True)
     device = torch.device(cfg.device)
     meta = versions()
     ceil = ceilings(device, cfg.warmup, cfg.rep)
@@ -376,7 +407,6 @@ def run(cfg: SpeedConfig, progress: bool = True) -> list[dict]:
                  cfg.gka_iters)
     meta["check_values"] = cfg.check_values
     rows = []
-    os.makedirs(cfg.out, exist_ok=True)
     csv_path = os.path.join(cfg.out, "speed.csv")
     plan = [(d, T, t) for d in cfg.dtypes for T in cfg.seq_lens for t in ts]
     bar = tqdm(plan, desc="kalmix speed", disable=not progress, dynamic_ncols=True)

@@ -34,6 +34,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
 from tqdm.auto import tqdm
 
+from kalmix.bench.checks import check_device, check_impl, check_model, check_out
 from kalmix.bench.mqar import _git_sha
 from kalmix.layers import ALL_MIXERS, BASELINES
 from kalmix.layers.baselines import _GatedLinearLayer
@@ -398,6 +399,8 @@ def _set(data: dict, path: str, value) -> None:
     node = data
     for part in parents:
         node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"{path!r}: {part!r} holds a value, not fields")
     node[leaf] = value
 
 
@@ -411,6 +414,9 @@ def recipe_names() -> list[str]:
 
 def resolve_recipe(name_or_path: str) -> str:
     """A recipe's file: an existing path as given, else the shipped recipe of that name."""
+    if os.path.isdir(name_or_path):
+        raise ValueError(f"recipe {name_or_path!r} is a folder; give a recipe YAML file or the name of a shipped "
+                         f"recipe: {', '.join(recipe_names())}")
     if os.path.exists(name_or_path):
         return name_or_path
     shipped = os.path.join(RECIPES_DIR, name_or_path.removesuffix(".yaml") + ".yaml")
@@ -423,25 +429,41 @@ def resolve_recipe(name_or_path: str) -> str:
 def load_recipe(path: str, overrides: list[str] = ()) -> Recipe:
     """A recipe from YAML, with ``PATH=VALUE`` overrides (VALUE parsed as YAML; ``grid.<path>=[...]`` replaces
     one grid axis). An override holds at every grid point: it replaces what the recipe's ``where`` entries set on
-    that path (or inside it). Unknown fields are errors."""
+    that path (or inside it). Unknown fields are errors; so is YAML that does not parse (naming the file and line,
+    or the override)."""
     with open(path) as f:
-        data = yaml.safe_load(f)
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: not valid YAML: {_yaml_problem(e)}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a recipe is a YAML mapping")
     for item in overrides:
         key, sep, raw = item.partition("=")
-        if not sep:
+        if not sep or not key:
             raise ValueError(f"override {item!r} is not PATH=VALUE")
-        value = yaml.safe_load(raw)
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise ValueError(f"override {item!r}: VALUE is not valid YAML: {_yaml_problem(e)}") from None
         if key.startswith("grid."):
             data.setdefault("grid", {})[key[5:]] = value
             continue
+        if key in (data.get("grid") or {}):
+            raise ValueError(f"override {item!r}: the grid sets {key} at every point; override the axis instead, "
+                             f"e.g. grid.{key}=[{value}]")
         _set(data, key, value)
         for entry in data.get("where") or []:
             if isinstance(entry, dict) and isinstance(entry.get("set"), dict):
                 entry["set"] = {p: v for p, v in entry["set"].items() if p != key and not p.startswith(key + ".")}
         data["where"] = [e for e in data.get("where") or [] if not isinstance(e, dict) or e.get("set") != {}]
     return Recipe.model_validate(data)
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    mark = getattr(err, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{getattr(err, 'problem', None) or err}{where}"
 
 
 # ------------------------------------------------------------------------------------------------- models
@@ -468,13 +490,17 @@ class CompressionModel(nn.Module):
         return mc_marginal(logits, S) if S else logits
 
 
-def build_model(recipe: Recipe, spec: MixerSpec, impl: str | None) -> nn.Module:
+def lm_config(recipe: Recipe, spec: MixerSpec, impl: str | None) -> KalmixConfig:
+    """The language model of ``spec`` in ``recipe``'s model shape, on the task's vocabulary."""
     m = recipe.model
-    cfg = KalmixConfig(vocab_size=recipe.task.vocab_size(), hidden_size=m.d_model, num_hidden_layers=m.n_layers,
-                       mixer=spec.mixer, mixer_kwargs={spec.mixer: spec.kwargs} if spec.kwargs else None, mlp=m.mlp,
-                       intermediate_size=m.intermediate_size, initializer_range=m.init_std,
-                       tie_word_embeddings=m.tie_embeddings, impl=impl, **spec.config)
-    lm = KalmixForCausalLM(cfg)
+    return KalmixConfig(vocab_size=recipe.task.vocab_size(), hidden_size=m.d_model, num_hidden_layers=m.n_layers,
+                        mixer=spec.mixer, mixer_kwargs={spec.mixer: spec.kwargs} if spec.kwargs else None, mlp=m.mlp,
+                        intermediate_size=m.intermediate_size, initializer_range=m.init_std,
+                        tie_word_embeddings=m.tie_embeddings, impl=impl, **spec.config)
+
+
+def build_model(recipe: Recipe, spec: MixerSpec, impl: str | None) -> nn.Module:
+    lm = KalmixForCausalLM(lm_config(recipe, spec, impl))
     if recipe.task.kind == "compression":
         return CompressionModel(lm, recipe.task.length())
     return lm
@@ -710,16 +736,26 @@ def run_key(recipe: Recipe, point: dict, label: str, lr: float, seed: int) -> st
 FINAL = ("ok", "diverged")
 
 
+# what every row of a results file holds (the report and a rerun's skipping read these)
+ROW_KEYS = ("recipe", "spec", "key", "point", "mixer", "lr", "seed", "status", "time")
+
+
 def read_rows(path: str) -> list[dict]:
-    """The result rows of a JSONL file (blank lines skipped); a line that is not JSON is an error naming it."""
+    """The result rows of a JSONL file (blank lines skipped); a line that is not JSON, or not a result row of
+    ``kalmix bench run`` (an object with ``ROW_KEYS``), is an error naming the file and line."""
     rows = []
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    rows.append(json.loads(line))
+                    row = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+                missing = [k for k in ROW_KEYS if k not in row] if isinstance(row, dict) else list(ROW_KEYS)
+                if missing:
+                    raise ValueError(f"{path}:{n}: not a `kalmix bench run` result row (it lacks "
+                                     f"{', '.join(missing)})")
+                rows.append(row)
     return rows
 
 
@@ -727,10 +763,7 @@ def recorded(path: str) -> set[str]:
     """The keys of the runs in ``path`` that have an outcome (see ``FINAL``)."""
     if not os.path.exists(path):
         return set()
-    try:
-        return {row["key"] for row in read_rows(path) if row["status"] in FINAL}
-    except KeyError as e:
-        raise ValueError(f"{path}: not a kalmix bench result row (no {e})") from None
+    return {row["key"] for row in read_rows(path) if row["status"] in FINAL}
 
 
 def _available(spec: MixerSpec, device: torch.device) -> str | None:
@@ -755,80 +788,95 @@ def _versions() -> dict:
     return out
 
 
-def run(recipe: Recipe, out_path: str, device: str = "cpu", impl: str | None = None,
-        mixers: list[str] | None = None, progress: bool = True) -> list[dict]:
-    """Every run of ``recipe`` not yet in ``out_path`` (JSONL, appended one row per run). ``mixers`` restricts the
-    recipe's mixer labels. Returns the new rows.
-
-    A run in progress keeps a checkpoint in ``OUT_PATH.ckpt/KEY.pt`` (see ``run_one``). SIGTERM (e.g. from
-    ``timeout``) stops the current run after its step, saves its checkpoint and returns without writing its row:
-    a run cut by time is never recorded, and the next call resumes it."""
-    dev = torch.device(device)
+def plan(recipe: Recipe, out_path: str, device: str = "cpu", impl: str | None = None,
+         mixers: list[str] | None = None) -> list[tuple]:
+    """The runs of ``recipe`` not yet in ``out_path``, in order: (grid point, recipe at it, mixer label, seed, lr,
+    key). ``mixers`` restricts the recipe's mixer labels. Checks, before any data is made: the device and backend,
+    the mixer labels, the results file, and that every model of every grid point builds."""
+    check_impl(impl, check_device(device))
     labels = list(recipe.mixers) if mixers is None else mixers
     unknown = sorted(set(labels) - set(recipe.mixers))
     if unknown:
         raise ValueError(f"recipe {recipe.name} has no mixer(s) {unknown}; it has {sorted(recipe.mixers)}")
+    check_out(out_path)
     done = recorded(out_path)
+    runs = {}                                           # key -> (point, recipe at it, label, seed, lr)
+    for point in recipe.points():
+        r = recipe.at(point)
+        for label in labels:
+            if _available(r.mixers[label], torch.device(device)) is None:
+                try:
+                    check_model(lambda: lm_config(r, r.mixers[label], impl), "its model")
+                except ValueError as e:
+                    raise ValueError(f"mixer {label} at {_fmt_point(point)}: {e}") from None
+            for seed, lr in itertools.product(r.train.seeds, r.train.lrs):
+                runs.setdefault(run_key(r, point, label, lr, seed), (point, r, label, seed, lr))
+    return [(*run, key) for key, run in runs.items() if key not in done]
+
+
+def run(recipe: Recipe, out_path: str, device: str = "cpu", impl: str | None = None,
+        mixers: list[str] | None = None, progress: bool = True) -> list[dict]:
+    """Every run of ``plan`` (checked before any work), appended to ``out_path`` (JSONL) one row per run as it
+    ends; a bar over the runs on a terminal and one line per finished run. Returns the new rows.
+
+    A run in progress keeps a checkpoint in ``OUT_PATH.ckpt/KEY.pt`` (see ``run_one``). SIGTERM (e.g. from
+    ``timeout``) stops the current run after its step, saves its checkpoint and returns without writing its row:
+    a run cut by time is never recorded, and the next call resumes it."""
+    todo = plan(recipe, out_path, device, impl, mixers)
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    dev = torch.device(device)
+    total = recipe.planned_runs(None if mixers is None else len(mixers))
     ckpt_dir = out_path + ".ckpt"
     os.makedirs(ckpt_dir, exist_ok=True)
     base = {"recipe": recipe.name, "paper": recipe.paper, "spec": recipe.model_dump(mode="json"),
             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", **_versions()}
     base["git"] = _git_sha()
-    rows, total = [], recipe.planned_runs(len(labels))
-    outer = tqdm(total=total, desc=recipe.name, disable=None if progress else True, dynamic_ncols=True)
+    rows, data, data_point = [], None, None
+    tqdm.write(f"{recipe.name}: {len(todo)} runs to do, {total - len(todo)} of {total} already in {out_path}")
+    outer = tqdm(todo, desc=recipe.name, disable=None if progress else True, dynamic_ncols=True)
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _request_stop) if main_thread else None
     _STOP.clear()
     try:
-        for point in recipe.points():
-            r = recipe.at(point)
-            data = None
-            for label in labels:
-                spec = r.mixers[label]
-                for seed, lr in itertools.product(r.train.seeds, r.train.lrs):
-                    key = run_key(r, point, label, lr, seed)
-                    outer.update(1)
-                    if key in done:
-                        continue
-                    if _STOP.is_set():
-                        raise Stopped("stopped by SIGTERM between runs")
-                    row = {**base, "key": key, "point": point, "mixer": label, "mixer_name": spec.mixer,
-                           "lr": lr, "seed": seed, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-                    reason = _available(spec, dev)
-                    t0 = time.time()
-                    ckpt = os.path.join(ckpt_dir, key + ".pt")
-                    if reason is not None:
-                        row.update(status="unavailable", reason=reason)
-                    else:
-                        if data is None:
-                            data = {"train": r.task.build("train", r.data_seed) if r.task.train_examples else None,
-                                    "val": r.task.build("val", r.data_seed),
-                                    "test": {L: r.task.build("test", r.data_seed, L) for L in r.test_lengths()}}
-                        try:
-                            row.update(run_one(r, label, lr, seed, data, dev, impl, progress, checkpoint=ckpt))
-                        except Stopped as e:
-                            outer.write(f"{_fmt_point(point)} {label:>12} lr={lr:<8g} seed={seed:<4d} {e}; not "
-                                        f"recorded, resumes from {ckpt}")
-                            raise
-                        except torch.cuda.OutOfMemoryError as e:
-                            row.update(status="oom", reason=str(e).split(". ")[0][:300])
-                        except Exception as e:                    # noqa: BLE001  recorded and shown by the report
-                            row.update(status="error", reason=f"{type(e).__name__}: {e}".splitlines()[0][:300])
-                    row["wall_s"] = round(time.time() - t0, 2)
-                    _append(out_path, row)
-                    if row["status"] in FINAL and os.path.exists(ckpt):
-                        os.remove(ckpt)
-                    rows.append(row)
-                    done.add(key)
-                    if row["status"] == "ok":
-                        test = row["test"].get(str(r.task.length()), {})
-                        outer.write(f"{_fmt_point(point)} {label:>12} lr={lr:<8g} seed={seed:<4d} "
-                                    f"val={row['val']:.4f} test {recipe.metric}="
-                                    f"{test.get(recipe.metric, float('nan')):.4f} steps={row['steps_run']} "
-                                    f"{row['wall_s']:.0f}s")
-                    else:
-                        outer.write(f"{_fmt_point(point)} {label:>12} lr={lr:<8g} seed={seed:<4d} {row['status']}: "
-                                    f"{row.get('reason', '')}")
+        for i, (point, r, label, seed, lr, key) in enumerate(outer, 1):
+            if _STOP.is_set():
+                raise Stopped("stopped by SIGTERM between runs")
+            spec = r.mixers[label]
+            row = {**base, "key": key, "point": point, "mixer": label, "mixer_name": spec.mixer,
+                   "lr": lr, "seed": seed, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            head = f"[{i}/{len(todo)}] {_fmt_point(point)} {label:>12} lr={lr:<8g} seed={seed:<4d}"
+            reason = _available(spec, dev)
+            t0 = time.time()
+            ckpt = os.path.join(ckpt_dir, key + ".pt")
+            if reason is not None:
+                row.update(status="unavailable", reason=reason)
+            else:
+                if data_point is not point:
+                    data = {"train": r.task.build("train", r.data_seed) if r.task.train_examples else None,
+                            "val": r.task.build("val", r.data_seed),
+                            "test": {L: r.task.build("test", r.data_seed, L) for L in r.test_lengths()}}
+                    data_point = point
+                try:
+                    row.update(run_one(r, label, lr, seed, data, dev, impl, progress, checkpoint=ckpt))
+                except Stopped as e:
+                    outer.write(f"{head} {e}; not recorded, resumes from {ckpt}")
+                    raise
+                except torch.cuda.OutOfMemoryError as e:
+                    row.update(status="oom", reason=str(e).split(". ")[0][:300])
+                except Exception as e:                    # noqa: BLE001  recorded and shown by the report
+                    row.update(status="error", reason=f"{type(e).__name__}: {e}".splitlines()[0][:300])
+            row["wall_s"] = round(time.time() - t0, 2)
+            _append(out_path, row)
+            if row["status"] in FINAL and os.path.exists(ckpt):
+                os.remove(ckpt)
+            rows.append(row)
+            if row["status"] == "ok":
+                test = row["test"].get(str(r.task.length()), {})
+                outer.write(f"{head} val={row['val']:.4f} test {recipe.metric}="
+                            f"{test.get(recipe.metric, float('nan')):.4f} steps={row['steps_run']} "
+                            f"{row['wall_s']:.0f}s")
+            else:
+                outer.write(f"{head} {row['status']}: {row.get('reason', '')}")
     except Stopped:
         pass
     finally:

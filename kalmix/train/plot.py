@@ -4,9 +4,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kalmix.bench.checks import check_out
+
+
+# the fields ``plot_runs`` reads from each kind of row
+_FIELDS = {"train": ("step", "loss"), "eval": ("step", "val_loss", "loss_by_position")}
+
 
 def read_metrics(run: str | Path) -> list[dict]:
-    """The rows of ``RUN/metrics.jsonl`` (or of the file itself); a clear error if there is none."""
+    """The rows of ``RUN/metrics.jsonl`` (or of the file itself); a clear error if there is none, if a line is not
+    a JSON object or lacks what the plot reads, or if no training or evaluation has been logged yet."""
     path = Path(run)
     path = path / "metrics.jsonl" if path.is_dir() else path
     if not path.is_file():
@@ -15,9 +22,17 @@ def read_metrics(run: str | Path) -> list[dict]:
     for i, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip():
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{i}: not a JSON line ({e})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{i}: not a JSON object")
+            missing = [k for k in _FIELDS.get(row.get("kind"), ()) if k not in row]
+            if missing:
+                raise ValueError(f"{path}:{i}: a {row['kind']} row without {', '.join(missing)}")
+            rows.append(row)
+    if not any(r.get("kind") in _FIELDS for r in rows):
+        raise ValueError(f"{path}: no train or eval rows yet (a run logs them every log.every / eval.every steps)")
     return rows
 
 
@@ -36,12 +51,17 @@ def plot_runs(runs: list[str], out: str, x: str = "step", log_y: bool = False) -
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.backend_bases import FigureCanvasBase
 
     if x not in ("step", "tokens"):
         raise ValueError(f"x must be 'step' or 'tokens', got {x!r}")
+    check_out(out)
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if Path(out).suffix[1:].lower() not in formats:
+        raise ValueError(f"out {out!r}: the file's suffix names its format, one of {', '.join(sorted(formats))}")
+    metrics = [read_metrics(run) for run in runs]        # every run checked before drawing
     fig, (ax, axp) = plt.subplots(1, 2, figsize=(13, 4.8))
-    for i, run in enumerate(runs):
-        rows = read_metrics(run)
+    for i, (run, rows) in enumerate(zip(runs, metrics)):
         color = f"C{i % 10}"
         label = _label(run, rows)
         # a resumed run logs the steps after its checkpoint again: the later row of a step wins
@@ -67,8 +87,9 @@ def plot_runs(runs: list[str], out: str, x: str = "step", log_y: bool = False) -
         a.grid(alpha=0.3)
         if log_y:
             a.set_yscale("log")
-    ax.legend(fontsize=8)
-    axp.legend(fontsize=8)
+    for a in (ax, axp):
+        if a.lines:
+            a.legend(fontsize=8)
     fig.tight_layout()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
