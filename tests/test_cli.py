@@ -102,7 +102,7 @@ CASES = [
     (MQAR + " --vocab-size 8", "the MQAR task: vocab_size must exceed seq_len"),
     (MQAR + " --device cuda", "device 'cuda': "),
     (MQAR + " --device cuda:x", "device 'cuda:x' is not one of"),
-    (MQAR + " --d-model 63", "d_model = 63 must split into 2 heads"),
+    (MQAR + " --d-model 63", "`num_heads` = 2 must divide d_model = 63"),
     (MQAR + " --num-heads 3", "d_model = 64 must split into 3 heads"),
     (MQAR + " --steps 0", "--steps: Input should be greater than or equal to 1 (got '0')"),
     (MQAR + " --batch-size -2", "--batch-size: Input should be greater than or equal to 1 (got '-2')"),

@@ -44,9 +44,12 @@ def head_size(owner: str, width_name: str, width: int, num_heads: int) -> int:
     when ``num_heads`` does not."""
     num_heads = check_int(owner, "num_heads", num_heads)
     if width % num_heads:
-        divisors = [h for h in range(1, width + 1) if width % h == 0]
+        allowed = "a divisor of it"
+        if width <= 1 << 20:                    # list them where that is cheap (a few thousand steps at most)
+            small = [h for h in range(1, math.isqrt(width) + 1) if width % h == 0]
+            allowed = str(sorted(set(small + [width // h for h in small])))
         raise ValueError(f"{owner}: `num_heads` = {num_heads} must divide {width_name} = {width} into equal heads; "
-                         f"allowed: {divisors}")
+                         f"allowed: {allowed}")
     return width // num_heads
 
 
