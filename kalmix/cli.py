@@ -17,7 +17,8 @@ import typing
 import yaml
 from pydantic import ValidationError
 
-from kalmix.bench.checks import check_device, validation_lines
+from kalmix.bench.checks import validation_lines
+from kalmix.ops.common.checks import check_device
 from kalmix.bench.mqar import MIXER_NAMES, MQARBenchConfig, run
 
 _HELP = {

@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerFast
 
 import kalmix.cli as cli
 from kalmix.bench import synthetic
-from kalmix.bench.checks import check_device
+from kalmix.ops.common.checks import check_device
 from kalmix.cli import main
 from kalmix.models import KalmixConfig, KalmixForCausalLM
 from tests.bench.test_synthetic import tiny

@@ -17,7 +17,8 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
-from kalmix.bench.checks import check_device, check_model, check_out
+from kalmix.ops.common.checks import check_device
+from kalmix.bench.checks import check_model, check_out
 from kalmix.layers import MIXERS
 from kalmix.models import KalmixConfig, KalmixForCausalLM
 from kalmix.models.decoding import Decoder

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from tqdm.auto import tqdm
 
-from kalmix.bench.checks import check_device, check_impl, check_model, check_out, validation_lines
+from kalmix.ops.common.checks import check_device
+from kalmix.bench.checks import check_impl, check_model, check_out, validation_lines
 from kalmix.layers import MIXERS
 from kalmix.models import KalmixConfig, KalmixForCausalLM
 from kalmix.tasks import MQARConfig

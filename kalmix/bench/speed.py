@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
 
 from kalmix import ops
-from kalmix.bench.checks import check_builds, check_device, check_out
+from kalmix.bench.checks import check_builds, check_out
 from kalmix.bench.models import Shape, op_bytes, op_flops
-from kalmix.ops.common.checks import triton_module
+from kalmix.ops.common.checks import check_device, triton_module
 from kalmix.ops.common.testing import CASES
 from kalmix.layers import MIXERS
 

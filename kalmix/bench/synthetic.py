@@ -34,7 +34,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
 from tqdm.auto import tqdm
 
-from kalmix.bench.checks import check_device, check_impl, check_model, check_out
+from kalmix.ops.common.checks import check_device
+from kalmix.bench.checks import check_impl, check_model, check_out
 from kalmix.bench.mqar import _git_sha
 from kalmix.layers import ALL_MIXERS, BASELINES
 from kalmix.layers.baselines import _GatedLinearLayer

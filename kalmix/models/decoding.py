@@ -15,6 +15,7 @@ import torch
 
 from kalmix.layers.cache import KalmixCache
 from kalmix.layers.common import check_int, check_real, describe, is_integer
+from kalmix.ops.common.checks import check_device
 
 
 def check_sampling(name: str, max_new_tokens, do_sample, temperature, top_k, top_p=None,
@@ -219,14 +220,6 @@ def _device(name: str, device: str | None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"{name}: device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"{name}: device {device!r} asked for, but this torch build sees no CUDA GPU; use 'cpu'")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ValueError(f"{name}: device {device!r} does not exist; this machine has "
-                         f"{torch.cuda.device_count()} CUDA GPU(s)")
-    return dev
+        return check_device(device)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None

@@ -203,6 +203,28 @@ def resolve_impl(op: str, impl: str | None, device: torch.device, available: Map
     return available[impl]
 
 
+DEVICES = "cpu, cuda or cuda:N"
+
+
+def check_device(name: str) -> torch.device:
+    """``name`` as a ``torch.device``: "cpu", "cuda" or "cuda:N" of a GPU this machine has. Otherwise a ValueError
+    naming the value and what is allowed (a CUDA device where torch sees none says so)."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {name!r} is not one of {DEVICES}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is built without CUDA" if torch.version.cuda is None else "torch sees no CUDA GPU"
+            raise ValueError(f"device {name!r}: {why} (torch {torch.__version__}); use cpu")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"device {name!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    return device
+
+
 def device_refusal(impl: str, device: torch.device) -> str | None:
     """Why ``impl`` cannot run on ``device`` (None when it can): "triton" needs the triton package (and a Triton
     interpreter that runs kalmix's kernels under TRITON_INTERPRET=1), and off CUDA the interpreter."""
