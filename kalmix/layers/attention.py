@@ -54,6 +54,15 @@ def varlen_causal(q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, m
     return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **causal)
 
 
+def rows_causal(q, k, v) -> torch.Tensor:
+    """q [B, T, H, D], k, v [B, S, H, D] (S ≥ T): each row's queries the last T of its S keys, causal, through
+    ``varlen_causal`` -> [B, T, H, D]. Needs ``flash_eligible(q)``."""
+    (B, T, H, D), S = q.shape, k.shape[1]
+    rows = torch.arange(B + 1, device=q.device, dtype=torch.int32)
+    return varlen_causal(q.reshape(B * T, H, D), k.reshape(B * S, H, D), v.reshape(B * S, H, D), rows * T, rows * S,
+                         T, S).reshape(B, T, H, D)
+
+
 class SoftmaxAttention(nn.Module):
     """Multi-head causal softmax attention with rotary position embeddings.
 
@@ -119,11 +128,7 @@ class SoftmaxAttention(nn.Module):
         if past_key_values is not None:
             k, v = past_key_values.context_kv(self.layer_idx, k, v, store=use_cache)
         if attention_mask is None and 0 < start and T > 1 and flash_eligible(q):    # chunked prefill
-            S, H, D = k.shape[1], self.num_heads, self.head_dim
-            rows = torch.arange(B + 1, device=q.device, dtype=torch.int32)
-            o = varlen_causal(q.reshape(B * T, H, D), k.reshape(B * S, H, D), v.reshape(B * S, H, D), rows * T,
-                              rows * S, T, S)
-            return self.o_proj(o.reshape(B, T, self.d_model)), None, past_key_values
+            return self.o_proj(rows_causal(q, k, v).reshape(B, T, self.d_model)), None, past_key_values
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if attention_mask is None and start == 0:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -170,13 +175,12 @@ class SoftmaxAttention(nn.Module):
             q_pos, k_pos = docs.doc_pos, docs.key_pos
         q, k = rotary(q, q_pos, self.rope_theta), rotary(k, k_pos.expand(B, S), self.rope_theta)
         if flash_eligible(q):
-            k, v = k.reshape(B * S, H, D), v.reshape(B * S, H, D)
             if docs is None:
-                rows = torch.arange(B + 1, device=q.device, dtype=torch.int32)
-                o = varlen_causal(q.reshape(B * T, H, D), k, v, rows * T, rows * S, T, S)
+                o = rows_causal(q, k, v)
             else:
-                o = varlen_causal(q.reshape(B * T, H, D), k[docs.keys], v[docs.keys], docs.cu_seqlens, docs.cu_keys,
-                                  docs.max_len, docs.max_keys)
+                k, v = k.reshape(B * S, H, D)[docs.keys], v.reshape(B * S, H, D)[docs.keys]
+                o = varlen_causal(q.reshape(B * T, H, D), k, v, docs.cu_seqlens, docs.cu_keys, docs.max_len,
+                                  docs.max_keys)
             return self.o_proj(o.reshape(B, T, self.d_model))
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(start)
         if docs is not None:                            # [B, 1, T, S]: within each query's document
