@@ -45,6 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from kalmix.bench.models import Shape, lm_flops_per_token, op_flops
 from kalmix.bench.speed import versions, write_csv
+from kalmix.ops.common.checks import check_device
 
 KALMIX_MODELS = ("attention", "gdn", "kaczmarz", "gka", "vla", "kalman")
 MODELS = (*KALMIX_MODELS, "hybrid", "fla_deltanet", "llama")
@@ -281,18 +282,6 @@ def flops_per_token(model: nn.Module, spec: Spec, T: int) -> float:
     return flops
 
 
-def peak_flops(device: torch.device, override_tflops: float | None) -> float | None:
-    """FLOP/s MFU is read against: ``override_tflops``, else the trainer's bf16 dense peak of a known GPU (None on
-    CPU or an unknown GPU)."""
-    from kalmix.train.loop import _PEAK_TFLOPS
-    if override_tflops is not None:
-        return override_tflops * 1e12
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((t * 1e12 for key, t in _PEAK_TFLOPS.items() if key in name), None)
-
-
 def _inputs(spec: Spec, ids: torch.Tensor, cu_seqlens: torch.Tensor | None) -> dict:
     """The model's keyword arguments for tokens ``ids`` [B, T], packed by ``cu_seqlens`` if given."""
     if cu_seqlens is None:
@@ -374,20 +363,18 @@ def run(cfg: LMBenchConfig, progress: bool | None = None) -> list[dict]:
     """Time every (model, T, packing, mode) of ``cfg``; write ``lm.csv`` (after every row) and the plots under
     ``cfg.out``; print the table; return the rows. ``progress``: a tqdm bar (None: on a terminal).
 
-    Raises ValueError before anything is timed: no CUDA for a CUDA run, matplotlib missing for the plots, or
+    Raises ValueError before anything is timed: a device this machine lacks, matplotlib missing for the plots, or
     ``ParamMismatchError``."""
     from tqdm.auto import tqdm
 
-    device = torch.device(cfg.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"bench lm: --device {cfg.device}, but no CUDA device is available; --device cpu runs "
-                         f"(tiny) models on the CPU")
+    device = check_device(cfg.device)
     if cfg.plots and importlib.util.find_spec("matplotlib") is None:
         raise ValueError("bench lm draws its plot with matplotlib, which is not installed: pip install "
                          "'kalmix[plots]' (or matplotlib), or pass --no-plots")
     shape = cfg.shape()
     models, counts = matched_specs(cfg)
     target = counts["llama"]
+    from kalmix.train.loop import peak_flops
     peak = peak_flops(device, cfg.peak_tflops)
     meta = versions()
     modes = ["train", "prefill"] if cfg.prefill else ["train"]

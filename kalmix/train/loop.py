@@ -38,6 +38,19 @@ from kalmix.train.data import (DataConfig, atomic_write, files_fingerprint, is_s
 
 # dense bf16 tensor-core peaks (TFLOP/s) of the GPUs MFU is reported for; others: log.peak_tflops
 _PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+
+
+def peak_flops(device: torch.device, override_tflops: float | None = None) -> float | None:
+    """FLOP/s that MFU is read against: ``override_tflops``, else the bf16 dense peak of a known GPU (None on CPU or
+    an unknown GPU)."""
+    if override_tflops is not None:
+        return override_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((t * 1e12 for key, t in _PEAK_TFLOPS.items() if key in name), None)
+
+
 # CPU runs of models below this many parameters take one thread (see cpu_threads)
 SMALL_MODEL_PARAMS = 20_000_000
 
@@ -436,7 +449,7 @@ class Trainer:
         self.autocast = (torch.autocast(env.device.type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}
                                         [cfg.train.dtype]) if cfg.train.dtype != "fp32" else contextlib.nullcontext())
         self.scaler = torch.amp.GradScaler(env.device.type) if cfg.train.dtype == "fp16" else None
-        self.peak = self._peak_flops()
+        self.peak = peak_flops(env.device, cfg.log.peak_tflops)
         self.step = 0
         self._check_shapes()
         if resume is not None:
@@ -462,11 +475,6 @@ class Trainer:
         fully_shard(model)
         return model
 
-    def _peak_flops(self) -> float | None:
-        if self.cfg.log.peak_tflops is not None:
-            return self.cfg.log.peak_tflops * 1e12
-        if self.env.device.type != "cuda":
-            return None
         name = torch.cuda.get_device_name(self.env.device)
         for key, tflops in _PEAK_TFLOPS.items():
             if key in name:
