@@ -493,18 +493,31 @@ def _num(s: str) -> float:
     return float(s) if s not in ("", None) else math.nan
 
 
-def markdown_table(csv_path: str) -> str:
-    """The markdown table of a ``kalmix bench lm`` CSV: per mode, one line per model, one column per (T, packing);
-    each cell tokens/s (× fla's DeltaNet, × Llama), MFU and peak memory, or the row's status; headed by the run's
-    GPU, commit and versions."""
-    with open(csv_path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    if not rows:
-        raise ValueError(f"bench lm --table: {csv_path} holds no rows")
-    missing = [c for c in _TABLE_COLUMNS if c not in rows[0]]
-    if missing:
-        raise ValueError(f"bench lm --table: {csv_path} is not a `kalmix bench lm` CSV; it lacks the column(s) "
-                         f"{missing}")
+def markdown_table(*csv_paths: str) -> str:
+    """The markdown table of ``kalmix bench lm`` CSVs (one run, or several on the same GPU, commit and tokens per
+    step: their rows are joined and the ratios recomputed across them): per mode, one line per model, one column
+    per (T, packing); each cell tokens/s (× fla's DeltaNet, × Llama), MFU and peak memory, or the row's status;
+    headed by the GPU, commit and versions."""
+    rows = []
+    for csv_path in csv_paths:
+        with open(csv_path, newline="") as f:
+            part = list(csv.DictReader(f))
+        if not part:
+            raise ValueError(f"bench lm --table: {csv_path} holds no rows")
+        missing = [c for c in _TABLE_COLUMNS if c not in part[0]]
+        if missing:
+            raise ValueError(f"bench lm --table: {csv_path} is not a `kalmix bench lm` CSV; it lacks the column(s) "
+                             f"{missing}")
+        for key in ("device_name", "git", "tokens", "torch", "triton", "fla"):
+            if rows and part[0][key] != rows[0][key]:
+                raise ValueError(f"bench lm --table: {csv_path} has {key} {part[0][key]!r} where {csv_paths[0]} has "
+                                 f"{rows[0][key]!r}; one table joins runs of one GPU, commit and setup only")
+        rows += part
+    base = {(r["model"], r["mode"], r["T"], r["packing"]): _num(r["tokens_per_s"]) for r in rows if r["status"] == "ok"}
+    for r in rows:
+        for ref in REFERENCES:
+            b = base.get((ref, r["mode"], r["T"], r["packing"]))
+            r[f"vs_{ref}"] = _num(r["tokens_per_s"]) / b if b and r["status"] == "ok" else math.nan
     r0 = rows[0]
     out = [f"`kalmix bench lm` on {r0['device_name']}, commit {r0['git']} (torch {r0['torch']}, triton "
            f"{r0['triton']}, fla {r0['fla'] or '-'}); {int(r0['tokens']):,} tokens per step, bf16 autocast, fp32 "
@@ -572,15 +585,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             choices = typing.get_args(literal) if typing.get_origin(literal) is Literal else None
             parser.add_argument(flag, nargs="+" if isinstance(default, list) else None, default=default,
                                 choices=choices, help=_HELP[name])
-    parser.add_argument("--table", metavar="CSV", default=None,
-                        help="print the markdown table of a `kalmix bench lm` CSV (e.g. a committed one) and exit")
+    parser.add_argument("--table", metavar="CSV", nargs="+", default=None,
+                        help="print the markdown table of `kalmix bench lm` CSVs (e.g. committed ones; several: runs "
+                             "of one GPU and commit, joined) and exit")
 
 
 def main(args: argparse.Namespace) -> int:
     """``kalmix bench lm``: bad input raises ValueError (the command line's error path: exit 2); 1 if a row failed
     with an error."""
     if args.table:
-        print(markdown_table(args.table))
+        print(markdown_table(*args.table))
         return 0
     values = {k: v for k, v in vars(args).items() if k in LMBenchConfig.model_fields}
     rows = run(LMBenchConfig.model_validate(values))

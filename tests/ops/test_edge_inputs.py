@@ -118,6 +118,22 @@ def test_gka_initial_h_must_be_symmetric_psd(impl):
     assert torch.isfinite(o).all()
 
 
+def test_gka_psd_tolerance_is_the_state_dtypes_precision():
+    """A PSD H rounded to bf16 (a state carried between chunks in bf16) is PSD only to bf16's precision: the check
+    takes it; an H with λ_min = -0.05 ‖H‖_F is refused in bf16 too."""
+    from kalmix.ops.gka.op import PSD_TOL, psd_ranges
+    torch.manual_seed(0)
+    X = torch.randn(2, 3, 64, 8, dtype=torch.float64)
+    Hs = X @ X.mT                                                   # rank 8: 56 zero eigenvalues
+    Hb = Hs.to(torch.bfloat16)
+    low = psd_ranges(Hb, torch.float32)[1]
+    assert low.x.min() < -PSD_TOL                               # rounding alone breaks the fp32 tolerance...
+    assert low.lo <= low.x.min()                               # ...and stays within bf16's
+    bad = (Hs - 0.05 * torch.linalg.matrix_norm(Hs)[..., None, None] * torch.eye(64, dtype=torch.float64))
+    bad_low = psd_ranges(bad.to(torch.bfloat16), torch.float32)[1]
+    assert (bad_low.x < bad_low.lo).all()
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_vla_initial_a_must_be_positive_definite(impl):
     q, k, v, u = acts(torch.float32)

@@ -79,7 +79,7 @@ def dot_acc(a, b, acc, DT: tl.constexpr):
     if DT == tl.float32:        # (the interpreter's 16-bit operands are multiplied in fp32)
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=DOT_FP32)
     elif DT == tl.float64:
-        return tl.dot(a, b, acc)
+        return tl.dot(a, b, acc, out_dtype=tl.float64)
     else:
         return tl.dot(a.to(DT), b.to(DT), acc)
 

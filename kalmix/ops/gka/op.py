@@ -39,7 +39,8 @@ def gated_kalmanet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         scale: readout scale, default K ** -0.5; ridge: λ_t / ‖H_t‖_F (> 0).
         num_iters: Chebyshev iterations; None = exact solve (reference); 0 = plain gated linear attention.
         initial_state: (H [B, H, K, K] symmetric positive semi-definite, U [B, H, K, V]); default zeros.
-            ``check_values`` rejects an H with ‖H − Hᵀ‖_F or −λ_min((H + Hᵀ)/2) above PSD_TOL · ‖H‖_F.
+            ``check_values`` rejects an H with ‖H − Hᵀ‖_F or −λ_min((H + Hᵀ)/2) above max(PSD_TOL, eps of H's
+            dtype) · ‖H‖_F.
         cu_seqlens: [N + 1] offsets of packed sequences (B must be 1).
         impl: "naive" | "torch" | "triton" | None (triton on CUDA, torch otherwise). "triton" takes K <= 128 and
             num_iters >= 0, and differentiates the solve implicitly (the exact solve's gradient, evaluated with
@@ -102,11 +103,14 @@ def gated_kalmanet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
 
 
 def psd_ranges(Hs: torch.Tensor, dt: torch.dtype) -> list[Range]:
-    """Ranges that hold iff H [B, H, K, K] is symmetric and positive semi-definite within PSD_TOL · ‖H‖_F."""
+    """Ranges that hold iff H [B, H, K, K] is symmetric and positive semi-definite within tol · ‖H‖_F, tol =
+    max(PSD_TOL, the machine epsilon of H's dtype): rounding a PSD H to its dtype moves its eigenvalues by up to
+    eps · ‖H‖_F (a bf16 state carried between chunks is PSD to that precision only)."""
+    tol = max(PSD_TOL, torch.finfo(Hs.dtype).eps) if Hs.dtype.is_floating_point else PSD_TOL
     Hs = Hs.detach().to(dt).nan_to_num(0.0, 0.0, 0.0)                 # non-finite H fails its finiteness check
     norm = torch.linalg.matrix_norm(Hs).clamp_min(torch.finfo(dt).tiny)
     asym = torch.linalg.matrix_norm(Hs - Hs.mT) / norm
     low = torch.linalg.eigvalsh(0.5 * (Hs + Hs.mT))[..., 0] / norm
-    return [Range("initial_state[0] (H): ‖H − Hᵀ‖_F / ‖H‖_F (H must be symmetric)", asym, None, PSD_TOL),
+    return [Range("initial_state[0] (H): ‖H − Hᵀ‖_F / ‖H‖_F (H must be symmetric)", asym, None, tol),
             Range("initial_state[0] (H): smallest eigenvalue / ‖H‖_F (H must be positive semi-definite)", low,
-                  -PSD_TOL, None)]
+                  -tol, None)]
