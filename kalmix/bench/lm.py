@@ -495,7 +495,7 @@ def _num(s: str) -> float:
 
 def markdown_table(*csv_paths: str) -> str:
     """The markdown table of ``kalmix bench lm`` CSVs (one run, or several on the same GPU, commit and tokens per
-    step: their rows are joined and the ratios recomputed across them): per mode, one line per model, one column
+    step and versions: their rows are joined, the ratios recomputed across them and every commit named): per mode, one line per model, one column
     per (T, packing); each cell tokens/s (× fla's DeltaNet, × Llama), MFU and peak memory, or the row's status;
     headed by the GPU, commit and versions."""
     rows = []
@@ -508,10 +508,10 @@ def markdown_table(*csv_paths: str) -> str:
         if missing:
             raise ValueError(f"bench lm --table: {csv_path} is not a `kalmix bench lm` CSV; it lacks the column(s) "
                              f"{missing}")
-        for key in ("device_name", "git", "tokens", "torch", "triton", "fla"):
+        for key in ("device_name", "tokens", "torch", "triton", "fla"):
             if rows and part[0][key] != rows[0][key]:
                 raise ValueError(f"bench lm --table: {csv_path} has {key} {part[0][key]!r} where {csv_paths[0]} has "
-                                 f"{rows[0][key]!r}; one table joins runs of one GPU, commit and setup only")
+                                 f"{rows[0][key]!r}; one table joins runs of one GPU kind and setup only")
         rows += part
     base = {(r["model"], r["mode"], r["T"], r["packing"]): _num(r["tokens_per_s"]) for r in rows if r["status"] == "ok"}
     for r in rows:
@@ -519,7 +519,8 @@ def markdown_table(*csv_paths: str) -> str:
             b = base.get((ref, r["mode"], r["T"], r["packing"]))
             r[f"vs_{ref}"] = _num(r["tokens_per_s"]) / b if b and r["status"] == "ok" else math.nan
     r0 = rows[0]
-    out = [f"`kalmix bench lm` on {r0['device_name']}, commit {r0['git']} (torch {r0['torch']}, triton "
+    commits = ", ".join(dict.fromkeys(r["git"] for r in rows))
+    out = [f"`kalmix bench lm` on {r0['device_name']}, commit {commits} (torch {r0['torch']}, triton "
            f"{r0['triton']}, fla {r0['fla'] or '-'}); {int(r0['tokens']):,} tokens per step, bf16 autocast, fp32 "
            f"weights, AdamW (fused on CUDA). Each cell: tokens/s (× fla's DeltaNetForCausalLM, × Llama at the same T "
            f"and packing) · MFU · peak memory."
