@@ -137,7 +137,7 @@ CASES = [
     (DECODE + " --out ''", "the output file is an empty path"),
     # kalmix speed
     ("speed", "device 'cuda': "),
-    (SPEED + " --seq-lens -4", "--seq-lens: Input should be greater than 0 (got -4)"),
+    (SPEED + " --seq-lens -4", "--seq-lens: Input should be greater than 0 (got '-4')"),
     (SPEED + " --tokens 0", "--tokens: Input should be greater than 0"),
     (SPEED + " --rep 0", "--rep: Input should be greater than 0"),
     (SPEED + " --gka-iters -1", "--gka-iters: Input should be greater than or equal to 0"),
@@ -148,7 +148,7 @@ CASES = [
     (SPEED + " --heads 3 --ops layer.attention", "`num_heads` = 3 must divide d_model = 8"),
     (SPEED + " --head-dim 99999999999999999999999 --ops layer.vla", "layer.vla with {{'num_heads': 2, 'head_dim': "
      "99999999999999999999999}} does not build"),
-    (SPEED + " --dtypes fp8", "argument --dtypes: invalid choice: 'fp8'"),
+    (SPEED + " --dtypes fp8", "--dtypes: Input should be 'bf16', 'fp16' or 'fp32' (got 'fp8')"),
     (SPEED.replace("{tmp}/speed", "{good}"), "output folder '{good}' is a file"),
     (SPEED.replace("{tmp}/speed", "''"), "the output folder is an empty path"),
     (SPEED.replace("{tmp}/speed", "{good}/speed"), "output folder '{good}/speed': {good} is a file, not a folder"),
@@ -160,7 +160,7 @@ CASES = [
     (RUN + " --mixers nope", "recipe tiny has no mixer(s) ['nope']; it has ['gdn', 'kla']"),
     (RUN + " --device cuda", "device 'cuda': "),
     (RUN + " --device tpu", "device 'tpu' is not one of cpu, cuda or cuda:N"),
-    (RUN + " --impl fast", "argument --impl: invalid choice: 'fast'"),
+    (RUN + " --impl fast", "--impl: Input should be 'naive', 'torch' or 'triton' (got 'fast')"),
     (RUN + " --set train.steps", "override 'train.steps' is not PATH=VALUE"),
     (RUN + " --set =3", "override '=3' is not PATH=VALUE"),
     (RUN + " --set train.steps=-1", "train.steps: Input should be greater than 0 (got -1)"),

@@ -1,7 +1,7 @@
 """`kalmix bench lm`: training throughput of whole language models side by side, at matched parameter counts.
 
 Each row times one model's training step — forward, backward and a fused AdamW step, under bf16 autocast with fp32
-weights (as ``kalmix train`` runs it: ``build_model``, ``param_groups``) — on B × T tokens, B = tokens // T:
+weights (as ``kalmix train`` runs it: ``build_model``, ``kalmix.train.optim``) — on B × T tokens, B = tokens // T:
 
 * the models: a ``KalmixForCausalLM`` of every kalmix mixer (attention, gdn, kaczmarz, gka, vla, kalman), a hybrid
   (gka with softmax attention in every 4th layer), fla's own ``DeltaNetForCausalLM`` (CUDA only) and transformers'
@@ -320,6 +320,8 @@ def measure(spec: Spec, shape: LMShape, mode: str, B: int, T: int, cu_seqlens: t
             cfg: LMBenchConfig, device: torch.device) -> dict:
     """Build the model, time ``cfg.steps`` steps of ``mode`` ("train" or "prefill") on B × T random tokens (packed
     by ``cu_seqlens`` if given): -> {ms_median, tokens_per_s, flops_per_token, peak_GiB}."""
+    from kalmix.train.config import OptimSection
+    from kalmix.train.optim import Optimization, autocast
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(0)
@@ -327,15 +329,12 @@ def measure(spec: Spec, shape: LMShape, mode: str, B: int, T: int, cu_seqlens: t
         model = build(spec, shape, max(cfg.seq_lens))
     ids = torch.randint(0, shape.vocab_size, (B, T), device=device)
     kw = _inputs(spec, ids, None if cu_seqlens is None else cu_seqlens.to(device))
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
     if mode == "train":
-        from kalmix.train.config import TrainConfig
-        from kalmix.train.loop import param_groups
         model.train()
-        opt = torch.optim.AdamW(param_groups(model, TrainConfig()), fused=device.type == "cuda" or None)
+        opt = Optimization(model, OptimSection(), cfg.warmup + cfg.steps, device, "bf16").optimizer
 
         def step():
-            with autocast:
+            with autocast(device.type, "bf16"):
                 loss = model(**kw, labels=kw["input_ids"]).loss
             loss.backward()
             opt.step()
@@ -345,7 +344,7 @@ def measure(spec: Spec, shape: LMShape, mode: str, B: int, T: int, cu_seqlens: t
 
         @torch.no_grad()
         def step():
-            with autocast:
+            with autocast(device.type, "bf16"):
                 model(**kw, logits_to_keep=1)
     ms = statistics.median(time_steps(step, device, cfg.warmup, cfg.steps))
     return {"ms_median": ms, "tokens_per_s": B * T / ms * 1e3,
