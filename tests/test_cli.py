@@ -325,6 +325,41 @@ def test_dry_run_counts_what_is_left(files, capsys):
     assert f"# 4 runs (1 grid points), 4 not yet in {files['nope']}" in capsys.readouterr().out
 
 
+def _configs():
+    from kalmix.bench.decode import DecodeBenchConfig
+    from kalmix.bench.mqar import MQARBenchConfig
+    from kalmix.bench.speed import SpeedConfig
+    from kalmix.bench.synthetic import RunOptions
+    return [("bench mqar", MQARBenchConfig), ("bench run", RunOptions), ("bench decode", DecodeBenchConfig),
+            ("speed", SpeedConfig)]
+
+
+@pytest.mark.parametrize("command, config", _configs(), ids=[c for c, _ in _configs()])
+def test_flags_come_from_the_configs(command, config, capsys):
+    """One argument per config field, its help the field's description; no argument that is not a field."""
+    with pytest.raises(SystemExit) as e:
+        main([*command.split(), "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    flags = set(re.findall(r"--([a-z][a-z-]*)", text.split("options:")[1])) - {"help", "debug"}
+    expected = set()
+    for name, field in config.model_fields.items():
+        assert field.description, f"{config.__name__}.{name} has no description"
+        assert " ".join(field.description.split()) in text, name
+        if not field.is_required():
+            expected.add(name.replace("_", "-"))
+            expected |= {f"no-{name.replace('_', '-')}"} if field.annotation in (bool, bool | None) else set()
+    assert flags == expected
+
+
+def test_repeated_list_flags_add_up_and_none_is_none(files, capsys):
+    assert main(["bench", "run", files["recipe"], "--dry-run", "--out", files["nope"], "--set", "train.steps=3",
+                 "--set", "train.seeds=[0, 1]", "--impl", "none", "--mixers", "gdn", "--mixers", "kla"]) == 0
+    out = capsys.readouterr().out
+    assert f"# 8 runs (1 grid points), 8 not yet in {files['nope']}" in out
+    assert yaml.safe_load(out)["train"]["steps"] == 3
+
+
 def test_every_command_the_readme_shows_is_installed(capsys):
     """matplotlib (kalmix plot, bench report, speed's plots) is a dependency, not an extra; each `kalmix ...`
     command in a code block of the README and the docs answers --help."""

@@ -89,8 +89,8 @@ class Optimization:
                  sharded: bool = False):
         self.optim, self.steps, self.device_type, self.dtype = optim, steps, device.type, dtype
         fused = device.type == "cuda" and not sharded
-        self.optimizer = torch.optim.AdamW(param_groups(model, optim), lr=optim.lr, betas=(optim.beta1, optim.beta2),
-                                           eps=optim.eps, fused=fused or None)
+        self.optimizer = torch.optim.AdamW(param_groups(model, optim), lr=optim.lr,
+                                           betas=(optim.beta1, optim.beta2), eps=optim.eps, fused=fused or None)
         self.scaler = torch.amp.GradScaler(device.type) if dtype == "fp16" else None
 
     def autocast(self):

@@ -223,6 +223,19 @@ def test_param_groups_exempt_norms_embeddings_and_recurrent_parameters():
     assert all(p.dim() >= 2 for p in groups["decay"]["params"])
     assert "model.embed_tokens.weight" not in decay and groups["no_decay"]["weight_decay"] == 0
     assert sum(len(g["params"]) for g in groups.values()) == len(list(model.parameters()))
+    # optim.decay_embeddings (the synthetic recipes' rule): the embedding joins the decayed matrices
+    groups = {g["name"]: g for g in param_groups(model, load_config(None, {"optim.decay_embeddings": True}).optim)}
+    assert "model.embed_tokens.weight" in {names[id(p)] for p in groups["decay"]["params"]}
+    assert all(p.dim() < 2 for p in groups["no_decay"]["params"])
+
+
+def test_one_adamw_in_the_package():
+    """Every training loop (the trainer, recipe runs, bench mqar) and bench lm's timed step build their optimizer
+    through kalmix.train.optim.Optimization."""
+    root = Path(__file__).parents[2] / "kalmix"
+    found = [f"{path.relative_to(root)}:{n}" for path in sorted(root.rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) if "optim.AdamW(" in line]
+    assert len(found) == 1 and found[0].startswith("train/optim.py:"), found
 
 
 # ---------------------------------------------------------------- a run, its outputs, resume
