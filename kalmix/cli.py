@@ -174,8 +174,7 @@ def _dispatch(args, train_parser) -> int:
     if args.task == "decode":
         return _run_decode(args)
     if args.task == "lm":
-        from kalmix.bench.lm import main as run_lm
-        return run_lm(args)
+        return _run_lm(args)
     if args.task == "run":
         return _run_recipe(args)
     if args.task == "report":
@@ -214,13 +213,24 @@ def _run_decode(args) -> int:
 
 
 def _add_lm_parser(tasks) -> None:
-    from kalmix.bench.lm import add_arguments
-    add_arguments(tasks.add_parser(
+    from kalmix.bench.lm import LMBenchConfig
+    lm = tasks.add_parser(
         "lm", help="training throughput of whole models side by side (every mixer, a hybrid, fla's DeltaNet, "
-        "Llama) at matched parameter counts", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "Llama) at matched parameter counts",
         description="Times each model's training step (forward, backward, fused AdamW; bf16 autocast) at each T "
         "with B x T tokens per step, on plain and packed rows; writes lm.csv and PNG plots to --out and prints a "
-        "table. --table CSV prints the markdown table of a CSV instead.", parents=[_COMMON]))
+        "table. --table CSV prints the markdown table of a CSV instead.", parents=[_COMMON])
+    _add_config_flags(lm, LMBenchConfig)
+    lm.add_argument("--table", metavar="CSV", default=None,
+                    help="print the markdown table of a `kalmix bench lm` CSV (e.g. a committed one) and exit")
+
+
+def _run_lm(args) -> int:
+    from kalmix.bench.lm import LMBenchConfig, main as run_lm, markdown_table
+    if args.table:
+        print(markdown_table(args.table))
+        return 0
+    return run_lm(_config_from_flags(LMBenchConfig, args))
 
 
 def _add_recipe_parsers(tasks) -> None:

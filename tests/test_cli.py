@@ -327,22 +327,25 @@ def test_dry_run_counts_what_is_left(files, capsys):
 
 def _configs():
     from kalmix.bench.decode import DecodeBenchConfig
+    from kalmix.bench.lm import LMBenchConfig
     from kalmix.bench.mqar import MQARBenchConfig
     from kalmix.bench.speed import SpeedConfig
     from kalmix.bench.synthetic import RunOptions
-    return [("bench mqar", MQARBenchConfig), ("bench run", RunOptions), ("bench decode", DecodeBenchConfig),
-            ("speed", SpeedConfig)]
+    return [("bench mqar", MQARBenchConfig, set()), ("bench run", RunOptions, set()),
+            ("bench decode", DecodeBenchConfig, set()), ("bench lm", LMBenchConfig, {"table"}),
+            ("speed", SpeedConfig, set())]
 
 
-@pytest.mark.parametrize("command, config", _configs(), ids=[c for c, _ in _configs()])
-def test_flags_come_from_the_configs(command, config, capsys):
-    """One argument per config field, its help the field's description; no argument that is not a field."""
+@pytest.mark.parametrize("command, config, extra", _configs(), ids=[c[0] for c in _configs()])
+def test_flags_come_from_the_configs(command, config, extra, capsys):
+    """One argument per config field, its help the field's description; no argument that is not a field (but
+    ``extra``)."""
     with pytest.raises(SystemExit) as e:
         main([*command.split(), "--help"])
     assert e.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     flags = set(re.findall(r"--([a-z][a-z-]*)", text.split("options:")[1])) - {"help", "debug"}
-    expected = set()
+    expected = set(extra)
     for name, field in config.model_fields.items():
         assert field.description, f"{config.__name__}.{name} has no description"
         assert " ".join(field.description.split()) in text, name
