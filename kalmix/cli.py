@@ -26,8 +26,8 @@ def _optional(annotation) -> tuple[object, bool]:
     """(the annotation without None, whether it admits None)."""
     args = typing.get_args(annotation)
     if typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args:
-        rest = tuple(a for a in args if a is not type(None))
-        return (rest[0] if len(rest) == 1 else typing.Union[rest]), True
+        rest = [a for a in args if a is not type(None)]
+        return (rest[0] if len(rest) == 1 else annotation), True
     return annotation, False
 
 
@@ -102,6 +102,13 @@ def _flag_name(model: type[BaseModel], loc: tuple) -> str:
     return name if model.model_fields[name].is_required() else "--" + name.replace("_", "-")
 
 
+def _add_mqar_parser(tasks) -> None:
+    from kalmix.bench.mqar import MQARBenchConfig
+    mqar = tasks.add_parser("mqar", help="multi-query associative recall: train each mixer, print a table",
+                            parents=[_COMMON])
+    _add_config_flags(mqar, MQARBenchConfig)
+
+
 def _run_mqar(args) -> int:
     from kalmix.bench.mqar import MQARBenchConfig, run
     run(_config_from_flags(MQARBenchConfig, args))
@@ -127,14 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="train-and-evaluate benchmarks")
     tasks = bench.add_subparsers(dest="task", required=True)
-    from kalmix.bench.decode import DecodeBenchConfig
-    from kalmix.bench.mqar import MQARBenchConfig
-    mqar = tasks.add_parser("mqar", help="multi-query associative recall: train each mixer, print a table",
-                            parents=[_COMMON])
-    _add_config_flags(mqar, MQARBenchConfig)
-    decode = tasks.add_parser("decode", help="ms per generated token of whole models: eager, CUDA-graphed and "
-                              "the kernels' GPU time", parents=[_COMMON])
-    _add_config_flags(decode, DecodeBenchConfig)
+    _add_mqar_parser(tasks)
+    _add_decode_parser(tasks)
     _add_recipe_parsers(tasks)
     _add_lm_parser(tasks)
     _add_speed_parser(sub)
@@ -204,6 +205,13 @@ def _describe(e: Exception) -> tuple[str, int]:
         return str(e), 1
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__}: {first} (run with --debug for the traceback)", 1
+
+
+def _add_decode_parser(tasks) -> None:
+    from kalmix.bench.decode import DecodeBenchConfig
+    decode = tasks.add_parser("decode", help="ms per generated token of whole models: eager, CUDA-graphed and "
+                              "the kernels' GPU time", parents=[_COMMON])
+    _add_config_flags(decode, DecodeBenchConfig)
 
 
 def _run_decode(args) -> int:
