@@ -944,6 +944,7 @@ def run(recipe: Recipe, out_path: str, device: str = "cpu", impl: str | None = N
         outer.close()
         if main_thread and previous is not None:
             signal.signal(signal.SIGTERM, previous)
+        _STOP.clear()                       # the stop was this call's: a later fit (bench mqar) runs to its end
     return rows
 
 

@@ -377,6 +377,7 @@ def test_a_run_cut_by_sigterm_is_not_recorded_and_resumes(tmp_path, monkeypatch)
         return real(*args, **kwargs)
     monkeypatch.setattr(syn, "evaluate", evaluate_then_term)
     assert run(recipe, out, progress=False) == [] and recorded(out) == set()
+    assert not syn._STOP.is_set()                               # the stop ended that call, and only that one
     [folder] = os.listdir(out + ".ckpt")                        # the run's checkpoints: kalmix train's format
     assert ckpt.read_meta(ckpt.checkpoints(os.path.join(out + ".ckpt", folder))[-1])["step"] == 4
     monkeypatch.setattr(syn, "evaluate", real)
