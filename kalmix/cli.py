@@ -12,41 +12,106 @@ import json
 import math
 import os
 import sys
+import types
 import typing
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from kalmix.bench.checks import validation_lines
 from kalmix.ops.common.checks import check_device
-from kalmix.bench.mqar import MIXER_NAMES, MQARBenchConfig, run
-
-_HELP = {
-    "mixers": f"mixers to train, any of {', '.join(MIXER_NAMES)}",
-    "vocab_size": "MQAR vocabulary (keys from [1, V/2), values from [V/2, V))",
-    "seq_len": "sequence length T", "num_kv_pairs": "key-value pairs per sequence",
-    "train_examples": "training sequences (sampled with replacement)", "test_examples": "held-out sequences",
-    "d_model": "model width", "n_layers": "number of mixer blocks", "num_heads": "heads of the matrix-state mixers",
-    "d_state": "Kalman state slots N", "steps": "optimiser steps per mixer", "batch_size": "sequences per step",
-    "lr": "peak AdamW learning rate (cosine schedule)", "weight_decay": "AdamW weight decay on matrices",
-    "warmup": "fraction of steps of linear warm-up", "seed": "seed of data, init and sampling",
-    "device": "cpu, cuda or cuda:N", "impl": "op backend: naive, torch or triton (default: by device)",
-    "threads": "torch CPU threads (default: torch's choice)",
-}
 
 
-def _add_config_flags(parser: argparse.ArgumentParser, model: type) -> None:
+def _optional(annotation) -> tuple[object, bool]:
+    """(the annotation without None, whether it admits None)."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return (rest[0] if len(rest) == 1 else annotation), True
+    return annotation, False
+
+
+def _choices(annotation) -> tuple | None:
+    """The values a Literal (or a list or tuple of Literals) allows; None for other types."""
+    if typing.get_origin(annotation) in (list, tuple):
+        annotation = typing.get_args(annotation)[0]
+    return typing.get_args(annotation) if typing.get_origin(annotation) is typing.Literal else None
+
+
+def _shown(value) -> str:
+    if isinstance(value, (list, tuple)):
+        return " ".join(map(_shown, value))
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _add_config_flags(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
+    """One argument per field of ``model``, its help the field's description, allowed values and default (a
+    default of None, or made by a factory, is for the description to explain): a field without a default is a
+    positional argument, the others ``--field-name`` flags (kebab-case). A list takes one or more values (a
+    repeated flag adds more), a bool is ``--flag`` / ``--no-flag``, an optional field also takes ``none``. Values
+    reach the config as text, unchecked: ``_flag_config`` validates them all at once."""
     for name, field in model.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        default = field.default
-        nargs = "+" if typing.get_origin(field.annotation) is list else None
-        parser.add_argument(flag, nargs=nargs, default=default, help=_HELP[name])
+        annotation, _ = _optional(field.annotation)
+        help_ = field.description or ""
+        choices = _choices(annotation)
+        if choices:
+            help_ += f" (one of: {', '.join(map(str, choices))})"
+        if field.default_factory is None and not field.is_required() and field.default not in (None, [], ()):
+            help_ += f" (default: {_shown(field.default)})"
+        help_ = help_.replace("%", "%%")
+        dest, meta = f"cfg:{name}", name.upper()
+        if field.is_required():
+            parser.add_argument(dest, metavar=name, help=help_)
+        elif annotation is bool:
+            parser.add_argument("--" + name.replace("_", "-"), dest=dest, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=help_)
+        elif typing.get_origin(annotation) in (list, tuple):
+            parser.add_argument("--" + name.replace("_", "-"), dest=dest, nargs="+", action="extend", metavar=meta,
+                                default=argparse.SUPPRESS, help=help_)
+        else:
+            parser.add_argument("--" + name.replace("_", "-"), dest=dest, metavar=meta, default=argparse.SUPPRESS,
+                                help=help_)
+
+
+def _config_from_flags(model: type[BaseModel], args: argparse.Namespace):
+    """``model`` validated from the arguments ``_add_config_flags`` made (those not given keep the field's
+    default; ``none`` is None where a field admits it); an error names each bad flag (a ValueError)."""
+    values = {}
+    for key, value in vars(args).items():
+        if key.startswith("cfg:"):
+            name = key[4:]
+            optional = _optional(model.model_fields[name].annotation)[1]
+            none = optional and isinstance(value, str) and value.lower() in ("none", "null")
+            values[name] = None if none else value
+    return _flag_config(model, values)
+
+
+def _flag_config(model: type[BaseModel], values: dict):
+    """``model`` validated from ``values`` (field name -> value); an error names each bad flag (a ValueError)."""
+    try:
+        return model.model_validate(values)
+    except ValidationError as e:
+        raise ValueError(_joined(validation_lines(e, key=lambda loc: _flag_name(model, loc)))) from None
+
+
+def _flag_name(model: type[BaseModel], loc: tuple) -> str:
+    """The argument that gave the value at ``loc`` of ``model`` (``--field-name``; a positional: its name)."""
+    if not loc:
+        return ""
+    name = str(loc[0])
+    return name if model.model_fields[name].is_required() else "--" + name.replace("_", "-")
+
+
+def _add_mqar_parser(tasks) -> None:
+    from kalmix.bench.mqar import MQARBenchConfig
+    mqar = tasks.add_parser("mqar", help="multi-query associative recall: train each mixer, print a table",
+                            parents=[_COMMON])
+    _add_config_flags(mqar, MQARBenchConfig)
 
 
 def _run_mqar(args) -> int:
-    values = {k: v for k, v in vars(args).items() if k in MQARBenchConfig.model_fields}
-    values = {k: (None if v in ("None", "none") else v) for k, v in values.items()}
-    run(_flag_config(MQARBenchConfig, values), args.out)
+    from kalmix.bench.mqar import MQARBenchConfig, run
+    run(_config_from_flags(MQARBenchConfig, args))
     return 0
 
 
@@ -69,14 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="train-and-evaluate benchmarks")
     tasks = bench.add_subparsers(dest="task", required=True)
-    mqar = tasks.add_parser("mqar", help="multi-query associative recall: train each mixer, print a table",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter, parents=[_COMMON])
-    _add_config_flags(mqar, MQARBenchConfig)
-    mqar.add_argument("--out", default="runs/mqar.jsonl", help="JSONL file the results are appended to")
-    decode = tasks.add_parser("decode", help="ms per generated token of whole models: eager, CUDA-graphed and "
-                              "the kernels' GPU time", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                              parents=[_COMMON])
-    _add_decode_flags(decode)
+    _add_mqar_parser(tasks)
+    _add_decode_parser(tasks)
     _add_recipe_parsers(tasks)
     _add_lm_parser(tasks)
     _add_speed_parser(sub)
@@ -116,8 +175,7 @@ def _dispatch(args, train_parser) -> int:
     if args.task == "decode":
         return _run_decode(args)
     if args.task == "lm":
-        from kalmix.bench.lm import main as run_lm
-        return run_lm(args)
+        return _run_lm(args)
     if args.task == "run":
         return _run_recipe(args)
     if args.task == "report":
@@ -149,95 +207,65 @@ def _describe(e: Exception) -> tuple[str, int]:
     return f"{type(e).__name__}: {first} (run with --debug for the traceback)", 1
 
 
-def _flag_config(model: type, values: dict):
-    """``model`` validated from the values of its flags; an error names each bad flag (a ValueError)."""
-    try:
-        return model.model_validate(values)
-    except ValidationError as e:
-        flag = lambda loc: "--" + str(loc[0]).replace("_", "-") if loc else ""     # noqa: E731
-        raise ValueError(_joined(validation_lines(e, key=flag))) from None
-
-
-_DECODE_HELP = {
-    "mixers": "mixers, one model each (attention is the KV-cache baseline)", "batch_sizes": "batch sizes B",
-    "contexts": "tokens prefilled per sequence before the timed steps", "layers": "blocks per model",
-    "d_model": "model width", "vocab_size": "vocabulary", "num_heads": "heads of every mixer but Kalman (H = 1)",
-    "steps": "decode steps timed", "prefill_chunk": "tokens per prefill call across the batch",
-    "dtype": "weights' dtype: bf16, fp16 or fp32", "device": "torch device: cpu, cuda or cuda:N",
-    "graph": "also time the CUDA graph (default: on CUDA)",
-    "compile": "run the step through torch.compile before timing and capturing it",
-    "out": "CSV file of the rows",
-}
-
-
-def _add_decode_flags(parser) -> None:
+def _add_decode_parser(tasks) -> None:
     from kalmix.bench.decode import DecodeBenchConfig
-    for name, field in DecodeBenchConfig.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        default = field.get_default(call_default_factory=True)
-        if field.annotation in (bool, bool | None):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_DECODE_HELP[name])
-            continue
-        nargs = "+" if typing.get_origin(field.annotation) is list else None
-        parser.add_argument(flag, nargs=nargs, default=default, help=_DECODE_HELP[name])
+    decode = tasks.add_parser("decode", help="ms per generated token of whole models: eager, CUDA-graphed and "
+                              "the kernels' GPU time", parents=[_COMMON])
+    _add_config_flags(decode, DecodeBenchConfig)
 
 
 def _run_decode(args) -> int:
     from kalmix.bench.decode import DecodeBenchConfig, run as run_decode
-    run_decode(_flag_config(DecodeBenchConfig, {k: v for k, v in vars(args).items()
-                                                if k in DecodeBenchConfig.model_fields}))
+    run_decode(_config_from_flags(DecodeBenchConfig, args))
     return 0
 
 
 def _add_lm_parser(tasks) -> None:
-    from kalmix.bench.lm import add_arguments
-    add_arguments(tasks.add_parser(
+    from kalmix.bench.lm import LMBenchConfig
+    lm = tasks.add_parser(
         "lm", help="training throughput of whole models side by side (every mixer, a hybrid, fla's DeltaNet, "
-        "Llama) at matched parameter counts", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "Llama) at matched parameter counts",
         description="Times each model's training step (forward, backward, fused AdamW; bf16 autocast) at each T "
         "with B x T tokens per step, on plain and packed rows; writes lm.csv and PNG plots to --out and prints a "
-        "table. --table CSV prints the markdown table of a CSV instead.", parents=[_COMMON]))
+        "table. --table CSV prints the markdown table of a CSV instead.", parents=[_COMMON])
+    _add_config_flags(lm, LMBenchConfig)
+    lm.add_argument("--table", metavar="CSV", nargs="+", default=None,
+                    help="print the markdown table of `kalmix bench lm` CSVs (e.g. committed ones; several: runs of "
+                         "one GPU kind and setup, joined) and exit")
+
+
+def _run_lm(args) -> int:
+    from kalmix.bench.lm import LMBenchConfig, main as run_lm, markdown_table
+    if args.table:
+        print(markdown_table(*args.table))
+        return 0
+    return run_lm(_config_from_flags(LMBenchConfig, args))
 
 
 def _add_recipe_parsers(tasks) -> None:
+    from kalmix.bench.synthetic import RunOptions
     r = tasks.add_parser("run", help="a paper's synthetic experiment from a recipe (kalmix/bench/recipes/*.yaml): "
                          "train every grid point, mixer, seed and learning rate; append one JSONL row per run; "
-                         "resumable",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter, parents=[_COMMON])
-    r.add_argument("recipe", help="recipe YAML file, or the name of one shipped with kalmix (kalmix/bench/recipes)")
-    r.add_argument("--out", default=None, help="JSONL results file (default: runs/bench/RECIPE.jsonl); runs "
-                   "already in it are skipped")
-    r.add_argument("--device", default="cuda" if _cuda() else "cpu", help="torch device: cpu, cuda or cuda:N")
-    r.add_argument("--impl", default=None, choices=["naive", "torch", "triton"],
-                   help="kalmix ops' backend (default: triton on CUDA, torch otherwise)")
-    r.add_argument("--mixers", nargs="+", default=None, help="only these of the recipe's mixer labels")
-    r.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
-                   help="override a recipe field, VALUE as YAML, e.g. --set train.steps=200 --set "
-                   "'grid.task.params.num_kv_pairs=[4, 8]' (repeatable)")
-    r.add_argument("--dry-run", action="store_true", help="check everything, print the resolved recipe and the "
-                   "number of runs")
+                         "resumable", parents=[_COMMON])
+    _add_config_flags(r, RunOptions)
     rp = tasks.add_parser("report", help="markdown tables and PNG plots from `kalmix bench run` results",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter, parents=[_COMMON])
     rp.add_argument("results", nargs="+", help="JSONL results files")
     rp.add_argument("--out", default="runs/bench/report", help="output folder (README.md and PNGs)")
 
 
-def _cuda() -> bool:
-    import torch
-    return torch.cuda.is_available()
-
-
 def _run_recipe(args) -> int:
-    from kalmix.bench.synthetic import load_recipe, plan, resolve_recipe, run as run_recipe
-    recipe = load_recipe(resolve_recipe(args.recipe), args.overrides)
-    out = os.path.join("runs", "bench", recipe.name + ".jsonl") if args.out is None else args.out
-    if args.dry_run:
-        todo = plan(recipe, out, device=args.device, impl=args.impl, mixers=args.mixers)
+    from kalmix.bench.synthetic import RunOptions, load_recipe, plan, resolve_recipe, run as run_recipe
+    opts = _config_from_flags(RunOptions, args)
+    recipe = load_recipe(resolve_recipe(opts.recipe), opts.set)
+    out = opts.out_path(recipe)
+    if opts.dry_run:
+        todo = plan(recipe, out, device=opts.device, impl=opts.impl, mixers=opts.mixers)
         print(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False), end="")
-        print(f"# {recipe.planned_runs(len(args.mixers) if args.mixers else None)} runs ({len(recipe.points())} grid "
+        print(f"# {recipe.planned_runs(len(opts.mixers) if opts.mixers else None)} runs ({len(recipe.points())} grid "
               f"points), {len(todo)} not yet in {out}")
         return 0
-    run_recipe(recipe, out, device=args.device, impl=args.impl, mixers=args.mixers)
+    run_recipe(recipe, out, device=opts.device, impl=opts.impl, mixers=opts.mixers)
     print(f"results in {out}; `kalmix bench report {out}` renders them")
     return 0
 
@@ -335,52 +363,19 @@ def _run_generate(args) -> int:
 
 
 def _add_speed_parser(sub) -> None:
-    from kalmix.bench.speed import MODES, SpeedConfig
-    d = {name: field.default for name, field in SpeedConfig.model_fields.items()}   # unchecked: cuda may be absent
+    from kalmix.bench.speed import SpeedConfig
     sp = sub.add_parser("speed", help="time every op and layer against fla and SDPA anchors (GPU; CPU for tiny "
-                        "shapes)", formatter_class=argparse.ArgumentDefaultsHelpFormatter, parents=[_COMMON],
+                        "shapes)", parents=[_COMMON],
                         description="Times kalmix ops (every available impl) and layers next to fla's chunk_delta_rule,"
                         " chunk_gated_delta_rule, chunk_simple_gla, chunk_gla and GatedDeltaNet layer (CUDA only) and "
                         "SDPA causal attention, in forward, forward+backward and decode modes, at a fixed token "
                         "budget per call. Writes speed.csv and PNG plots to --out and prints a table.")
-    sp.add_argument("--device", default=d["device"], help="cuda, cuda:N, or cpu for tiny smoke runs")
-    sp.add_argument("--out", default=d["out"], help="output folder for speed.csv and the plots")
-    sp.add_argument("--modes", nargs="+", default=list(d["modes"]), choices=list(MODES),
-                    help="what to time")
-    sp.add_argument("--seq-lens", nargs="+", type=int, default=list(d["seq_lens"]), help="sequence lengths T")
-    sp.add_argument("--tokens", type=int, default=d["tokens"], help="tokens per call: B = tokens // T")
-    sp.add_argument("--dtypes", nargs="+", default=list(d["dtypes"]), choices=["bf16", "fp16", "fp32"],
-                    help="activation dtypes")
-    sp.add_argument("--heads", type=int, default=d["heads"], help="heads of the matrix-state mixers and anchors")
-    sp.add_argument("--head-dim", type=int, default=d["head_dim"], help="K = V of the matrix-state mixers and anchors")
-    sp.add_argument("--d-model", type=int, default=d["d_model"], help="layer width (Kalman op: D = 2 * d-model)")
-    sp.add_argument("--d-state", type=int, default=d["d_state"], help="Kalman state slots N")
-    sp.add_argument("--decode-contexts", nargs="+", type=int, default=list(d["decode_contexts"]),
-                    help="context lengths of the decode comparison (KV cache length of attention)")
-    sp.add_argument("--ops", nargs="*", default=[],
-                    help="only targets whose name contains one of these (layer.kalman, fla, sdpa, ...; decode rows "
-                    "too)")
-    sp.add_argument("--impls", nargs="*", default=[],
-                    help="only these impls (naive, torch, triton, fla, flash, ...); default: all but the naive "
-                    "token loops, which take seconds to minutes per call at 32K tokens; decode rows too "
-                    "(attention: -)")
-    sp.add_argument("--naive-max-len", type=int, default=d["naive_max_len"],
-                    help="skip the token-loop impls above this T (they take seconds per call)")
-    sp.add_argument("--warmup", type=int, default=d["warmup"], help="do_bench warm-up (ms)")
-    sp.add_argument("--rep", type=int, default=d["rep"], help="do_bench repetition time (ms)")
-    sp.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    sp.add_argument("--gka-iters", nargs="+", type=int, default=list(d["gka_iters"]),
-                    help="Chebyshev steps of the gated_kalmanet rows, one row each (named "
-                    "gated_kalmanet[num_iters=N] but for the op's default)")
-    sp.add_argument("--check-values", action="store_true",
-                    help="time the ops with their value checks on (each reads its result back: one host "
-                    "synchronisation per call; the layers, and by default these timings, skip them)")
+    _add_config_flags(sp, SpeedConfig)
 
 
 def _run_speed(args) -> int:
     from kalmix.bench.speed import SpeedConfig, run as run_speed
-    values = {k: v for k, v in vars(args).items() if k in SpeedConfig.model_fields}
-    run_speed(_flag_config(SpeedConfig, {**values, "plots": not args.no_plots}))
+    run_speed(_config_from_flags(SpeedConfig, args))
     return 0
 
 

@@ -137,7 +137,7 @@ CASES = [
     (DECODE + " --out ''", "the output file is an empty path"),
     # kalmix speed
     ("speed", "device 'cuda': "),
-    (SPEED + " --seq-lens -4", "--seq-lens: Input should be greater than 0 (got -4)"),
+    (SPEED + " --seq-lens -4", "--seq-lens: Input should be greater than 0 (got '-4')"),
     (SPEED + " --tokens 0", "--tokens: Input should be greater than 0"),
     (SPEED + " --rep 0", "--rep: Input should be greater than 0"),
     (SPEED + " --gka-iters -1", "--gka-iters: Input should be greater than or equal to 0"),
@@ -148,7 +148,7 @@ CASES = [
     (SPEED + " --heads 3 --ops layer.attention", "`num_heads` = 3 must divide d_model = 8"),
     (SPEED + " --head-dim 99999999999999999999999 --ops layer.vla", "layer.vla with {{'num_heads': 2, 'head_dim': "
      "99999999999999999999999}} does not build"),
-    (SPEED + " --dtypes fp8", "argument --dtypes: invalid choice: 'fp8'"),
+    (SPEED + " --dtypes fp8", "--dtypes: Input should be 'bf16', 'fp16' or 'fp32' (got 'fp8')"),
     (SPEED.replace("{tmp}/speed", "{good}"), "output folder '{good}' is a file"),
     (SPEED.replace("{tmp}/speed", "''"), "the output folder is an empty path"),
     (SPEED.replace("{tmp}/speed", "{good}/speed"), "output folder '{good}/speed': {good} is a file, not a folder"),
@@ -160,7 +160,7 @@ CASES = [
     (RUN + " --mixers nope", "recipe tiny has no mixer(s) ['nope']; it has ['gdn', 'kla']"),
     (RUN + " --device cuda", "device 'cuda': "),
     (RUN + " --device tpu", "device 'tpu' is not one of cpu, cuda or cuda:N"),
-    (RUN + " --impl fast", "argument --impl: invalid choice: 'fast'"),
+    (RUN + " --impl fast", "--impl: Input should be 'naive', 'torch' or 'triton' (got 'fast')"),
     (RUN + " --set train.steps", "override 'train.steps' is not PATH=VALUE"),
     (RUN + " --set =3", "override '=3' is not PATH=VALUE"),
     (RUN + " --set train.steps=-1", "train.steps: Input should be greater than 0 (got -1)"),
@@ -323,6 +323,44 @@ def test_bench_run_reports_progress(tmp_path, capsys):
 def test_dry_run_counts_what_is_left(files, capsys):
     assert main(["bench", "run", files["recipe"], "--dry-run", "--out", files["nope"]]) == 0
     assert f"# 4 runs (1 grid points), 4 not yet in {files['nope']}" in capsys.readouterr().out
+
+
+def _configs():
+    from kalmix.bench.decode import DecodeBenchConfig
+    from kalmix.bench.lm import LMBenchConfig
+    from kalmix.bench.mqar import MQARBenchConfig
+    from kalmix.bench.speed import SpeedConfig
+    from kalmix.bench.synthetic import RunOptions
+    return [("bench mqar", MQARBenchConfig, set()), ("bench run", RunOptions, set()),
+            ("bench decode", DecodeBenchConfig, set()), ("bench lm", LMBenchConfig, {"table"}),
+            ("speed", SpeedConfig, set())]
+
+
+@pytest.mark.parametrize("command, config, extra", _configs(), ids=[c[0] for c in _configs()])
+def test_flags_come_from_the_configs(command, config, extra, capsys):
+    """One argument per config field, its help the field's description; no argument that is not a field (but
+    ``extra``)."""
+    with pytest.raises(SystemExit) as e:
+        main([*command.split(), "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    flags = set(re.findall(r"--([a-z][a-z-]*)", text.split("options:")[1])) - {"help", "debug"}
+    expected = set(extra)
+    for name, field in config.model_fields.items():
+        assert field.description, f"{config.__name__}.{name} has no description"
+        assert " ".join(field.description.split()) in text, name
+        if not field.is_required():
+            expected.add(name.replace("_", "-"))
+            expected |= {f"no-{name.replace('_', '-')}"} if field.annotation in (bool, bool | None) else set()
+    assert flags == expected
+
+
+def test_repeated_list_flags_add_up_and_none_is_none(files, capsys):
+    assert main(["bench", "run", files["recipe"], "--dry-run", "--out", files["nope"], "--set", "train.steps=3",
+                 "--set", "train.seeds=[0, 1]", "--impl", "none", "--mixers", "gdn", "--mixers", "kla"]) == 0
+    out = capsys.readouterr().out
+    assert f"# 8 runs (1 grid points), 8 not yet in {files['nope']}" in out
+    assert yaml.safe_load(out)["train"]["steps"] == 3
 
 
 def test_every_command_the_readme_shows_is_installed(capsys):

@@ -33,20 +33,23 @@ class DecodeBenchConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mixers: list[Literal[tuple(MIXERS)]] = Field(default_factory=lambda: list(MIXERS), min_length=1)
-    batch_sizes: list[PositiveInt] = Field([1, 32], min_length=1)
-    contexts: list[PositiveInt] = Field([1024, 8192, 32768], min_length=1)
-    layers: PositiveInt = 8
-    d_model: PositiveInt = 1024
-    vocab_size: PositiveInt = 32000
-    num_heads: PositiveInt = 8
-    steps: PositiveInt = 50
-    prefill_chunk: PositiveInt = 65536
-    dtype: Literal[tuple(_DTYPES)] = "bf16"
-    device: str = "cuda"
-    graph: bool | None = Field(None, description="also time the CUDA graph; None: on CUDA")
-    compile: bool = False
-    out: str | None = "runs/decode.csv"
+    mixers: list[Literal[tuple(MIXERS)]] = Field(default_factory=lambda: list(MIXERS), min_length=1,
+                                                 description="mixers, one model each (attention is the KV-cache "
+                                                 "baseline; default: every mixer)")
+    batch_sizes: list[PositiveInt] = Field([1, 32], min_length=1, description="batch sizes B")
+    contexts: list[PositiveInt] = Field([1024, 8192, 32768], min_length=1,
+                                        description="tokens prefilled per sequence before the timed steps")
+    layers: PositiveInt = Field(8, description="blocks per model")
+    d_model: PositiveInt = Field(1024, description="model width")
+    vocab_size: PositiveInt = Field(32000, description="vocabulary")
+    num_heads: PositiveInt = Field(8, description="heads of every mixer but Kalman (H = 1)")
+    steps: PositiveInt = Field(50, description="decode steps timed")
+    prefill_chunk: PositiveInt = Field(65536, description="tokens per prefill call across the batch")
+    dtype: Literal[tuple(_DTYPES)] = Field("bf16", description="weights' dtype")
+    device: str = Field("cuda", description="torch device: cpu, cuda or cuda:N")
+    graph: bool | None = Field(None, description="also time the CUDA graph (none: on CUDA)")
+    compile: bool = Field(False, description="run the step through torch.compile before timing and capturing it")
+    out: str | None = Field("runs/decode.csv", description="CSV file of the rows (none: no file)")
 
     @model_validator(mode="after")
     def _check(self):

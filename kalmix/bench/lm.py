@@ -1,7 +1,7 @@
 """`kalmix bench lm`: training throughput of whole language models side by side, at matched parameter counts.
 
 Each row times one model's training step — forward, backward and a fused AdamW step, under bf16 autocast with fp32
-weights (as ``kalmix train`` runs it: ``build_model``, ``param_groups``) — on B × T tokens, B = tokens // T:
+weights (as ``kalmix train`` runs it: ``build_model``, ``kalmix.train.optim``) — on B × T tokens, B = tokens // T:
 
 * the models: a ``KalmixForCausalLM`` of every kalmix mixer (attention, gdn, kaczmarz, gka, vla, kalman), a hybrid
   (gka with softmax attention in every 4th layer), fla's own ``DeltaNetForCausalLM`` (CUDA only) and transformers'
@@ -26,7 +26,6 @@ weights (as ``kalmix train`` runs it: ``build_model``, ``param_groups``) — on 
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import gc
 import importlib.util
@@ -35,13 +34,12 @@ import os
 import statistics
 import sys
 import time
-import typing
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
 import torch.nn as nn
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kalmix.bench.models import Shape, lm_flops_per_token, op_flops
 from kalmix.bench.speed import versions, write_csv
@@ -68,26 +66,39 @@ class LMBenchConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    models: list[str] = Field(default_factory=lambda: list(MODELS), min_length=1)
-    preset: Literal["default", "125m"] = "default"
-    layers: int | None = Field(None, ge=1)
-    d_model: int | None = Field(None, ge=8)
-    vocab_size: int | None = Field(None, ge=2)
-    num_heads: int | None = Field(None, ge=1)
-    attention_heads: int | None = Field(None, ge=1)
-    seq_lens: list[int] = Field([2048, 16384, 65536], min_length=1)
-    tokens: int = Field(65536, ge=1)
-    packing: list[Literal["plain", "packed"]] = Field(["plain", "packed"], min_length=1)
-    doc_median: int = Field(1024, ge=1)
-    prefill: bool = False
-    warmup: int = Field(3, ge=0)
-    steps: int = Field(10, ge=1)
-    tolerance: float = Field(0.05, gt=0, lt=1)
-    size: bool = True
-    device: str = "cuda"
-    peak_tflops: float | None = Field(None, gt=0)
-    out: str = "runs/bench_lm"
-    plots: bool = True
+    models: list[str] = Field(default_factory=lambda: list(MODELS), min_length=1,
+                              description=f"models to time, any of {', '.join(MODELS)} (default: all; hybrid: gka "
+                              f"with attention in every {HYBRID_ATTENTION_EVERY}th layer; fla_deltanet needs CUDA)")
+    preset: Literal["default", "125m"] = Field("default", description="model shape: default (8 blocks, width 1024, "
+                                               "8 heads of 128, vocabulary 32,000) or 125m (12 blocks, width 768, "
+                                               "vocabulary 32,768: `kalmix train gpu-125m`'s)")
+    layers: int | None = Field(None, ge=1, description="blocks (none: the preset's)")
+    d_model: int | None = Field(None, ge=8, description="width (none: the preset's)")
+    vocab_size: int | None = Field(None, ge=2, description="vocabulary (none: the preset's)")
+    num_heads: int | None = Field(None, ge=1, description="heads of the recurrent mixers and fla's DeltaNet (none: "
+                                  "the preset's)")
+    attention_heads: int | None = Field(None, ge=1, description="heads of softmax attention: Llama's, kalmix "
+                                        "attention's (none: the preset's)")
+    seq_lens: list[int] = Field([2048, 16384, 65536], min_length=1, description="row lengths T; each must divide "
+                                "--tokens")
+    tokens: int = Field(65536, ge=1, description="tokens per step: B = tokens // T rows")
+    packing: list[Literal["plain", "packed"]] = Field(["plain", "packed"], min_length=1, description="plain rows "
+                                                      "and/or packed rows (documents end to end, their boundaries "
+                                                      "passed to the model)")
+    doc_median: int = Field(1024, ge=1, description="median document length of the packed rows (log-normal, σ = 1, "
+                            "seed 0)")
+    prefill: bool = Field(False, description="also time the forward alone (no gradients)")
+    warmup: int = Field(3, ge=0, description="untimed steps per row")
+    steps: int = Field(10, ge=1, description="timed steps per row (tokens/s from their median)")
+    tolerance: float = Field(0.05, gt=0, lt=1, description="largest relative difference of a model's parameter "
+                             "count from Llama's")
+    size: bool = Field(True, description="size outliers to Llama's count (Kalman's expand, the SwiGLU width); "
+                       "--no-size: refuse them instead")
+    device: str = Field("cuda", description="torch device (cuda; cpu runs tiny models)")
+    peak_tflops: float | None = Field(None, gt=0, description="peak TFLOP/s for MFU (none: the bf16 dense peak of "
+                                      "a known GPU; none on CPU)")
+    out: str = Field("runs/bench_lm", description="output folder: lm.csv and lm_<mode>.png")
+    plots: bool = Field(True, description="draw the PNG plot")
 
     @model_validator(mode="after")
     def _check(self):
@@ -320,6 +331,8 @@ def measure(spec: Spec, shape: LMShape, mode: str, B: int, T: int, cu_seqlens: t
             cfg: LMBenchConfig, device: torch.device) -> dict:
     """Build the model, time ``cfg.steps`` steps of ``mode`` ("train" or "prefill") on B × T random tokens (packed
     by ``cu_seqlens`` if given): -> {ms_median, tokens_per_s, flops_per_token, peak_GiB}."""
+    from kalmix.train.config import OptimSection
+    from kalmix.train.optim import Optimization, autocast
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(0)
@@ -327,15 +340,12 @@ def measure(spec: Spec, shape: LMShape, mode: str, B: int, T: int, cu_seqlens: t
         model = build(spec, shape, max(cfg.seq_lens))
     ids = torch.randint(0, shape.vocab_size, (B, T), device=device)
     kw = _inputs(spec, ids, None if cu_seqlens is None else cu_seqlens.to(device))
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
     if mode == "train":
-        from kalmix.train.config import TrainConfig
-        from kalmix.train.loop import param_groups
         model.train()
-        opt = torch.optim.AdamW(param_groups(model, TrainConfig()), fused=device.type == "cuda" or None)
+        opt = Optimization(model, OptimSection(), cfg.warmup + cfg.steps, device, "bf16").optimizer
 
         def step():
-            with autocast:
+            with autocast(device.type, "bf16"):
                 loss = model(**kw, labels=kw["input_ids"]).loss
             loss.backward()
             opt.step()
@@ -345,7 +355,7 @@ def measure(spec: Spec, shape: LMShape, mode: str, B: int, T: int, cu_seqlens: t
 
         @torch.no_grad()
         def step():
-            with autocast:
+            with autocast(device.type, "bf16"):
                 model(**kw, logits_to_keep=1)
     ms = statistics.median(time_steps(step, device, cfg.warmup, cfg.steps))
     return {"ms_median": ms, "tokens_per_s": B * T / ms * 1e3,
@@ -552,53 +562,9 @@ def markdown_table(*csv_paths: str) -> str:
     return "\n".join(out)
 
 
-_HELP = {
-    "models": f"models to time, any of {', '.join(MODELS)} (hybrid: gka with attention in every "
-              f"{HYBRID_ATTENTION_EVERY}th layer; fla_deltanet needs CUDA)",
-    "preset": "model shape: default (8 blocks, width 1024, 8 heads of 128, vocabulary 32,000) or 125m (12 blocks, "
-              "width 768, vocabulary 32,768: `kalmix train gpu-125m`'s)",
-    "layers": "blocks (None: the preset's)", "d_model": "width (None: the preset's)",
-    "vocab_size": "vocabulary (None: the preset's)",
-    "num_heads": "heads of the recurrent mixers and fla's DeltaNet (None: the preset's)",
-    "attention_heads": "heads of softmax attention: Llama's, kalmix attention's (None: the preset's)",
-    "seq_lens": "row lengths T; each must divide --tokens", "tokens": "tokens per step: B = tokens // T rows",
-    "packing": "plain rows and/or packed rows (documents end to end, their boundaries passed to the model)",
-    "doc_median": "median document length of the packed rows (log-normal, σ = 1, seed 0)",
-    "prefill": "also time the forward alone (no gradients)",
-    "warmup": "untimed steps per row", "steps": "timed steps per row (tokens/s from their median)",
-    "tolerance": "largest relative difference of a model's parameter count from Llama's",
-    "size": "size outliers to Llama's count (Kalman's expand, the SwiGLU width); --no-size: refuse them instead",
-    "device": "torch device (cuda; cpu runs tiny models)",
-    "peak_tflops": "peak TFLOP/s for MFU (None: the bf16 dense peak of a known GPU; none on CPU)",
-    "out": "output folder: lm.csv and lm_<mode>.png", "plots": "draw the PNG plot",
-}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``kalmix bench lm``: one per ``LMBenchConfig`` field, plus ``--table``."""
-    for name, f in LMBenchConfig.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        default = f.get_default(call_default_factory=True)
-        if f.annotation is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP[name])
-        else:
-            literal = typing.get_args(f.annotation)[0] if isinstance(default, list) else f.annotation
-            choices = typing.get_args(literal) if typing.get_origin(literal) is Literal else None
-            parser.add_argument(flag, nargs="+" if isinstance(default, list) else None, default=default,
-                                choices=choices, help=_HELP[name])
-    parser.add_argument("--table", metavar="CSV", nargs="+", default=None,
-                        help="print the markdown table of `kalmix bench lm` CSVs (e.g. committed ones; several: runs "
-                             "of one GPU and commit, joined) and exit")
-
-
-def main(args: argparse.Namespace) -> int:
-    """``kalmix bench lm``: bad input raises ValueError (the command line's error path: exit 2); 1 if a row failed
-    with an error."""
-    if args.table:
-        print(markdown_table(*args.table))
-        return 0
-    values = {k: v for k, v in vars(args).items() if k in LMBenchConfig.model_fields}
-    rows = run(LMBenchConfig.model_validate(values))
+def main(cfg: LMBenchConfig) -> int:
+    """``kalmix bench lm``: 1 if a row failed with an error, else 0."""
+    rows = run(cfg)
     failed = [r for r in rows if r["status"].startswith("error")]
     if failed:
         print(f"bench lm: {len(failed)} row(s) failed; their status in the table says why", file=sys.stderr)

@@ -1,20 +1,18 @@
-"""`kalmix bench mqar`: train small 2-layer models of each mixer on MQAR and compare their recall."""
+"""`kalmix bench mqar`: train small 2-layer models of each mixer on MQAR and compare their recall. Each model trains
+through the recipes' loop (``kalmix.bench.synthetic.fit``, hence ``kalmix train``'s optimisation)."""
 from __future__ import annotations
 
 import json
-import math
 import os
-import subprocess
 import time
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from tqdm.auto import tqdm
 
 from kalmix.ops.common.checks import check_device
 from kalmix.bench.checks import check_impl, check_model, check_out, validation_lines
+from kalmix.bench.synthetic import Batches, TrainSpec, evaluate, fit, git_sha
 from kalmix.layers import MIXERS
 from kalmix.models import KalmixConfig, KalmixForCausalLM
 from kalmix.tasks import MQARConfig
@@ -26,29 +24,32 @@ DEFAULT_MIXERS = ["attention", "gdn", "kaczmarz", "gka", "vla", "kalman"]
 
 class MQARBenchConfig(BaseModel):
     """One run of the benchmark; every field is a CLI flag (kebab-case). Construction checks everything before any
-    work: the device, the backend on it, the task size and that every mixer's model builds."""
+    work: the device, the backend on it, the task size, that every mixer's model builds and the output file."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    mixers: list[Literal[MIXER_NAMES]] = Field(DEFAULT_MIXERS, min_length=1)
-    vocab_size: int = Field(64, ge=1)
-    seq_len: int = Field(32, ge=1)
-    num_kv_pairs: int = Field(4, ge=1)
-    train_examples: int = Field(20_000, ge=1)
-    test_examples: int = Field(1_000, ge=1)
-    d_model: int = Field(64, ge=1)
-    n_layers: int = Field(2, ge=1)
-    num_heads: int = Field(2, ge=1)
-    d_state: int = Field(16, ge=1)
-    steps: int = Field(500, ge=1)
-    batch_size: int = Field(64, ge=1)
-    lr: float = Field(3e-3, gt=0)
-    weight_decay: float = Field(0.1, ge=0)
-    warmup: float = Field(0.1, ge=0, lt=1)
-    seed: int = Field(0, ge=0, lt=2 ** 63)
-    device: str = "cpu"
-    impl: Literal["naive", "torch", "triton"] | None = None
-    threads: int | None = Field(None, ge=1)
+    mixers: list[Literal[MIXER_NAMES]] = Field(DEFAULT_MIXERS, min_length=1, description="mixers to train")
+    vocab_size: int = Field(64, ge=1, description="MQAR vocabulary (keys from [1, V/2), values from [V/2, V))")
+    seq_len: int = Field(32, ge=1, description="sequence length T")
+    num_kv_pairs: int = Field(4, ge=1, description="key-value pairs per sequence")
+    train_examples: int = Field(20_000, ge=1, description="training sequences (sampled with replacement)")
+    test_examples: int = Field(1_000, ge=1, description="held-out sequences, scored after the last step")
+    d_model: int = Field(64, ge=1, description="model width")
+    n_layers: int = Field(2, ge=1, description="number of mixer blocks")
+    num_heads: int = Field(2, ge=1, description="heads of the matrix-state mixers")
+    d_state: int = Field(16, ge=1, description="Kalman state slots N")
+    steps: int = Field(500, ge=1, description="optimiser steps per mixer")
+    batch_size: int = Field(64, ge=1, description="sequences per step")
+    lr: float = Field(3e-3, gt=0, description="peak AdamW learning rate (cosine schedule to zero)")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay of the matrices, embeddings included")
+    warmup: float = Field(0.1, ge=0, lt=1, description="fraction of steps of linear warm-up")
+    seed: int = Field(0, ge=0, lt=2 ** 63, description="seed of data, init and sampling")
+    device: str = Field("cpu", description="cpu, cuda or cuda:N")
+    impl: Literal["naive", "torch", "triton"] | None = Field(None, description="op backend (none: triton on CUDA, "
+                                                                               "torch otherwise)")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (none: torch's choice)")
+    out: str | None = Field("runs/mqar.jsonl", description="JSONL file the results are appended to (none: only "
+                                                           "the table)")
 
     @model_validator(mode="after")
     def _check(self):
@@ -61,7 +62,15 @@ class MQARBenchConfig(BaseModel):
         for mixer in self.mixers:
             check_model(lambda: self.lm_config(mixer), f"the {mixer} model of width {self.d_model}, {self.n_layers} "
                         f"layers and vocabulary {self.vocab_size}")
+        if self.out is not None:
+            check_out(self.out)
         return self
+
+    def train_spec(self) -> TrainSpec:
+        """The recipes' protocol of every run: AdamW (0.9, 0.98) with warm-up then cosine to zero, clipping 1.0,
+        fp32, batches drawn with replacement, one evaluation (the test set's) after the last step."""
+        return TrainSpec(steps=self.steps, batch_size=self.batch_size, lrs=[self.lr], seeds=[self.seed],
+                         weight_decay=self.weight_decay, warmup=self.warmup, eval_every=self.steps)
 
     def lm_config(self, mixer: str) -> KalmixConfig:
         """``n_layers`` blocks of ``mixer`` without MLPs (Zoology's MQAR models), untied embeddings."""
@@ -75,85 +84,26 @@ class MQARBenchConfig(BaseModel):
         return dict(num_heads=self.num_heads)
 
 
-def accuracy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per example: mean accuracy over its labelled positions ([N] floats)."""
-    scored = labels != -100
-    hit = (logits.argmax(-1) == labels) & scored
-    return hit.sum(1).float() / scored.sum(1).clamp_min(1).float()
-
-
-def lr_at(step: int, cfg: MQARBenchConfig) -> float:
-    warm = max(1, int(cfg.warmup * cfg.steps))
-    if step < warm:
-        return cfg.lr * (step + 1) / warm
-    frac = (step - warm) / max(1, cfg.steps - warm)
-    return cfg.lr * 0.5 * (1 + math.cos(math.pi * frac))
-
-
-@torch.no_grad()
-def evaluate(model, inputs, labels, batch_size, device) -> float:
-    model.eval()
-    accs = []
-    for i in range(0, len(inputs), batch_size):
-        logits = model(inputs[i:i + batch_size].to(device)).logits
-        accs.append(accuracy(logits.float(), labels[i:i + batch_size].to(device)).cpu())
-    model.train()
-    return torch.cat(accs).mean().item()
-
-
-def train_one(mixer: str, cfg: MQARBenchConfig, data, position: int = 0) -> dict:
+def train_one(mixer: str, cfg: MQARBenchConfig, data) -> dict:
+    """Train ``mixer``'s model on data[0] (inputs, labels) and score it on data[1]: -> the result row."""
     (x_tr, y_tr), (x_te, y_te) = data
     device = torch.device(cfg.device)
     torch.manual_seed(cfg.seed)
     model = KalmixForCausalLM(cfg.lm_config(mixer)).to(device)
-    decay, no_decay = [], []
-    for p in model.parameters():
-        (no_decay if p.dim() < 2 or getattr(p, "_no_weight_decay", False) else decay).append(p)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98))
-    gen = torch.Generator().manual_seed(cfg.seed)
-    train_time, tokens = 0.0, 0
-    bar = tqdm(range(cfg.steps), desc=f"{mixer:>9}", position=position, leave=True, dynamic_ncols=True)
-    for step in bar:
-        idx = torch.randint(len(x_tr), (cfg.batch_size,), generator=gen)
-        x, y = x_tr[idx].to(device), y_tr[idx].to(device)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        t0 = time.perf_counter()
-        logits = model(x).logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        train_time += time.perf_counter() - t0
-        tokens += x.numel()
-        if step % 10 == 0 or step == cfg.steps - 1:
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-    bar.close()
-    acc = evaluate(model, x_te, y_te, 256, device)
+    train = cfg.train_spec()
+    result = fit(model, train, cfg.lr, Batches(train, cfg.seed, (x_tr, y_tr)),
+                 lambda: evaluate(model, x_te, y_te, device, train.precision)["accuracy"], device, train.precision,
+                 desc=f"{mixer:>9}")
     layer = model.model.layers[0].mixer
     state = layer.state_size(cfg.seq_len) if mixer == "attention" else layer.state_size()
-    return {"mixer": mixer, "params": sum(p.numel() for p in model.parameters()), "state_size": state,
-            "accuracy": acc, "train_tokens_per_s": tokens / train_time, "train_time_s": train_time,
-            "final_loss": loss.item()}
+    return {"mixer": mixer, "status": result["status"], "params": sum(p.numel() for p in model.parameters()),
+            "state_size": state, "accuracy": result["val"], "train_tokens_per_s": result["train_tokens_per_s"],
+            "train_time_s": result["train_s"], "final_loss": result["final_loss"]}
 
 
-def _git_sha() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=os.path.dirname(__file__), timeout=5)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def run(cfg: MQARBenchConfig, out_path: str | None) -> list[dict]:
-    """Train every mixer of ``cfg``, print a table, append one JSONL row per mixer to ``out_path``."""
-    if out_path is not None:
-        check_out(out_path)
+def run(cfg: MQARBenchConfig) -> list[dict]:
+    """Train every mixer of ``cfg``, print a table, append one JSONL row per mixer to ``cfg.out``."""
+    out_path = cfg.out
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     task = dict(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, num_kv_pairs=cfg.num_kv_pairs)
@@ -165,8 +115,8 @@ def run(cfg: MQARBenchConfig, out_path: str | None) -> list[dict]:
         t0 = time.time()
         row = train_one(mixer, cfg, (train, test))
         row["wall_time_s"] = time.time() - t0
-        row.update({f"config.{k}": v for k, v in cfg.model_dump().items() if k != "mixers"})
-        row.update({"torch": torch.__version__, "git": _git_sha(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        row.update({f"config.{k}": v for k, v in cfg.model_dump().items() if k not in ("mixers", "out")})
+        row.update({"torch": torch.__version__, "git": git_sha(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
         rows.append(row)
         if out_path is not None:
             os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
@@ -183,7 +133,8 @@ def format_table(rows: list[dict], cfg: MQARBenchConfig) -> str:
     cols = f"{'mixer':<10} {'params':>8} {'state':>8} {'accuracy':>9} {'train tok/s':>12} {'wall s':>7}"
     lines = [head, cols, "-" * len(cols)]
     for r in rows:
-        lines.append(f"{r['mixer']:<10} {r['params']:>8d} {r['state_size']:>8d} {100 * r['accuracy']:>8.2f}% "
+        acc = f"{100 * r['accuracy']:>8.2f}%" if r["accuracy"] is not None else f"{r['status']:>9}"
+        lines.append(f"{r['mixer']:<10} {r['params']:>8d} {r['state_size']:>8d} {acc} "
                      f"{r['train_tokens_per_s']:>12.0f} {r['wall_time_s']:>7.1f}")
     lines.append("state: recurrent-state elements per sequence per layer, short-conv buffers not counted "
                  "(attention: its KV cache at T)")

@@ -278,25 +278,36 @@ class SpeedConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    device: str = "cuda"
-    out: str = "runs/speed"
-    modes: tuple[Literal[MODES], ...] = Field(MODES, min_length=1)
-    seq_lens: tuple[PositiveInt, ...] = Field((1024, 2048, 4096, 8192, 16384, 32768, 65536), min_length=1)
-    tokens: PositiveInt = 32768
-    dtypes: tuple[Literal[tuple(DTYPES)], ...] = Field(("bf16",), min_length=1)
-    heads: PositiveInt = 8
-    head_dim: PositiveInt = 128
-    d_model: PositiveInt = 1024
-    d_state: PositiveInt = 16
-    decode_contexts: tuple[PositiveInt, ...] = Field((1024, 4096, 16384, 65536), min_length=1)
-    ops: tuple[str, ...] = ()
-    impls: tuple[Literal[IMPLS], ...] = ()
-    naive_max_len: NonNegativeInt = 2048
-    warmup: NonNegativeInt = 25
-    rep: PositiveInt = 100
-    plots: bool = True
-    check_values: bool = False
-    gka_iters: tuple[NonNegativeInt, ...] = Field((GKA_ITERS,), min_length=1)
+    device: str = Field("cuda", description="cuda, cuda:N, or cpu for tiny smoke runs")
+    out: str = Field("runs/speed", description="output folder for speed.csv and the plots")
+    modes: tuple[Literal[MODES], ...] = Field(MODES, min_length=1, description="what to time")
+    seq_lens: tuple[PositiveInt, ...] = Field((1024, 2048, 4096, 8192, 16384, 32768, 65536), min_length=1,
+                                              description="sequence lengths T")
+    tokens: PositiveInt = Field(32768, description="tokens per call: B = tokens // T")
+    dtypes: tuple[Literal[tuple(DTYPES)], ...] = Field(("bf16",), min_length=1, description="activation dtypes")
+    heads: PositiveInt = Field(8, description="heads of the matrix-state mixers and anchors")
+    head_dim: PositiveInt = Field(128, description="K = V of the matrix-state mixers and anchors")
+    d_model: PositiveInt = Field(1024, description="layer width (Kalman op: D = 2 * d-model)")
+    d_state: PositiveInt = Field(16, description="Kalman state slots N")
+    decode_contexts: tuple[PositiveInt, ...] = Field((1024, 4096, 16384, 65536), min_length=1,
+                                                     description="context lengths of the decode comparison (KV "
+                                                     "cache length of attention)")
+    ops: tuple[str, ...] = Field((), description="only targets whose name contains one of these (layer.kalman, "
+                                 "fla, sdpa, ...; decode rows too); default: all")
+    impls: tuple[Literal[IMPLS], ...] = Field((), description="only these impls; default: all but the naive token "
+                                              "loops, which take seconds to minutes per call at 32K tokens; decode "
+                                              "rows too (attention: -)")
+    naive_max_len: NonNegativeInt = Field(2048, description="skip the token-loop impls above this T (they take "
+                                          "seconds per call)")
+    warmup: NonNegativeInt = Field(25, description="do_bench warm-up (ms)")
+    rep: PositiveInt = Field(100, description="do_bench repetition time (ms)")
+    plots: bool = Field(True, description="draw the PNG plots")
+    check_values: bool = Field(False, description="time the ops with their value checks on (each reads its result "
+                               "back: one host synchronisation per call; the layers, and by default these timings, "
+                               "skip them)")
+    gka_iters: tuple[NonNegativeInt, ...] = Field((GKA_ITERS,), min_length=1, description="Chebyshev steps of the "
+                                                  "gated_kalmanet rows, one row each (named "
+                                                  "gated_kalmanet[num_iters=N] but for the op's default)")
 
     @model_validator(mode="after")
     def _check(self):

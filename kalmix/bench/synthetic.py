@@ -22,21 +22,23 @@ import itertools
 import json
 import math
 import os
+import shutil
 import signal
+import subprocess
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, computed_field, field_validator, model_validator
 from tqdm.auto import tqdm
 
 from kalmix.ops.common.checks import check_device
 from kalmix.bench.checks import check_impl, check_model, check_out
-from kalmix.bench.mqar import _git_sha
 from kalmix.layers import ALL_MIXERS, BASELINES
 from kalmix.layers.baselines import _GatedLinearLayer
 from kalmix.models import KalmixConfig, KalmixForCausalLM
@@ -46,6 +48,9 @@ from kalmix.tasks import (CapacityMQARConfig, CompressionConfig, FuzzyRecallConf
                           PalindromeConfig, SelectiveCopyingConfig, StackConfig, WordProblemConfig,
                           macro_micro_accuracy)
 from kalmix.tasks.mad import sinusoidal_positions
+from kalmix.train import checkpoint as ckpt
+from kalmix.train.config import OptimSection
+from kalmix.train.optim import Optimization, autocast, evaluating
 
 # task kind -> (config class, the field that sets its length, whether it is a MAD task with train/test splits)
 TASKS: dict[str, tuple[type[BaseModel], str, bool]] = {
@@ -155,15 +160,18 @@ class MixerSpec(BaseModel):
 
 
 class TrainSpec(BaseModel):
-    """AdamW on the task's cross-entropy; warm-up then cosine (or constant); the best of ``lrs`` by validation."""
+    """AdamW on the task's cross-entropy; warm-up then cosine to zero (or constant); the best of ``lrs`` by
+    validation. A run trains through ``kalmix train``'s optimisation with ``optim(lr)`` (see ``fit``)."""
 
     model_config = ConfigDict(extra="forbid")
 
     steps: int = Field(gt=0)
     batch_size: int = Field(64, gt=0)
-    lrs: list[float] = Field(min_length=1)
+    lrs: list[PositiveFloat] = Field(min_length=1)
     seeds: list[int] = Field([0], min_length=1)
     weight_decay: float = Field(0.1, ge=0)
+    decay_embeddings: bool = Field(True, description="weight decay on the token embeddings too, as the papers' "
+                                   "released code decays every matrix (false: exempt, as ``kalmix train``'s default)")
     betas: tuple[float, float] = Field((0.9, 0.98), description="AdamW's (beta1, beta2)")
     warmup: float = Field(0.1, ge=0, lt=1, description="fraction of steps of linear warm-up")
     schedule: Literal["cosine", "constant"] = "cosine"
@@ -182,6 +190,13 @@ class TrainSpec(BaseModel):
         if not all(0 <= b < 1 for b in v):
             raise ValueError(f"betas must both be in [0, 1), got {v}")
         return v
+
+    def optim(self, lr: float) -> OptimSection:
+        """``kalmix train``'s optimizer section of a run at peak learning rate ``lr``: warm-up over the first
+        ``warmup`` fraction of the steps, then ``schedule`` (cosine down to zero at the last step)."""
+        return OptimSection(lr=lr, min_lr_ratio=0.0, schedule=self.schedule, warmup_steps=int(self.warmup * self.steps),
+                            weight_decay=self.weight_decay, decay_embeddings=self.decay_embeddings,
+                            beta1=self.betas[0], beta2=self.betas[1], grad_clip=self.grad_clip)
 
 
 class ReportSpec(BaseModel):
@@ -408,6 +423,31 @@ def _set(data: dict, path: str, value) -> None:
 RECIPES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
 
 
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class RunOptions(BaseModel):
+    """How ``kalmix bench run`` runs a recipe (every field a flag of the command; ``recipe`` its argument)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    recipe: str = Field(description="recipe YAML file, or the name of one shipped with kalmix (kalmix/bench/recipes)")
+    out: str | None = Field(None, description="JSONL results file (none: runs/bench/RECIPE.jsonl); runs already in "
+                            "it are skipped")
+    device: str = Field(default_factory=_default_device, description="torch device: cpu, cuda or cuda:N (default: "
+                        "cuda if available)")
+    impl: Literal["naive", "torch", "triton"] | None = Field(None, description="kalmix ops' backend (none: triton "
+                                                                               "on CUDA, torch otherwise)")
+    mixers: list[str] | None = Field(None, description="only these of the recipe's mixer labels (none: all)")
+    set: list[str] = Field([], description="PATH=VALUE overrides of recipe fields, VALUE as YAML, e.g. --set "
+                           "train.steps=200 --set 'grid.task.params.num_kv_pairs=[4, 8]'")
+    dry_run: bool = Field(False, description="check everything, print the resolved recipe and the number of runs")
+
+    def out_path(self, recipe: Recipe) -> str:
+        return os.path.join("runs", "bench", recipe.name + ".jsonl") if self.out is None else self.out
+
+
 def recipe_names() -> list[str]:
     """The names of the recipes shipped with kalmix."""
     return sorted(f[:-5] for f in os.listdir(RECIPES_DIR) if f.endswith(".yaml"))
@@ -524,31 +564,14 @@ def scores(pred: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
             "sequence_accuracy": (hit.sum(1) == scored.sum(1)).double().mean().item(), "macro_accuracy": macro}
 
 
-@torch.no_grad()
 def evaluate(model: nn.Module, inputs, labels, device, precision: str, tokens: int = 2 ** 17) -> dict[str, float]:
     """``scores`` of the model's arg-max predictions on inputs [N, T], in batches of about ``tokens`` tokens."""
     batch_size = max(1, tokens // inputs.shape[1])
-    was_training = model.training
-    model.eval()
     preds = []
-    for i in range(0, len(inputs), batch_size):
-        with _autocast(device, precision):
+    with evaluating(model), autocast(device.type, precision):
+        for i in range(0, len(inputs), batch_size):
             preds.append(logits_of(model, inputs[i:i + batch_size].to(device)).argmax(-1).cpu())
-    model.train(was_training)
     return scores(torch.cat(preds), labels)
-
-
-def _autocast(device: torch.device, precision: str):
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
-
-
-def _lr(step: int, train: TrainSpec, lr: float) -> float:
-    warm = int(train.warmup * train.steps)
-    if step < warm:
-        return lr * (step + 1) / warm
-    if train.schedule == "constant":
-        return lr
-    return lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, train.steps - warm)))
 
 
 def what_ran(model: nn.Module, device: torch.device) -> str:
@@ -590,87 +613,96 @@ def epoch_batch(n_train: int, batch_size: int, seed: int, step: int) -> torch.Te
     return perm[i * batch_size:(i + 1) * batch_size]
 
 
-def _save_checkpoint(path: str, state: dict) -> None:
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)                           # never a half-written checkpoint
+class Batches:
+    """A run's training batches, inputs and labels [batch_size, T], by step: drawn from the fixed training set
+    ``fixed`` with replacement (one stream of draws seeded by ``seed``) or in epochs (``epoch_batch``), as
+    ``train.sampling`` says; or, when ``fixed`` is None, fresh draws of ``task`` (``TaskSpec.fresh_batch``).
+    ``state_dict`` / ``load_state_dict``: the position of the stream of draws, for checkpoints."""
+
+    def __init__(self, train: TrainSpec, seed: int, fixed: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 task: TaskSpec | None = None):
+        if fixed is None and task is None:
+            raise ValueError("Batches needs a fixed training set or a task to draw fresh batches of")
+        self.train, self.seed, self.fixed, self.task = train, seed, fixed, task
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.train.batch_size
+        if self.fixed is None:
+            return self.task.fresh_batch(n, self.seed, step)
+        x, y = self.fixed
+        idx = (torch.randint(len(x), (n,), generator=self.gen) if self.train.sampling == "replacement"
+               else epoch_batch(len(x), n, self.seed, step))
+        return x[idx], y[idx]
+
+    def state_dict(self) -> dict:
+        return {"gen": self.gen.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.gen.set_state(state["gen"])
 
 
-def run_one(recipe: Recipe, label: str, lr: float, seed: int, data: dict, device: torch.device,
-            impl: str | None = None, progress: bool = True, checkpoint: str | None = None) -> dict:
-    """Train one (mixer, lr, seed) at one grid point (``recipe`` already at it) and score it. ``data``:
-    ``{"train": (x, y) or None, "val": (x, y), "test": {length: (x, y)}}``. Returns the result row.
+def fit(model: nn.Module, train: TrainSpec, lr: float, batches: Batches, validate: Callable[[], float],
+        device: torch.device, precision: str, checkpoint: str | None = None, desc: str = "",
+        progress: bool = True) -> dict:
+    """Train ``model`` by ``train``'s protocol at peak learning rate ``lr`` on ``batches`` (the mean cross-entropy
+    of logits[:, t] against labels[:, t]) through ``kalmix train``'s optimisation (``kalmix.train.optim``: its
+    parameter groups, schedule, autocast, clipping and update, configured by ``train.optim(lr)``).
 
-    ``checkpoint``: a file that holds the run's progress (weights, optimizer, best weights, history, random
-    states), written at every evaluation and when SIGTERM arrives (then ``Stopped`` is raised), and read at the
-    start: a run cut short continues where it stopped, on the same batches."""
-    spec, train = recipe.mixers[label], recipe.train
-    precision = spec.precision or train.precision
-    torch.manual_seed(seed)
-    model = build_model(recipe, spec, impl).to(device)
-    decay = [p for p in model.parameters() if p.dim() >= 2 and not getattr(p, "_no_weight_decay", False)]
-    rest = [p for p in model.parameters() if p.dim() < 2 or getattr(p, "_no_weight_decay", False)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": train.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=lr, betas=train.betas)
-    x_va, y_va = data["val"]
-    gen = torch.Generator().manual_seed(seed)                     # sampling "replacement": one stream of draws
-    st = {"step": 0, "best": -1.0, "best_step": 0, "best_state": None, "bad_evals": 0, "history": [], "tokens": 0,
+    ``validate()``, the validation metric (higher is better), runs every ``train.eval_every`` steps and after the
+    last: the best weights are kept, ``train.stop_at`` and ``train.patience`` stop the run early, and a non-finite
+    mean training loss ends it as ``diverged``. The best weights are in ``model`` at the end.
+
+    ``checkpoint``: a folder of ``kalmix.train.checkpoint`` checkpoints (weights, optimizer, random states, the
+    batches' position, the best weights and the history), written at every evaluation but the last and when
+    SIGTERM arrives (then ``Stopped`` is raised), and read at the start: a run cut short continues where it
+    stopped, on the same batches.
+
+    Returns {status ("ok" or "diverged"), steps_run, best_step, val (None: no evaluation), final_loss (the mean
+    training loss since the evaluation before the last), history ([step, that loss, val] per evaluation),
+    train_s, train_tokens_per_s, and resumed_at (the steps a run continued from) when it was resumed}."""
+    opt = Optimization(model, train.optim(lr), train.steps, device, precision)
+    st = {"best": -1.0, "best_step": 0, "best_state": None, "bad_evals": 0, "history": [], "tokens": 0,
           "train_s": 0.0, "loss_sum": 0.0, "loss_n": 0, "resumed_at": []}
-    if checkpoint is not None and os.path.exists(checkpoint):
-        saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
-        model.load_state_dict(saved.pop("model"))
-        opt.load_state_dict(saved.pop("opt"))
-        torch.set_rng_state(saved.pop("rng"))
-        gen.set_state(saved.pop("gen"))
-        cuda_rng = saved.pop("cuda_rng")
-        if cuda_rng is not None and device.type == "cuda":
-            torch.cuda.set_rng_state(cuda_rng, device)
-        st.update(saved)
-        st["resumed_at"] = st["resumed_at"] + [st["step"]]
+    first = 0
+    saved = ckpt.checkpoints(checkpoint) if checkpoint is not None else []
+    if saved:
+        meta = ckpt.load(saved[-1], model, opt.optimizer, sharded=False)
+        batches.load_state_dict(meta["loader"]["batches"])
+        st.update(meta["loader"]["progress"])
+        first = meta["step"]
+        st["resumed_at"] = st["resumed_at"] + [first]
 
-    def save() -> None:
+    def save(step: int) -> None:
         if checkpoint is not None:
-            _save_checkpoint(checkpoint, {**st, "train_s": st["train_s"] + time.perf_counter() - t0,
-                                          "loss_sum": float(st["loss_sum"]), "model": model.state_dict(),
-                                          "opt": opt.state_dict(), "rng": torch.get_rng_state(),
-                                          "gen": gen.get_state(),
-                                          "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda"
-                                          else None})
+            done = {**st, "train_s": st["train_s"] + time.perf_counter() - t0, "loss_sum": float(st["loss_sum"])}
+            ckpt.save(checkpoint, step, model, opt.optimizer, {"batches": batches.state_dict(), "progress": done},
+                      {"train": train.model_dump(mode="json"), "lr": lr}, sharded=False, keep=1)
 
-    status, step = "ok", st["step"] - 1
+    status, step = "ok", first - 1
     loss_value = st["history"][-1][1] if st["history"] else float("nan")
     t0 = time.perf_counter()
-    bar = tqdm(range(st["step"], train.steps), desc=f"{label} lr={lr:g} seed={seed}", leave=False,
-               disable=None if progress else True, dynamic_ncols=True, initial=st["step"], total=train.steps)
+    bar = tqdm(range(first, train.steps), desc=desc, leave=False, disable=None if progress else True,
+               dynamic_ncols=True, initial=first, total=train.steps)
     for step in bar:
-        if data["train"] is None:
-            x, y = recipe.task.fresh_batch(train.batch_size, seed, step)
-        else:
-            x_tr, y_tr = data["train"]
-            idx = (torch.randint(len(x_tr), (train.batch_size,), generator=gen) if train.sampling == "replacement"
-                   else epoch_batch(len(x_tr), train.batch_size, seed, step))
-            x, y = x_tr[idx], y_tr[idx]
+        x, y = batches(step)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        for group in opt.param_groups:
-            group["lr"] = _lr(step, train, lr)
-        with _autocast(device, precision):
+        with opt.autocast():
             logits = logits_of(model, x)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if train.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
-        opt.step()
+        opt.backward(loss)
+        opt.clip(model.parameters())
+        opt.update(step)
         st["tokens"] += x.numel()
         st["loss_sum"] = st["loss_sum"] + loss.detach()
         st["loss_n"] += 1
-        st["step"] = step + 1
         if (step + 1) % train.eval_every == 0 or step == train.steps - 1:
             loss_value = (st["loss_sum"] / st["loss_n"]).item()        # the mean training loss since the last one
             st["loss_sum"], st["loss_n"] = 0.0, 0
             if not math.isfinite(loss_value):
                 status = "diverged"
                 break
-            val = evaluate(model, x_va, y_va, device, precision)[recipe.metric]
+            val = validate()
             st["history"].append([step + 1, round(loss_value, 5), round(val, 5)])
             bar.set_postfix(loss=f"{loss_value:.3f}", val=f"{val:.3f}")
             if val > st["best"]:
@@ -683,24 +715,40 @@ def run_one(recipe: Recipe, label: str, lr: float, seed: int, data: dict, device
             if train.patience is not None and st["bad_evals"] >= train.patience:
                 break
             if step + 1 < train.steps:
-                save()
+                save(step + 1)
         if _STOP.is_set():
-            save()
+            save(step + 1)
             bar.close()
             raise Stopped(f"stopped by SIGTERM after step {step + 1} of {train.steps}")
     bar.close()
     if device.type == "cuda":
         torch.cuda.synchronize()
     train_s = st["train_s"] + time.perf_counter() - t0
-    best = st["best"]
-    row = {"status": status, "precision": precision, "steps_run": step + 1, "best_step": st["best_step"],
-           "val": best if best >= 0 else None, "final_loss": loss_value, "history": st["history"],
-           "train_s": round(train_s, 2), "train_tokens_per_s": round(st["tokens"] / max(train_s, 1e-9)),
-           "test": {}}
-    if st["resumed_at"]:
-        row["resumed_at"] = st["resumed_at"]
     if st["best_state"] is not None:
         model.load_state_dict(st["best_state"])
+    out = {"status": status, "steps_run": step + 1, "best_step": st["best_step"],
+           "val": st["best"] if st["best"] >= 0 else None, "final_loss": loss_value, "history": st["history"],
+           "train_s": round(train_s, 2), "train_tokens_per_s": round(st["tokens"] / max(train_s, 1e-9))}
+    if st["resumed_at"]:
+        out["resumed_at"] = st["resumed_at"]
+    return out
+
+
+def run_one(recipe: Recipe, label: str, lr: float, seed: int, data: dict, device: torch.device,
+            impl: str | None = None, progress: bool = True, checkpoint: str | None = None) -> dict:
+    """Train one (mixer, lr, seed) at one grid point (``recipe`` already at it) with ``fit`` and score its best
+    weights on the test sets. ``data``: ``{"train": (x, y) or None, "val": (x, y), "test": {length: (x, y)}}``;
+    ``checkpoint``: ``fit``'s. Returns the result row."""
+    spec, train = recipe.mixers[label], recipe.train
+    precision = spec.precision or train.precision
+    torch.manual_seed(seed)
+    model = build_model(recipe, spec, impl).to(device)
+    x_va, y_va = data["val"]
+    result = fit(model, train, lr, Batches(train, seed, data["train"], recipe.task),
+                 lambda: evaluate(model, x_va, y_va, device, precision)[recipe.metric], device, precision,
+                 checkpoint, f"{label} lr={lr:g} seed={seed}", progress)
+    row = {"status": result.pop("status"), "precision": precision, **result, "test": {}}
+    if row["val"] is not None:
         for length, (x_te, y_te) in data["test"].items():
             row["test"][str(length)] = evaluate(model, x_te, y_te, device, precision)
     lm = model.lm if isinstance(model, CompressionModel) else model
@@ -714,7 +762,7 @@ def run_one(recipe: Recipe, label: str, lr: float, seed: int, data: dict, device
 
 # fields added to the recipe schema after results were first recorded: left out of a run's key while at their
 # default (the behaviour before they existed), so that those results keep their keys
-_LATER_DEFAULTS = {"train": {"betas": (0.9, 0.98), "sampling": "replacement"},
+_LATER_DEFAULTS = {"train": {"betas": (0.9, 0.98), "sampling": "replacement", "decay_embeddings": True},
                    "model": {"intermediate_size": None, "tie_embeddings": False, "init_std": None}}
 
 
@@ -779,6 +827,16 @@ def _available(spec: MixerSpec, device: torch.device) -> str | None:
     return None
 
 
+def git_sha() -> str | None:
+    """The short commit of the kalmix checkout (None outside a git checkout)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=os.path.dirname(__file__), timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def _versions() -> dict:
     out = {"torch": torch.__version__}
     try:
@@ -820,18 +878,20 @@ def run(recipe: Recipe, out_path: str, device: str = "cpu", impl: str | None = N
     """Every run of ``plan`` (checked before any work), appended to ``out_path`` (JSONL) one row per run as it
     ends; a bar over the runs on a terminal and one line per finished run. Returns the new rows.
 
-    A run in progress keeps a checkpoint in ``OUT_PATH.ckpt/KEY.pt`` (see ``run_one``). SIGTERM (e.g. from
+    A run in progress keeps its checkpoints in the folder ``OUT_PATH.ckpt/KEY`` (see ``fit``). SIGTERM (e.g. from
     ``timeout``) stops the current run after its step, saves its checkpoint and returns without writing its row:
     a run cut by time is never recorded, and the next call resumes it."""
     todo = plan(recipe, out_path, device, impl, mixers)
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)          # the device whose random state the checkpoints hold
     total = recipe.planned_runs(None if mixers is None else len(mixers))
     ckpt_dir = out_path + ".ckpt"
     os.makedirs(ckpt_dir, exist_ok=True)
     base = {"recipe": recipe.name, "paper": recipe.paper, "spec": recipe.model_dump(mode="json"),
             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", **_versions()}
-    base["git"] = _git_sha()
+    base["git"] = git_sha()
     rows, data, data_point = [], None, None
     tqdm.write(f"{recipe.name}: {len(todo)} runs to do, {total - len(todo)} of {total} already in {out_path}")
     outer = tqdm(todo, desc=recipe.name, disable=None if progress else True, dynamic_ncols=True)
@@ -848,7 +908,7 @@ def run(recipe: Recipe, out_path: str, device: str = "cpu", impl: str | None = N
             head = f"[{i}/{len(todo)}] {_fmt_point(point)} {label:>12} lr={lr:<8g} seed={seed:<4d}"
             reason = _available(spec, dev)
             t0 = time.time()
-            ckpt = os.path.join(ckpt_dir, key + ".pt")
+            folder = os.path.join(ckpt_dir, key)
             if reason is not None:
                 row.update(status="unavailable", reason=reason)
             else:
@@ -858,9 +918,9 @@ def run(recipe: Recipe, out_path: str, device: str = "cpu", impl: str | None = N
                             "test": {L: r.task.build("test", r.data_seed, L) for L in r.test_lengths()}}
                     data_point = point
                 try:
-                    row.update(run_one(r, label, lr, seed, data, dev, impl, progress, checkpoint=ckpt))
+                    row.update(run_one(r, label, lr, seed, data, dev, impl, progress, checkpoint=folder))
                 except Stopped as e:
-                    outer.write(f"{head} {e}; not recorded, resumes from {ckpt}")
+                    outer.write(f"{head} {e}; not recorded, resumes from {folder}")
                     raise
                 except torch.cuda.OutOfMemoryError as e:
                     row.update(status="oom", reason=str(e).split(". ")[0][:300])
@@ -868,8 +928,8 @@ def run(recipe: Recipe, out_path: str, device: str = "cpu", impl: str | None = N
                     row.update(status="error", reason=f"{type(e).__name__}: {e}".splitlines()[0][:300])
             row["wall_s"] = round(time.time() - t0, 2)
             _append(out_path, row)
-            if row["status"] in FINAL and os.path.exists(ckpt):
-                os.remove(ckpt)
+            if row["status"] in FINAL:
+                shutil.rmtree(folder, ignore_errors=True)
             rows.append(row)
             if row["status"] == "ok":
                 test = row["test"].get(str(r.task.length()), {})
@@ -884,6 +944,7 @@ def run(recipe: Recipe, out_path: str, device: str = "cpu", impl: str | None = N
         outer.close()
         if main_thread and previous is not None:
             signal.signal(signal.SIGTERM, previous)
+        _STOP.clear()                       # the stop was this call's: a later fit (bench mqar) runs to its end
     return rows
 
 

@@ -1,5 +1,5 @@
-"""Training checkpoints (model, optimizer, data position and RNG states of every process) and the lock by which
-a run owns its run directory.
+"""Training checkpoints (model, optimizer, data position and RNG states of every process) of ``kalmix train`` and of
+the runs of ``kalmix bench run`` recipes, and the lock by which a run owns its run directory.
 
 Layout of ``RUN/checkpoints/step_NNNNNNN/``: ``meta.pt`` (step, loader, config, data folder, whether the run was
 complete, format tag), ``rng_rank{r}.pt`` per process, and either ``train_state.pt`` (the model and optimizer of a
@@ -162,9 +162,11 @@ def _set_rng_state(state: dict) -> None:
 
 
 def save(run_dir: str | Path, step: int, model, optimizer, loader_state: dict, config: dict, sharded: bool,
-         keep: int, data_dir: str, complete: bool = False) -> Path:
+         keep: int, data_dir: str | None = None, complete: bool = False) -> Path:
     """Write the checkpoint of ``step`` (every process calls this) and remove all but the newest ``keep``.
 
+    ``loader_state``: what else the loop needs to continue (``kalmix train``: its loader's position; a recipe
+    run: its batches' position, history and best weights; tensors, numbers, strings, lists and dicts of them);
     ``data_dir``: the folder of the tokenizer and shards the run trains on (a resumed run keeps reading it);
     ``complete``: the run's last step, its model exported. When the checkpoint of ``step`` exists already (a run
     resumed from it that trained no further step), only its ``meta.pt`` is replaced: the state is the same."""

@@ -118,6 +118,8 @@ class OptimSection(StrictConfig):
     warmup_steps: int = Field(100, ge=0, description="linear warm-up steps")
     decay_fraction: Float = Field(0.2, gt=0, le=1, description="wsd: the final fraction of steps that decays")
     weight_decay: Float = Field(0.1, ge=0, description="AdamW weight decay of the matrices")
+    decay_embeddings: bool = Field(False, description="weight decay on the token embeddings too (false: they are "
+                                                      "exempt, as norms and biases are)")
     recurrent_lr_mult: Float = Field(1.0, gt=0, description="learning-rate multiplier of the recurrent parameters "
                                                             "(decays, noise, step sizes; no weight decay)")
     beta1: Float = Field(0.9, ge=0, lt=1)

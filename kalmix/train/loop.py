@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
@@ -35,6 +34,7 @@ from kalmix.train import checkpoint as ckpt
 from kalmix.train.config import TrainConfig, describe_changes, resume_changes
 from kalmix.train.data import (DataConfig, atomic_write, files_fingerprint, is_saved_dataset,
                                source_fingerprint)
+from kalmix.train.optim import Optimization, evaluating
 
 # dense bf16 tensor-core peaks (TFLOP/s) of the GPUs MFU is reported for; others: log.peak_tflops
 _PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
@@ -211,45 +211,6 @@ def third_party_progress(enabled: bool, datasets: bool = False):
 def _reads_datasets(d: DataConfig) -> bool:
     """Whether the source is a datasets.save_to_disk folder (read with the datasets package)."""
     return d.format == "datasets" or (d.format == "auto" and is_saved_dataset(Path(d.source).expanduser()))
-
-
-def param_groups(model: nn.Module, cfg: TrainConfig) -> list[dict]:
-    """AdamW groups: matrices with weight decay; norms, biases and embeddings without; the recurrent parameters
-    (those a layer marks ``_no_weight_decay``: decays, process noise, step sizes, skip) without weight decay and
-    at ``optim.recurrent_lr_mult`` times the learning rate."""
-    decay, plain, recurrent = [], [], []
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    for p in model.parameters():
-        if not p.requires_grad:
-            continue
-        if getattr(p, "_no_weight_decay", False):
-            recurrent.append(p)
-        elif p.dim() < 2 or id(p) in embeddings:
-            plain.append(p)
-        else:
-            decay.append(p)
-    o = cfg.optim
-    groups = [dict(params=decay, weight_decay=o.weight_decay, lr_mult=1.0, name="decay"),
-              dict(params=plain, weight_decay=0.0, lr_mult=1.0, name="no_decay"),
-              dict(params=recurrent, weight_decay=0.0, lr_mult=o.recurrent_lr_mult, name="recurrent")]
-    return [g for g in groups if g["params"]]
-
-
-def lr_factor(step: int, cfg: TrainConfig) -> float:
-    """The learning rate at optimizer step ``step`` (0-based) as a fraction of the peak."""
-    o, total = cfg.optim, cfg.train.steps
-    if step < o.warmup_steps:
-        return (step + 1) / o.warmup_steps
-    if o.schedule == "constant":
-        return 1.0
-    if o.schedule == "wsd":
-        decay_start = total - max(1, round(o.decay_fraction * total))
-        if step < decay_start:
-            return 1.0
-        frac = (step - decay_start + 1) / (total - decay_start)
-        return 1.0 - (1.0 - o.min_lr_ratio) * frac
-    frac = min(1.0, (step - o.warmup_steps + 1) / max(1, total - o.warmup_steps))
-    return o.min_lr_ratio + (1.0 - o.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * frac))
 
 
 def data_cache_dir(cfg: TrainConfig) -> Path:
@@ -442,13 +403,8 @@ class Trainer:
                     block.mlp.compile()
         self.sharded = env.world > 1 and cfg.train.parallel == "fsdp"
         self.model = self._wrap(self.raw)
-        fused = env.device.type == "cuda" and not self.sharded
-        self.optimizer = torch.optim.AdamW(param_groups(self.raw, cfg), lr=cfg.optim.lr,
-                                           betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
-                                           fused=fused or None)
-        self.autocast = (torch.autocast(env.device.type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}
-                                        [cfg.train.dtype]) if cfg.train.dtype != "fp32" else contextlib.nullcontext())
-        self.scaler = torch.amp.GradScaler(env.device.type) if cfg.train.dtype == "fp16" else None
+        self.opt = Optimization(self.raw, cfg.optim, cfg.train.steps, env.device, cfg.train.dtype, self.sharded)
+        self.optimizer = self.opt.optimizer
         self.peak = peak_flops(env.device, cfg.log.peak_tflops)
         self.step = 0
         self._check_shapes()
@@ -474,12 +430,6 @@ class Trainer:
             fully_shard(block)
         fully_shard(model)
         return model
-
-        name = torch.cuda.get_device_name(self.env.device)
-        for key, tflops in _PEAK_TFLOPS.items():
-            if key in name:
-                return tflops * 1e12
-        return None
 
     def _check_shapes(self):
         """One forward and backward at the training shape before any step: a sequence length or batch the
@@ -529,7 +479,7 @@ class Trainer:
         """(summed cross-entropy, per-target losses [B, T_r], target mask [B, T_r]) of this process's piece of the
         rows (T_r = seq_len / context_parallel): position t scores labels[t + 1], the next piece's first label at
         a piece's end and nothing at a row's end."""
-        with self.autocast, self._context():
+        with self.opt.autocast(), self._context():
             logits = self.model(input_ids=batch["input_ids"][:, self.piece], cu_seqlens=batch["cu_seqlens"]).logits
         targets = self._ahead(batch["labels"], -100)
         losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100,
@@ -537,22 +487,20 @@ class Trainer:
         mask = targets != -100
         return losses.sum(), losses, mask
 
-    @torch.no_grad()
     def evaluate(self) -> dict:
         """Validation loss, perplexity and loss by the predicted token's position in its document."""
-        self.model.eval()
         nb, T = self.cfg.eval.position_buckets, self.cfg.train.seq_len
         sums = torch.zeros(nb, dtype=torch.float64)
         counts = torch.zeros(nb, dtype=torch.float64)
-        for batch in self.val_batches():
-            _, losses, mask = self._loss_sums(batch)
-            pos = self._ahead(batch["doc_pos"], 0).long()
-            bucket = (pos * nb // T).clamp_max(nb - 1)[mask].cpu()
-            sums += torch.bincount(bucket, weights=losses[mask].double().cpu(), minlength=nb)
-            counts += torch.bincount(bucket, minlength=nb).double()
+        with evaluating(self.model):
+            for batch in self.val_batches():
+                _, losses, mask = self._loss_sums(batch)
+                pos = self._ahead(batch["doc_pos"], 0).long()
+                bucket = (pos * nb // T).clamp_max(nb - 1)[mask].cpu()
+                sums += torch.bincount(bucket, weights=losses[mask].double().cpu(), minlength=nb)
+                counts += torch.bincount(bucket, minlength=nb).double()
         totals = self.env.sum(*sums, *counts)
         sums, counts = torch.tensor(totals[:nb]), torch.tensor(totals[nb:])
-        self.model.train()
         loss = float(sums.sum() / counts.sum())
         edges = [round(i * T / nb) for i in range(nb + 1)]
         by_pos = [{"from": edges[i], "to": edges[i + 1], "loss": float(sums[i] / counts[i]) if counts[i] else None,
@@ -581,35 +529,18 @@ class Trainer:
             with self._sync(last):
                 s, _, _ = self._loss_sums(batch)
                 loss = s * (env.world / total_count)
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
+                self.opt.backward(loss)
             loss_sum += s.detach().double()
         (loss_total,) = env.sum(loss_sum)
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
-        clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip is not None else math.inf
-        gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        gn = self.opt.clip(self.model.parameters())
         grad_norm = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
-        if not self.scaler and not math.isfinite(grad_norm):    # fp16's scaler skips such steps itself
+        if not self.opt.scaler and not math.isfinite(grad_norm):    # fp16's scaler skips such steps itself
             raise FloatingPointError(f"non-finite gradient norm at step {self.step + 1} (loss "
                                      f"{loss_total / total_count:.4g}); the weights were not updated, and the "
                                      f"newest checkpoint is the one to resume from")
-        lr = self._set_lr()
-        if self.scaler:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.opt.update(self.step)
         self.step += 1
         return {"loss": loss_total / total_count, "lr": lr, "tokens": total_count, "grad_norm": grad_norm}
-
-    def _set_lr(self) -> float:
-        """Set every group's learning rate for this step from the config (optim.lr · the group's multiplier · the
-        schedule); returns the first group's."""
-        factor = lr_factor(self.step, self.cfg)
-        for g in self.optimizer.param_groups:
-            g["lr"] = self.cfg.optim.lr * (g["lr_mult"] * factor)
-        return self.optimizer.param_groups[0]["lr"]
 
     def _sync(self, last: bool):
         """Gradient synchronisation only on the last micro-batch of a step."""

@@ -308,6 +308,36 @@ def test_model_and_optimizer_fields_reach_the_model(tmp_path, monkeypatch):
         Recipe.model_validate(tiny(train={"steps": 2, "lrs": [1e-3], "batch_size": 128}))
 
 
+def test_a_run_trains_through_the_trainers_optimisation(tmp_path, monkeypatch):
+    """The recipe's protocol reaches kalmix train's parameter groups and schedule: warm-up over the first
+    ``warmup`` of the steps, cosine down to zero at the last step; embeddings decayed only while
+    ``train.decay_embeddings``; norms, biases and the recurrent parameters never."""
+    from kalmix.train import optim
+    seen, lrs = [], []
+    real_init, real_update = optim.Optimization.__init__, optim.Optimization.update
+
+    def init(self, model, *args, **kwargs):
+        real_init(self, model, *args, **kwargs)
+        names = {id(p): n for n, p in model.named_parameters()}
+        seen.append({names[id(p)]: g["weight_decay"] for g in self.optimizer.param_groups for p in g["params"]})
+
+    def update(self, step):
+        lrs.append(real_update(self, step))
+        return lrs[-1]
+    monkeypatch.setattr(optim.Optimization, "__init__", init)
+    monkeypatch.setattr(optim.Optimization, "update", update)
+    for decay in (True, False):
+        recipe = Recipe.model_validate(tiny(references=[], train={"steps": 4, "lrs": [1e-3], "warmup": 0.5,
+                                                                   "weight_decay": 0.1, "decay_embeddings": decay}))
+        run(recipe, str(tmp_path / f"{decay}.jsonl"), mixers=["kla"], progress=False)
+    assert lrs == pytest.approx([5e-4, 1e-3, 5e-4, 0.0] * 2, abs=1e-15)
+    decayed, exempt = seen
+    assert decayed["model.embed_tokens.weight"] == 0.1 and exempt["model.embed_tokens.weight"] == 0.0
+    for groups in seen:
+        assert groups["lm_head.weight"] == 0.1 and groups["model.norm.weight"] == 0.0
+        assert groups["model.layers.0.mixer.A_log"] == 0.0
+
+
 def test_epoch_sampling_sees_every_sequence_once_per_epoch():
     from kalmix.bench.synthetic import epoch_batch
     batches = [epoch_batch(20, 6, 3, step) for step in range(6)]          # 3 batches per epoch, 2 dropped
@@ -332,6 +362,7 @@ def test_a_run_cut_by_sigterm_is_not_recorded_and_resumes(tmp_path, monkeypatch)
     import signal
 
     import kalmix.bench.synthetic as syn
+    from kalmix.train import checkpoint as ckpt
     data = tiny(references=[], train={"steps": 6, "lrs": [1e-3], "eval_every": 2})
     data["mixers"] = {"gdn": data["mixers"]["gdn"]}
     recipe = Recipe.model_validate(data)
@@ -346,7 +377,9 @@ def test_a_run_cut_by_sigterm_is_not_recorded_and_resumes(tmp_path, monkeypatch)
         return real(*args, **kwargs)
     monkeypatch.setattr(syn, "evaluate", evaluate_then_term)
     assert run(recipe, out, progress=False) == [] and recorded(out) == set()
-    assert len(os.listdir(out + ".ckpt")) == 1
+    assert not syn._STOP.is_set()                               # the stop ended that call, and only that one
+    [folder] = os.listdir(out + ".ckpt")                        # the run's checkpoints: kalmix train's format
+    assert ckpt.read_meta(ckpt.checkpoints(os.path.join(out + ".ckpt", folder))[-1])["step"] == 4
     monkeypatch.setattr(syn, "evaluate", real)
     [resumed] = run(recipe, out, progress=False)
     assert resumed["resumed_at"] == [4] and resumed["steps_run"] == 6

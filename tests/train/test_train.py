@@ -23,7 +23,8 @@ from kalmix.cli import main as cli
 from kalmix.layers import ALL_MIXERS
 from kalmix.train import checkpoint as ckpt
 from kalmix.train.config import load_config, presets
-from kalmix.train.loop import Dist, Trainer, cpu_threads, data_cache_dir, lr_factor, param_groups, resume_point, train
+from kalmix.train.loop import Dist, Trainer, cpu_threads, data_cache_dir, resume_point, train
+from kalmix.train.optim import lr_factor, param_groups
 
 WORDS = ("alpha beta gamma delta kalman filter state mean noise gain ridge solve chebyshev step key value query "
          "token layer model train loss").split()
@@ -199,12 +200,12 @@ def test_batch_must_divide_over_processes():
 
 def test_schedules():
     cfg = load_config(None, {"train.steps": 100, "optim.warmup_steps": 10, "optim.min_lr_ratio": 0.1})
-    f = [lr_factor(s, cfg) for s in range(100)]
+    f = [lr_factor(s, cfg.optim, 100) for s in range(100)]
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
     assert f[-1] == pytest.approx(0.1) and all(a >= b for a, b in zip(f[10:], f[11:]))
     wsd = load_config(None, {"train.steps": 100, "optim.warmup_steps": 10, "optim.schedule": "wsd",
                              "optim.decay_fraction": 0.2, "optim.min_lr_ratio": 0.0})
-    g = [lr_factor(s, wsd) for s in range(100)]
+    g = [lr_factor(s, wsd.optim, 100) for s in range(100)]
     assert g[10:80] == [1.0] * 70 and g[-1] == pytest.approx(0.0) and g[85] < 1.0
 
 
@@ -213,7 +214,7 @@ def test_param_groups_exempt_norms_embeddings_and_recurrent_parameters():
     cfg = load_config(None, {"optim.recurrent_lr_mult": 0.5})
     model = KalmixForCausalLM(KalmixConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2,
                                            mixers=["kalman", "gka"], mixer_kwargs={"gka": {"num_heads": 2}}))
-    groups = {g["name"]: g for g in param_groups(model, cfg)}
+    groups = {g["name"]: g for g in param_groups(model, cfg.optim)}
     names = {id(p): n for n, p in model.named_parameters()}
     recurrent = {names[id(p)].split(".")[-1] for p in groups["recurrent"]["params"]}
     assert {"A_log", "dt_raw", "p", "skip", "dt_bias"} <= recurrent
@@ -222,6 +223,19 @@ def test_param_groups_exempt_norms_embeddings_and_recurrent_parameters():
     assert all(p.dim() >= 2 for p in groups["decay"]["params"])
     assert "model.embed_tokens.weight" not in decay and groups["no_decay"]["weight_decay"] == 0
     assert sum(len(g["params"]) for g in groups.values()) == len(list(model.parameters()))
+    # optim.decay_embeddings (the synthetic recipes' rule): the embedding joins the decayed matrices
+    groups = {g["name"]: g for g in param_groups(model, load_config(None, {"optim.decay_embeddings": True}).optim)}
+    assert "model.embed_tokens.weight" in {names[id(p)] for p in groups["decay"]["params"]}
+    assert all(p.dim() < 2 for p in groups["no_decay"]["params"])
+
+
+def test_one_adamw_in_the_package():
+    """Every training loop (the trainer, recipe runs, bench mqar) and bench lm's timed step build their optimizer
+    through kalmix.train.optim.Optimization."""
+    root = Path(__file__).parents[2] / "kalmix"
+    found = [f"{path.relative_to(root)}:{n}" for path in sorted(root.rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) if "optim.AdamW(" in line]
+    assert len(found) == 1 and found[0].startswith("train/optim.py:"), found
 
 
 # ---------------------------------------------------------------- a run, its outputs, resume
@@ -322,7 +336,7 @@ def test_resume_applies_the_changes_it_can_and_logs_them(corpus, tmp_path, capsy
     assert resumed[0]["changed"] == {"train.steps": [3, 6], "optim.lr": [0.003, 0.001], "eval.every": [3, 2]}
     lrs = {r["step"]: r["lr"] for r in rows if r["kind"] == "train"}
     for step in (4, 5, 6):                          # the lr used and logged is the new one (and its schedule)
-        assert lrs[step] == pytest.approx(1e-3 * lr_factor(step - 1, new), rel=1e-12)
+        assert lrs[step] == pytest.approx(1e-3 * lr_factor(step - 1, new.optim, 6), rel=1e-12)
     assert [r["step"] for r in rows if r["kind"] == "eval"] == [3, 4, 6]
     assert load_config(str(run / "config.yaml")).optim.lr == 1e-3       # config.yaml: the config now in force
     more = _cfg(corpus, run, **{"train.steps": 9, "optim.lr": 1e-3, "optim.weight_decay": 0.05, "optim.beta2": 0.9})
