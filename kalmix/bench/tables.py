@@ -36,8 +36,8 @@ import sys
 import tempfile
 from collections import Counter, defaultdict
 
-BLOCK = re.compile(r"<!-- table: (?P<command>.+?) -->\n(?P<body>.*?)<!-- /table -->", re.S)
-OPEN, CLOSE = "<!-- table:", "<!-- /table -->"
+BLOCK = re.compile(r"^<!-- table: (?P<command>.+?) -->\n(?P<body>.*?)^<!-- /table -->$", re.S | re.M)
+OPEN, CLOSE = "<!-- table:", "<!-- /table -->"        # markers count only at the start of a line
 DOCS = ("README.md", "docs/**/*.md")          # the files `update` reads, relative to the repository root
 REPORTS = {"docs/results/bench/report": "docs/results/bench/*.jsonl"}   # `kalmix bench report` folders: their rows
 MODE_NAMES = {"fwd": "fwd", "fwdbwd": "fwd+bwd", "decode": "decode"}
@@ -83,7 +83,7 @@ def run_command(command: str, root: str) -> str:
 def blocks(text: str, name: str) -> list[re.Match]:
     """The table blocks of one file; an opening marker without its closing one is an error naming its line."""
     found = list(BLOCK.finditer(text))
-    opens = [m.start() for m in re.finditer(re.escape(OPEN), text)]
+    opens = [m.start() for m in re.finditer("^" + re.escape(OPEN), text, re.M)]
     starts = {m.start() for m in found}
     for pos in opens:
         if pos not in starts:
