@@ -54,9 +54,17 @@ def run_command(command: str, root: str) -> str:
         words = ["python", "-m", "kalmix.cli", *words[1:]]
     if words[:2] == ["python", "-m"] and len(words) > 2:
         target, args = words[2], words[3:]
-        run = lambda: sys.exit(importlib.import_module(target).main(sys.argv[1:]))  # noqa: E731
+        main = getattr(importlib.import_module(target), "main", None)
+        if not callable(main):
+            raise ValueError(f"table command {command!r}: {target} has no main(argv) to call")
+
+        def run():
+            sys.exit(main(sys.argv[1:]))
     elif words[:1] == ["python"] and len(words) > 1 and words[1].endswith(".py"):
-        target, args, run = words[1], words[2:], lambda: runpy.run_path(target, run_name="__main__")
+        target, args = words[1], words[2:]
+
+        def run():
+            runpy.run_path(target, run_name="__main__")
     else:
         raise ValueError(f"table command {command!r}: it must start with `python -m MODULE`, `python FILE.py` "
                          "or `kalmix`")
@@ -125,8 +133,11 @@ def _update_report(root: str, out: str, rows: str, check: bool) -> str | None:
     """Rewrite the report folder ``out`` from the rows ``rows`` (a glob) where its README.md differs from
     ``kalmix bench report``'s; the difference, or None."""
     from kalmix.bench import report
+    paths = sorted(glob.glob(os.path.join(root, rows)))
+    if not paths:
+        raise ValueError(f"the bench report {out} is made from {rows}, which matches no file")
     with tempfile.TemporaryDirectory() as tmp:
-        text = report.report(sorted(glob.glob(os.path.join(root, rows))), tmp)
+        text = report.report(paths, tmp)
         path = os.path.join(root, out, "README.md")
         old = open(path).read() if os.path.exists(path) else ""
         if text == old:
@@ -148,8 +159,9 @@ def speed_table(path: str, modes: list[str], dtype: str = "bf16", ratio_to: str 
     seq_lens = sorted({int(r["T"]) for r in rows})
     cell = {(r["op"], r["impl"], int(r["T"]), r["mode"]): r for r in rows}
     ops = list(dict.fromkeys((r["op"], r["impl"]) for r in rows))
-    if ratio_to is not None and ratio_to not in {op for op, _ in ops}:
-        raise ValueError(f"--ratio-to {ratio_to!r}: not an op of {path}; it has {', '.join(sorted({o for o, _ in ops}))}")
+    names = sorted({op for op, _ in ops})
+    if ratio_to is not None and ratio_to not in names:
+        raise ValueError(f"--ratio-to {ratio_to!r}: not an op of {path}; it has {', '.join(names)}")
     head = ["op (impl)"]
     for T in seq_lens:
         head += [f"{MODE_NAMES[m]} T={T}" for m in modes] + ([f"÷ {ratio_to}"] if ratio_to else [])

@@ -98,7 +98,8 @@ def test_train_table_refuses_what_it_cannot_read(tmp_path):
 def test_recipe_tables_are_stamped():
     text = tables.recipe_tables([os.path.join(ROOT, "docs", "results", "bench", "gka_mqar.jsonl")])
     assert "| gka | 2.8 | 80.1 |" in text.splitlines()
-    assert text.splitlines()[-1] == "gka_mqar: commit 89ef598 on NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130, triton 3.6.0)."
+    assert text.splitlines()[-1] == ("gka_mqar: commit 89ef598 on NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130, "
+                                     "triton 3.6.0).")
 
 
 def _doc(tmp_path, body):
@@ -121,20 +122,16 @@ def test_update_rewrites_a_stale_block_and_check_names_it(tmp_path):
     assert tables.update(str(tmp_path), check=True, files=[str(doc)]) == []
 
 
-def test_check_exits_1_and_update_0(tmp_path, capsys):
+def test_check_exits_1_and_update_0(tmp_path, capsys, monkeypatch):
     _speed_csv(tmp_path / "speed.csv", ROWS)
     os.makedirs(tmp_path / "docs")
     (tmp_path / "README.md").write_text("<!-- table: python -m kalmix.bench.tables speed speed.csv -->\n"
                                         "stale\n<!-- /table -->\n")
-    old = dict(tables.REPORTS)
-    tables.REPORTS.clear()                                                  # no bench report in this tree
-    try:
-        assert tables.main(["update", "--check", "--root", str(tmp_path)]) == 1
-        assert "1 table(s) differ" in capsys.readouterr().err
-        assert tables.main(["update", "--root", str(tmp_path)]) == 0
-        assert tables.main(["update", "--check", "--root", str(tmp_path)]) == 0
-    finally:
-        tables.REPORTS.update(old)
+    monkeypatch.setattr(tables, "REPORTS", {})                             # no bench report in this tree
+    assert tables.main(["update", "--check", "--root", str(tmp_path)]) == 1
+    assert "1 table(s) differ" in capsys.readouterr().err
+    assert tables.main(["update", "--root", str(tmp_path)]) == 0
+    assert tables.main(["update", "--check", "--root", str(tmp_path)]) == 0
 
 
 @pytest.mark.parametrize("text, message", [
@@ -143,6 +140,7 @@ def test_check_exits_1_and_update_0(tmp_path, capsys):
     ("<!-- table: ls speed.csv -->\n<!-- /table -->\n", r"table command 'ls speed.csv': it must start with"),
     ("<!-- table: python -m kalmix.bench.tables speed nothing*.csv -->\n<!-- /table -->\n",
      r"'nothing\*.csv' matches no file"),
+    ("<!-- table: python -m json x -->\n<!-- /table -->\n", r"json has no main\(argv\) to call"),
     ("<!-- table: python -m kalmix.bench.tables speed missing.csv -->\n<!-- /table -->\n",
      r"table command 'python -m kalmix.bench.tables speed missing.csv' failed: 2"),
 ])
@@ -151,6 +149,12 @@ def test_broken_blocks_are_named(tmp_path, text, message):
     doc.write_text(text)
     with pytest.raises(ValueError, match=message):
         tables.update(str(tmp_path), files=[str(doc)])
+
+
+def test_a_report_without_rows_is_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(tables, "REPORTS", {"docs/report": "docs/rows/*.jsonl"})
+    with pytest.raises(ValueError, match="the bench report docs/report is made from docs/rows/.*, which matches no"):
+        tables.update(str(tmp_path), check=True)
 
 
 def test_a_marker_inside_a_line_is_prose(tmp_path):
