@@ -147,7 +147,7 @@ def _cell(stat, ref, seeds: int) -> str:
     return text + (f" ({100 * ref:.1f})" if ref is not None else "")
 
 
-def _results(recipe: Recipe, summary: dict, metric: str) -> list[str]:
+def score_tables(recipe: Recipe, summary: dict, metric: str) -> list[str]:
     """The score tables of one metric, in the recipe's layout."""
     rep, name = recipe.report, metric.replace("_", " ")
     lines = []
@@ -259,7 +259,7 @@ def markdown(recipe: Recipe, summary: dict, image: str | None) -> str:
     budgets = {recipe.at(p).budget_line() for p in summary["points"].values()} or {recipe.budget_line()}
     lines += [f"**Budget** per grid point: {b}" for b in sorted(budgets)] + [""]
     for metric in [recipe.metric, *recipe.report.also]:
-        lines += _results(recipe, summary, metric)
+        lines += score_tables(recipe, summary, metric)
     if summary["selected"]:
         lines += diagnostics(recipe, summary)
     runs = [f"{m} ({'; '.join(sorted(r))}): {_span(summary['steps'][m])} steps, "
