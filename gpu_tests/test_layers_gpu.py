@@ -39,6 +39,7 @@ def test_kalman_layer_fused_against_torch_chains(dtype, tol, dev):
     assert max(errs.values()) <= tol, errs
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", list(MIXERS))
 def test_layer_training_step_and_decode(name, dev):
     """bf16 training step finite; fp32 prefill of 40 tokens then 3 decoded tokens equal to the 43-token forward."""
@@ -87,6 +88,7 @@ def _attention_reference(layer, x, **kwargs):
         attention.flash_eligible = ref
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("B,T", [(2, 1000), (1, 4096)])
 def test_attention_documents_flash_against_masked_sdpa(B, T, dev):
     """Packed documents through the varlen flash kernel (bf16) against the block-diagonal masked SDPA in fp32."""

@@ -45,6 +45,7 @@ def _case_inputs(name, dev, dtype, varlen, sizes=None):
     return args, state, low, low_state, cu
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", [n for n in CASES if "triton" in ops.AVAILABLE_IMPLS[CASES[n].fn.__name__]])
@@ -274,6 +275,7 @@ def test_gka_solves_keep_their_tensor_core_pipeline(dev):
     assert checked >= 4, checked
 
 
+@pytest.mark.quick
 def test_value_errors_on_cuda(dev):
     """On CUDA the value checks are read back after the op's kernels are queued; they still raise before the op
     returns, with the same messages as on CPU."""
