@@ -153,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"{_command(args)}: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
+    except BrokenPipeError:                                     # the reader went away (`kalmix ... | head`): quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at interpreter exit
+        raise SystemExit(141) from None
     except Exception as e:                                      # noqa: BLE001  one message, never a traceback
         if args.debug:
             raise
