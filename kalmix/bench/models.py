@@ -9,6 +9,8 @@ FLOPs count multiply and add separately (2 per MAC). Chunked matrix-state rules 
   delta rules (delta, gated delta, Kaczmarz): 2·BHT·(3KV + C(K + V) + CK)        (+ the C×C triangular solve)
   Gated KalmaNet: the GLA readout + num_iters · 2·BHT·(2CK + K²) Chebyshev mat-vecs + the chunk norms 2·BHT·CK
   variational LA: the delta rule + the A path 2·BHT·(2CK + 2K² + C²/3)
+  value-gated delta rule (the VLA notebook's DeltaNet, its own chunk C = 32): 2·BHT·(3KV + C(2K + V + KV/2)), the
+    per-value-channel triangular solves with 1 + K right-hand sides being the C·K·V/2
   Kalman: elementwise fp32 work on the CUDA cores (lanes = B·T·H·N·D), counted as FMA-equivalents: 2 per fp32
     add, multiply or FMA the filter's math needs per lane-token, so that 100% of the measured fp32 FMA rate is
     every fp32 issue slot doing it. Forward 9 (the covariance-form step u = ā²y + p̄, w·u, 1 + k²·wu, y' = u·g,
@@ -22,6 +24,8 @@ Forward+backward FLOPs of the matrix-state rules are taken as 3× forward.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from kalmix.ops.value_delta.chunk import CHUNK as VALUE_DELTA_CHUNK
 
 CHUNK = 64
 
@@ -77,13 +81,14 @@ def op_flops(op: str, s: Shape, mode: str, num_iters: int = 30) -> float:
         "kaczmarz": delta,
         "gka": gla + num_iters * 2.0 * bht * (2 * C * K + K * K) + 2.0 * bht * C * K,
         "vla": delta + 2.0 * bht * (2 * C * K + 2 * K * K + C * C / 3),
+        "value_delta": 2.0 * bht * (3 * K * V + VALUE_DELTA_CHUNK * (2 * K + V + K * V / 2)),
     }[op]
     return fwd if mode == "fwd" else 3 * fwd
 
 
 _MIXER_OPS = {"gdn": "gated_delta", "kaczmarz": "kaczmarz", "gka": "gka", "vla": "vla", "kalman": "kalman",
               "deltanet": "delta", "attention": "sdpa", "linear_attention": "simple_gla", "gla": "gla",
-              "mamba2": "simple_gla"}
+              "mamba2": "simple_gla", "notebook_deltanet": "value_delta"}
 
 
 def lm_flops_per_token(model, seq_len: int) -> float:

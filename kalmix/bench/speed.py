@@ -124,7 +124,7 @@ def layer_impls(name: str, device: torch.device) -> list[str]:
     op_name = {"kalman": "kalman_attention", "gka": "gated_kalmanet", "kaczmarz": "kaczmarz_attention",
                "gdn": "kaczmarz_attention", "vla": "variational_linear_attention",
                "linear_attention": "gated_linear_attention", "gla": "gated_linear_attention",
-               "mamba2": "gated_linear_attention"}[name]
+               "mamba2": "gated_linear_attention", "notebook_deltanet": "value_gated_delta_rule"}[name]
     return [i for i in ops.runnable_impls(op_name, device) if i != "naive"]
 
 

@@ -40,6 +40,9 @@ What each mixer allows:
   per head and Q is the final state from zero, from a call with ``num_iters=0`` (the states do not depend on
   the solve); each token's solve needs the true H_t, so the outputs come from a second, full call from the
   composed initial state (``_DecayedSums``).
+- The value-gated delta rule (the VLA notebook's DeltaNet): relay only. Its map is affine, S ↦ Σ_j P_j S e_j e_jᵀ
+  + Q, but with one P_j [K, K] per value channel j (the decay acts on S's columns), which ``_Columns``' probe
+  does not give; the notebook's 2-layer MQAR models do not need context parallelism.
 - Kalman and variational linear attention: relay only (combine raises a ValueError). Their maps are not
   affine in the state: Kalman's precision follows a Möbius map (the mean is affine only given the precision
   path), VLA's A a Sherman–Morrison update (A⁻¹ adds up, but S's map depends on the initial A through the
@@ -75,7 +78,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from kalmix.ops import (gated_kalmanet, gated_linear_attention, kaczmarz_attention, kalman_attention,
-                        variational_linear_attention)
+                        value_gated_delta_rule, variational_linear_attention)
 from kalmix.ops.common.checks import compute_dtype
 
 # p2p tags: a piece's start offset, the states (forward) and their gradients (backward) never match each other
@@ -200,6 +203,7 @@ def _matrix_state() -> _StateSpec:
 _SPECS = {
     kaczmarz_attention: _matrix_state(),
     gated_linear_attention: _matrix_state(),
+    value_gated_delta_rule: _StateSpec(_matrix_state().shapes, _matrix_state().default, single=True),
     gated_kalmanet: _StateSpec(
         lambda n, H, K, V: ((n, H, K, K), (n, H, K, V)),
         lambda n, H, K, V, dtype, device, kw: (torch.zeros(n, H, K, K, dtype=dtype, device=device),
@@ -254,8 +258,9 @@ def context_parallel(op: Callable, *args, group: dist.ProcessGroup | None = None
     """Run a kalmix op on this rank's piece of the sequence, passing states between the ranks of ``group``.
 
     Args:
-        op: ``kalman_attention``, ``gated_kalmanet``, ``kaczmarz_attention``, ``variational_linear_attention`` or
-            ``gated_linear_attention`` (the linear-attention, GLA and Mamba-2 baselines).
+        op: ``kalman_attention``, ``gated_kalmanet``, ``kaczmarz_attention``, ``variational_linear_attention``,
+            ``gated_linear_attention`` (the linear-attention, GLA and Mamba-2 baselines) or
+            ``value_gated_delta_rule`` (the VLA notebook's DeltaNet).
         *args, **kwargs: the op's arguments, with this rank's piece of every activation: [B, T_r, H, ·], the
             pieces of rank 0, 1, … laid end to end being the whole sequence. Time-invariant tensors (Kalman's
             decay and process_noise) are passed whole on every rank.
@@ -288,8 +293,9 @@ def context_parallel(op: Callable, *args, group: dist.ProcessGroup | None = None
         raise ValueError(f"context_parallel: `mode` must be one of {MODES}, got {mode!r}")
     if mode == "combine" and spec.combine is None:
         raise ValueError(f"context_parallel: mode='combine' needs an op whose state map over a piece is affine "
-                         f"({[f.__name__ for f, sp in _SPECS.items() if sp.combine]}); {name}'s is not (Kalman's "
-                         "precision follows a Möbius map, VLA's A a Sherman–Morrison one): use mode='relay'")
+                         f"({[f.__name__ for f, sp in _SPECS.items() if sp.combine]}); {name} has none (Kalman's "
+                         "precision follows a Möbius map, VLA's A a Sherman–Morrison one, the value-gated delta rule "
+                         "decays each value channel apart): use mode='relay'")
     params = inspect.signature(op).bind(*args, **kwargs).arguments
     init = params.pop("initial_state", None)
     want_final = params.pop("output_final_state", False)

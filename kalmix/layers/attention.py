@@ -1,4 +1,5 @@
-"""Softmax attention baseline (PyTorch SDPA, causal, rotary positions) with fla's layer signature and KV cache."""
+"""Softmax attention baseline (PyTorch SDPA, causal, rotary positions or none) with fla's layer signature and KV
+cache."""
 from __future__ import annotations
 
 import functools
@@ -64,7 +65,8 @@ def rows_causal(q, k, v) -> torch.Tensor:
 
 
 class SoftmaxAttention(nn.Module):
-    """Multi-head causal softmax attention with rotary position embeddings.
+    """Multi-head causal softmax attention with rotary position embeddings (``rope=False``: none, for a model that
+    adds learned absolute positions to its tokens, ``KalmixConfig(position="learned")``).
 
     ``attention_mask`` [B, T] (1 = token, 0 = padding) masks padded keys; positions count real tokens only.
     With ``use_cache`` the rotated keys and the values go into a ``KalmixCache`` (one row per token written into
@@ -76,24 +78,36 @@ class SoftmaxAttention(nn.Module):
     While ``context_split`` is set (a sequence split across ranks, ``kalmix.distributed.context_parallel_model``;
     no cache or mask) the call's queries attend over the keys and values all-gathered from every rank, their
     positions counted from the sequence's start, or with the model's packed documents from their document's.
+
+    Args:
+        d_model: width; num_heads: H (head size d_model / H, even with rotary embeddings); rope_theta: the rotary
+        base; rope: rotate q and k (default True); bias: biases on the qkv and out projections (default False;
+        the VLA notebook's attention has them, zero at init).
     """
 
     context_split = None        # a sequence split across ranks (kalmix.distributed.ContextSplit) or None
 
-    def __init__(self, d_model: int, num_heads: int = 4, rope_theta: float = 10000.0, layer_idx: int = 0,
-                 impl: str | None = None):
+    def __init__(self, d_model: int, num_heads: int = 4, rope_theta: float = 10000.0, rope: bool = True,
+                 bias: bool = False, layer_idx: int = 0, impl: str | None = None):
         super().__init__()
         name = type(self).__name__
         check_layer(name, d_model, layer_idx, impl)
+        for arg, value in (("rope", rope), ("bias", bias)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}: `{arg}` must be True or False, got {value!r}")
         self.head_dim = head_size(name, "d_model", d_model, num_heads)
-        if self.head_dim % 2:
+        if rope and self.head_dim % 2:
             raise ValueError(f"{name}: the head size d_model / num_heads = {d_model} / {num_heads} = {self.head_dim} "
-                             f"must be even (rotary embeddings turn channel pairs)")
+                             f"must be even (rotary embeddings turn channel pairs; rope=False has none)")
         check_real(name, "rope_theta", rope_theta)
         self.d_model, self.num_heads = d_model, num_heads
-        self.layer_idx, self.rope_theta = layer_idx, rope_theta
-        self.qkv_proj = nn.Linear(d_model, 3 * d_model, bias=False)
-        self.o_proj = nn.Linear(d_model, d_model, bias=False)
+        self.layer_idx, self.rope_theta, self.rope = layer_idx, rope_theta, rope
+        self.qkv_proj = nn.Linear(d_model, 3 * d_model, bias=bias)
+        self.o_proj = nn.Linear(d_model, d_model, bias=bias)
+
+    def _rotary(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H, D] rotated to positions pos (``rotary``), or x itself without rotary embeddings."""
+        return rotary(x, pos, self.rope_theta) if self.rope else x
 
     def forward(self, hidden_states, attention_mask=None, past_key_values=None, use_cache=False, **kwargs):
         name = type(self).__name__
@@ -122,7 +136,7 @@ class SoftmaxAttention(nn.Module):
             pos = (attention_mask.long().cumsum(1) - 1).clamp_min(0)[:, -T:]
         else:
             pos = torch.arange(start, S, device=q.device).expand(B, T)
-        q, k = rotary(q, pos, self.rope_theta), rotary(k, pos, self.rope_theta)
+        q, k = self._rotary(q, pos), self._rotary(k, pos)
         if use_cache and past_key_values is None:
             past_key_values = KalmixCache()
         if past_key_values is not None:
@@ -147,7 +161,7 @@ class SoftmaxAttention(nn.Module):
         """Attention within each packed document, rotary positions from ``docs.doc_pos``: the varlen flash kernel
         over the documents (``flash_eligible``), else SDPA with a block-diagonal causal mask [B, 1, T, T]."""
         B, T, H, D = q.shape
-        q, k = rotary(q, docs.doc_pos, self.rope_theta), rotary(k, docs.doc_pos, self.rope_theta)
+        q, k = self._rotary(q, docs.doc_pos), self._rotary(k, docs.doc_pos)
         if flash_eligible(q):
             flat = (B * T, H, D)
             o = varlen_causal(q.reshape(flat), k.reshape(flat), v.reshape(flat), docs.cu_seqlens, docs.cu_seqlens,
@@ -173,7 +187,7 @@ class SoftmaxAttention(nn.Module):
             q_pos, k_pos = torch.arange(start, S, device=q.device).expand(B, T), torch.arange(S, device=q.device)
         else:
             q_pos, k_pos = docs.doc_pos, docs.key_pos
-        q, k = rotary(q, q_pos, self.rope_theta), rotary(k, k_pos.expand(B, S), self.rope_theta)
+        q, k = self._rotary(q, q_pos), self._rotary(k, k_pos.expand(B, S))
         if flash_eligible(q):
             if docs is None:
                 o = rows_causal(q, k, v)
@@ -194,7 +208,7 @@ class SoftmaxAttention(nn.Module):
         at every position. Attends over the whole buffer with the unwritten rows masked."""
         B = q.shape[0]
         pos = (cache.position - cache.pad_count)[:, None]                # [B, 1]
-        q, k = rotary(q, pos, self.rope_theta), rotary(k, pos, self.rope_theta)
+        q, k = self._rotary(q, pos), self._rotary(k, pos)
         kb, vb, visible = cache.write_kv_at_position(self.layer_idx, k, v)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2),
                                            attn_mask=visible[:, None, None, :])

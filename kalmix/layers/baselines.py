@@ -1,5 +1,6 @@
 """The field's baselines beside kalmix's own mixers: linear attention, GLA and Mamba-2 on kalmix's pure-PyTorch
-``gated_linear_attention`` op, and fla's public DeltaNet layer."""
+``gated_linear_attention`` op, the VLA notebook's DeltaNet on ``value_gated_delta_rule``, and fla's public DeltaNet
+layer."""
 from __future__ import annotations
 
 import torch
@@ -10,7 +11,7 @@ from kalmix.layers.base import MixerLayer
 from kalmix.layers.common import (DecayGate, GatedRMSNorm, ShortConv, check_dt_range, check_int, check_layer,
                                   check_real, context_mask, gated_norm_out, head_size, upcast)
 from kalmix.layers.documents import Documents
-from kalmix.ops import gated_linear_attention
+from kalmix.ops import gated_linear_attention, value_gated_delta_rule
 
 NORMALIZERS = ("denominator", "rmsnorm")
 
@@ -201,6 +202,55 @@ class Mamba2(_GatedLinearLayer):
         z, xs = ctx
         y = (o + self.D[:, None] * xs).flatten(2)
         return self.out_proj(self.norm(upcast(y) * F.silu(upcast(z))).to(o.dtype)), None
+
+
+class NotebookDeltaNet(MixerLayer):
+    """The DeltaNet of the VLA authors' released notebook (``07-vlav3-benchmark-fixed.ipynb``, ``DeltaNetAttn``), the
+    baseline behind the VLA paper's MQAR numbers; not fla's DeltaNet (``deltanet``). q, k, v and gate projections
+    (with biases); per head q = elu(q) + 1, k = k/max(‖k‖, 1e-12), a gate γ = sigmoid(W_g x) per value channel;
+    the value-gated delta rule with a unit step, S_t = S_{t−1} diag(γ_t) + k_t (v_t − S_{t−1}ᵀ k_t)ᵀ (the error on
+    the undecayed state, ``value_gated_delta_rule``); o_t = S_tᵀ q_t (no scale, norm or denominator); out
+    projection. No short convolution: the notebook's model adds learned absolute positions to the tokens
+    (``KalmixConfig(position="learned")``).
+
+    Args:
+        d_model: width; num_heads: H (K = V = d_model / H); bias: biases on the four projections and the output
+        (the notebook's, zero at init).
+    """
+
+    def __init__(self, d_model: int, num_heads: int = 4, bias: bool = True, layer_idx: int = 0,
+                 impl: str | None = None):
+        super().__init__()
+        name = type(self).__name__
+        check_layer(name, d_model, layer_idx, None)
+        if impl not in (None, "naive", "torch"):
+            raise ValueError(f"{name} runs kalmix's pure-PyTorch value_gated_delta_rule op; impl must be None, "
+                             f"'torch' or 'naive' (there is no Triton kernel), got {impl!r}")
+        if not isinstance(bias, bool):
+            raise ValueError(f"{name}: `bias` must be True or False, got {bias!r}")
+        self.head_dim = head_size(name, "d_model", d_model, num_heads)
+        self.d_model, self.num_heads, self.layer_idx, self.impl = d_model, num_heads, layer_idx, impl
+        self.qkvg_proj = nn.Linear(d_model, 4 * d_model, bias=bias)            # q, k, v and the gate
+        self.o_proj = nn.Linear(d_model, d_model, bias=bias)
+
+    def project(self, x, conv_state, doc_pos=None):
+        q, k, v, g = self.qkvg_proj(x).unflatten(-1, (4, self.num_heads, self.head_dim)).unbind(2)
+        g = F.logsigmoid(upcast(g)).flatten(2)      # [B, T, H·V], 3-D so that the base class keeps it in fp32
+        return [F.elu(q) + 1, F.normalize(k, dim=-1), v, g], None, conv_state
+
+    def mix(self, inputs, initial_state, output_final_state, cu_seqlens, impl, **kwargs):
+        q, k, v, g = inputs
+        o, state = self.run_op(value_gated_delta_rule, q, k, v, g.unflatten(-1, v.shape[-2:]), scale=1.0,
+                               initial_state=initial_state, output_final_state=output_final_state,
+                               cu_seqlens=cu_seqlens, impl=impl, check_values=False)
+        return o, None, state
+
+    def readout(self, o, extra, ctx, **kwargs):
+        return self.o_proj(o.flatten(2)), None
+
+    def state_size(self) -> int:
+        """Recurrent-state elements per sequence: S [H, K, V]."""
+        return self.num_heads * self.head_dim ** 2
 
 
 class FlaDeltaNet(nn.Module):

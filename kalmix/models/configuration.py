@@ -11,6 +11,10 @@ from kalmix.layers.common import check_int, check_real
 
 # arguments the model sets on every mixer itself
 _RESERVED = {"d_model", "layer_idx", "impl"}
+# the backbone's choices (KalmixConfig's mlp_act, norm, position); the first of each is the default
+MLP_ACTS = ("swiglu", "gelu")
+NORMS = ("rmsnorm", "layernorm")
+POSITIONS = ("none", "learned")
 
 
 def layer_pattern(num_layers: int, mixer: str, attention_every: int | None = None,
@@ -48,9 +52,23 @@ class KalmixConfig(PretrainedConfig):
             resolved.
         mixer_kwargs: per mixer name, keyword arguments of its layer class (e.g. ``{"gka": {"num_heads": 8}}``);
             an unknown name or argument is an error.
-        intermediate_size: SwiGLU hidden width (default 8/3 · hidden_size rounded up to a multiple of 64);
+        intermediate_size: the MLPs' hidden width (default 8/3 · hidden_size rounded up to a multiple of 64);
             ``mlp=False`` drops the MLPs (the MQAR convention).
-        norm_eps: of the pre-norm RMSNorms.
+        mlp_act: "swiglu" (default): down(silu(gate(x)) · up(x)), no biases; "gelu": down(GELU(up(x))), a plain
+            2-layer MLP with biases (GPT-2's, the VLA notebook's FFN).
+        norm: "rmsnorm" (default) or "layernorm" (with bias; GPT-2's, the VLA notebook's), for the pre-norms and the
+            final norm.
+        norm_eps: of those norms.
+        position: "none" (default): no position embedding (the recurrent mixers know order; attention rotates q and
+            k); "learned": a learned absolute position embedding [max_position_embeddings, hidden_size] added to
+            the token embeddings (GPT-2's, the VLA notebook's), position t counted as attention counts it: from the
+            start of the sequence, of its packed document, or of its real tokens under left padding. Attention
+            layers still rotate q and k unless ``mixer_kwargs`` gives them ``rope=False``.
+        max_position_embeddings: the rows of the learned position embedding, the longest sequence the model takes
+            (required with position="learned", unused otherwise).
+        residual_init_scale: divide the init std of the projections that write into the residual stream by
+            √(2 · num_hidden_layers) (GPT-2's; default True); False initialises them as every other linear (the VLA
+            notebook's).
         initializer_range: std of the linear and embedding weights; None (default): 1/√(3·fan_in) for each
             linear weight (torch's default scale) and 1/√hidden_size for the embedding, which trains at every
             width (a fixed 0.02, GPT-2's, leaves a width-64 MQAR model's attention near uniform for hundreds of
@@ -72,9 +90,11 @@ class KalmixConfig(PretrainedConfig):
     def __init__(self, vocab_size: int = 32000, hidden_size: int = 1024, num_hidden_layers: int = 8,
                  mixers: list[str] | None = None, mixer: str = "gka", attention_every: int | None = None,
                  attention_layers: list[int] | tuple = (), mixer_kwargs: dict | None = None,
-                 intermediate_size: int | None = None, mlp: bool = True, norm_eps: float = 1e-5,
-                 initializer_range: float | None = None, tie_word_embeddings: bool = True, impl: str | None = None,
-                 use_cache: bool = True, mc_samples: int = 0, **kwargs):
+                 intermediate_size: int | None = None, mlp: bool = True, mlp_act: str = "swiglu", norm: str = "rmsnorm",
+                 norm_eps: float = 1e-5, position: str = "none", max_position_embeddings: int | None = None,
+                 residual_init_scale: bool = True, initializer_range: float | None = None,
+                 tie_word_embeddings: bool = True, impl: str | None = None, use_cache: bool = True,
+                 mc_samples: int = 0, **kwargs):
         vocab_size, hidden_size, num_hidden_layers = (check_int("KalmixConfig", arg, value) for arg, value in (
             ("vocab_size", vocab_size), ("hidden_size", hidden_size), ("num_hidden_layers", num_hidden_layers)))
         if mixers is None:
@@ -115,9 +135,19 @@ class KalmixConfig(PretrainedConfig):
         if intermediate_size is None:
             intermediate_size = -(-8 * hidden_size // 3 // 64) * 64
         intermediate_size = check_int("KalmixConfig", "intermediate_size", intermediate_size)
-        for arg, value in (("mlp", mlp), ("tie_word_embeddings", tie_word_embeddings), ("use_cache", use_cache)):
+        for arg, value in (("mlp", mlp), ("tie_word_embeddings", tie_word_embeddings), ("use_cache", use_cache),
+                           ("residual_init_scale", residual_init_scale)):
             if not isinstance(value, bool):
                 raise ValueError(f"KalmixConfig: `{arg}` must be True or False, got {value!r}")
+        for arg, value, allowed in (("mlp_act", mlp_act, MLP_ACTS), ("norm", norm, NORMS),
+                                    ("position", position, POSITIONS)):
+            if value not in allowed:
+                raise ValueError(f"KalmixConfig: `{arg}` must be one of {allowed}, got {value!r}")
+        if max_position_embeddings is not None:
+            check_int("KalmixConfig", "max_position_embeddings", max_position_embeddings)
+        elif position == "learned":
+            raise ValueError("KalmixConfig: position='learned' needs `max_position_embeddings`, the rows of the "
+                             "position embedding (the longest sequence the model takes)")
         check_real("KalmixConfig", "norm_eps", norm_eps)
         if initializer_range is not None:
             check_real("KalmixConfig", "initializer_range", initializer_range, note=" (or None: by fan-in)")
@@ -130,7 +160,12 @@ class KalmixConfig(PretrainedConfig):
         self.mixer_kwargs = mixer_kwargs
         self.intermediate_size = intermediate_size
         self.mlp = mlp
+        self.mlp_act = mlp_act
+        self.norm = norm
         self.norm_eps = norm_eps
+        self.position = position
+        self.max_position_embeddings = max_position_embeddings
+        self.residual_init_scale = residual_init_scale
         self.initializer_range = initializer_range
         self.impl = impl
         self.use_cache = use_cache

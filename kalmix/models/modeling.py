@@ -1,12 +1,14 @@
 """``KalmixModel`` / ``KalmixForCausalLM``: transformers causal LMs over any per-layer mix of kalmix mixers.
 
-Blocks are pre-norm: ``x + mixer(RMSNorm(x))`` then ``x + SwiGLU(RMSNorm(x))``. Initialisation: every linear
+Blocks are pre-norm: ``x + mixer(RMSNorm(x))`` then ``x + SwiGLU(RMSNorm(x))`` (``config.norm``: LayerNorm;
+``config.mlp_act``: a GELU MLP). ``config.position="learned"`` adds a learned absolute position embedding to the
+token embeddings. Initialisation: every linear
 weight ~ N(0, σ²) with σ = 1/√(3·fan_in), the variance of torch's default ``nn.Linear`` init (or σ =
-``initializer_range`` when set), the embedding ~ N(0, 1/hidden_size)
+``initializer_range`` when set), the token and position embeddings ~ N(0, 1/hidden_size)
 (or ``initializer_range``), biases zero, norm weights one; the projections that write into the residual stream
 (each mixer's output projection and the MLP's down projection) have σ / √(2 · num_hidden_layers) (GPT-2's
-scaling); each mixer's own parameters (decays, Δ, process noise, short convolutions, skip, gate biases) keep the
-initialisation of its paper that the layer sets.
+scaling, unless ``config.residual_init_scale`` is False); each mixer's own parameters (decays, Δ, process noise,
+short convolutions, skip, gate biases) keep the initialisation of its paper that the layer sets.
 """
 from __future__ import annotations
 
@@ -51,17 +53,36 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(gate) * up)
 
 
+class GeluMLP(nn.Module):
+    """``down(GELU(up(x)))`` with biases: GPT-2's MLP (exact GELU)."""
+
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.up = nn.Linear(d_model, hidden)
+        self.down = nn.Linear(hidden, d_model)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+def make_norm(config: KalmixConfig) -> nn.Module:
+    """The block and final norm ``config.norm`` over hidden_size: nn.RMSNorm or nn.LayerNorm (with bias)."""
+    cls = nn.LayerNorm if config.norm == "layernorm" else nn.RMSNorm
+    return cls(config.hidden_size, eps=config.norm_eps)
+
+
 class KalmixBlock(nn.Module):
-    """Pre-norm residual block: mixer, then (unless ``config.mlp`` is False) a SwiGLU MLP."""
+    """Pre-norm residual block: mixer, then (unless ``config.mlp`` is False) an MLP (``config.mlp_act``)."""
 
     def __init__(self, config: KalmixConfig, layer_idx: int):
         super().__init__()
         d = config.hidden_size
         self.mixer_type = config.mixers[layer_idx]
-        self.mixer_norm = nn.RMSNorm(d, eps=config.norm_eps)
+        self.mixer_norm = make_norm(config)
         self.mixer = MIXERS[self.mixer_type](d, **config.layer_kwargs(layer_idx))
-        self.mlp_norm = nn.RMSNorm(d, eps=config.norm_eps) if config.mlp else None
-        self.mlp = SwiGLU(d, config.intermediate_size) if config.mlp else None
+        self.mlp_norm = make_norm(config) if config.mlp else None
+        mlp = GeluMLP if config.mlp_act == "gelu" else SwiGLU
+        self.mlp = mlp(d, config.intermediate_size) if config.mlp else None
         for name in _RESIDUAL_OUT:                  # the projections that write into the residual stream
             for owner in (self.mixer, self.mlp):
                 if isinstance(getattr(owner, name, None), nn.Linear):
@@ -97,25 +118,30 @@ class KalmixPreTrainedModel(PreTrainedModel):
         fixed = self.config.initializer_range
         if isinstance(module, nn.Linear):
             std = fixed if fixed is not None else (3 * module.in_features) ** -0.5
-            if getattr(module, "_residual_out", False):
+            if getattr(module, "_residual_out", False) and self.config.residual_init_scale:
                 std = std / math.sqrt(2 * self.config.num_hidden_layers)
             init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             init.normal_(module.weight, mean=0.0, std=fixed if fixed is not None else module.embedding_dim ** -0.5)
-        elif isinstance(module, nn.RMSNorm) and module.weight is not None:
+        elif isinstance(module, (nn.RMSNorm, nn.LayerNorm)) and module.weight is not None:
             init.ones_(module.weight)
+            if getattr(module, "bias", None) is not None:
+                init.zeros_(module.bias)
 
 
 class KalmixModel(KalmixPreTrainedModel):
-    """Embedding, ``num_hidden_layers`` blocks of the configured mixers, final RMSNorm."""
+    """Embedding (and learned positions with ``config.position="learned"``), ``num_hidden_layers`` blocks of the
+    configured mixers, final norm."""
 
     def __init__(self, config: KalmixConfig):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        if config.position == "learned":
+            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.layers = nn.ModuleList(KalmixBlock(config, i) for i in range(config.num_hidden_layers))
-        self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.norm = make_norm(config)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -193,6 +219,8 @@ class KalmixModel(KalmixPreTrainedModel):
             cache.advance(0, x.device, x.shape[0])
             if x.shape[1] > 1 and attention_mask is not None:
                 cache.mark_padding(attention_mask[:, -x.shape[1]:], cache.get_seq_length())
+        if self.config.position == "learned":
+            x = x + self.embed_positions(self._positions(x, attention_mask, cache, docs))
         hidden = [] if output_hidden_states else None
         for block in self.layers:
             if hidden is not None:
@@ -212,6 +240,33 @@ class KalmixModel(KalmixPreTrainedModel):
         if return_dict is False:
             return tuple(v for v in (x, out_cache, hidden) if v is not None)
         return BaseModelOutputWithPast(last_hidden_state=x, hidden_states=hidden, **{_CACHE_FIELD: out_cache})
+
+    def _positions(self, x, attention_mask, cache, docs) -> torch.Tensor:
+        """The learned position embedding's rows [B or 1, T] for this call's tokens, counted as attention counts
+        them: within each packed document; from the piece's start under context parallelism; from the sequence's
+        real tokens under a padding mask (over the whole context with a cache); from the tokens a cache has seen.
+        A ValueError when they could pass ``max_position_embeddings`` (a bound known on the host: no sync)."""
+        T = x.shape[1]
+        if docs is not None:                        # a context piece's documents may continue from earlier pieces
+            pos = docs.doc_pos
+            longest = docs.start + T if hasattr(docs, "start") else docs.max_len
+        elif self.context_split is not None:
+            split = self.context_split
+            start = sum(split.lengths(T, x.device)[:split.rank])
+            pos, longest = torch.arange(start, start + T, device=x.device)[None], start + T
+        elif cache is not None and cache.static and T == 1 and cache.position is not None:
+            pos, longest = (cache.position - cache.pad_count)[:, None], cache.capacity
+        elif attention_mask is not None:
+            pos, longest = (attention_mask.long().cumsum(1) - 1).clamp_min(0)[:, -T:], attention_mask.shape[1]
+        else:
+            start = cache.get_seq_length() if cache is not None else 0
+            pos, longest = torch.arange(start, start + T, device=x.device)[None], start + T
+        rows = self.config.max_position_embeddings
+        if longest > rows:
+            raise ValueError(f"KalmixModel: this call can reach position {longest - 1}, but the learned position "
+                             f"embedding has max_position_embeddings = {rows} rows (positions 0 to {rows - 1}); "
+                             f"feed shorter sequences or build the model with more")
+        return pos
 
     def _check_inputs(self, name: str, input_ids, inputs_embeds, attention_mask, cache, past_key_values):
         """The checks of a forward's inputs that read no tensor (types, shapes, dtypes, devices), so cost nothing

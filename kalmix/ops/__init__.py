@@ -10,11 +10,13 @@ from kalmix.ops.kaczmarz import op as _kaczmarz
 from kalmix.ops.kaczmarz.op import kaczmarz_attention
 from kalmix.ops.kalman import op as _kalman
 from kalmix.ops.kalman.op import kalman_attention
+from kalmix.ops.value_delta import op as _value_delta
+from kalmix.ops.value_delta.op import value_gated_delta_rule
 from kalmix.ops.vla import op as _vla
 from kalmix.ops.vla.op import variational_linear_attention
 
 # the impls each op has in this version (impl=None resolves to one of these or raises)
-AVAILABLE_IMPLS = {m._OP: tuple(m._IMPLS) for m in (_kalman, _gka, _kaczmarz, _vla, _gla)}
+AVAILABLE_IMPLS = {m._OP: tuple(m._IMPLS) for m in (_kalman, _gka, _kaczmarz, _vla, _gla, _value_delta)}
 
 
 def runnable_impls(op: str, device: torch.device) -> tuple[str, ...]:
@@ -23,4 +25,4 @@ def runnable_impls(op: str, device: torch.device) -> tuple[str, ...]:
 
 
 __all__ = ["kalman_attention", "gated_kalmanet", "kaczmarz_attention", "variational_linear_attention",
-           "gated_linear_attention", "AVAILABLE_IMPLS", "runnable_impls"]
+           "gated_linear_attention", "value_gated_delta_rule", "AVAILABLE_IMPLS", "runnable_impls"]

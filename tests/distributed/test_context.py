@@ -21,7 +21,7 @@ LENGTHS = {2: [5, 8], 4: [3, 4, 1, 5]}      # unequal pieces of T tokens; on 4 r
 # packed: empty sequences at the start, at a piece boundary (3) and at the end; [3, 9) crosses both boundaries of
 # the length-1 piece on 4 ranks, so a rank with no sequence of its own passes it on
 CU = [0, 0, 3, 3, 9, 13, 13]
-OPS, LAYOUTS = ("kalman", "gka", "kaczmarz", "vla"), ("batch", "packed")
+OPS, LAYOUTS = ("kalman", "gka", "kaczmarz", "vla", "value_delta"), ("batch", "packed")
 COMBINE_OPS = ("gka", "kaczmarz", "gla")     # mode="combine": the ops whose state map over a piece is affine
 # initial state given or default, final state returned (and in the loss) or not, Kalman's variance or not
 VARIANTS = {"given": (True, True, True), "default": (False, True, False), "no-final": (True, False, True)}
@@ -139,10 +139,10 @@ def test_combine_matches_single_device(world, op, layout, variant):
     assert _results(world)[f"{op}-{layout}-{variant}-combine"] == "ok"
 
 
-@pytest.mark.parametrize("op", ["kalman", "vla"])
+@pytest.mark.parametrize("op", ["kalman", "vla", "value_delta"])
 def test_combine_refuses_non_affine_ops(op):
-    """Kalman's and VLA's state maps are not affine: combine names the ops that are and points to the relay
-    (before any message, so no process group is needed)."""
+    """Kalman's and VLA's state maps are not affine, the value-gated delta rule's has a map per value channel:
+    combine names the ops it takes and points to the relay (before any message, so no process group is needed)."""
     args = CASES[op].inputs(1, 3, H, K, V, torch.float64, torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match=r"mode='combine'.*kaczmarz_attention.*use mode='relay'"):
         context_parallel(CASES[op].fn, *args, mode="combine")

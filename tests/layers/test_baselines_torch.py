@@ -1,6 +1,6 @@
 """The pure-PyTorch baselines: gated_linear_attention's chunked impl against its token loop (fp64, every gradient,
-strong decays), and the linear_attention, gla and mamba2 mixers inside KalmixForCausalLM (packed documents, padding,
-cached decoding)."""
+strong decays), and the linear_attention, gla, mamba2 and notebook_deltanet mixers inside KalmixForCausalLM (packed
+documents, padding, cached decoding)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +11,7 @@ from kalmix.ops import gated_linear_attention
 from kalmix.ops.common.testing import assert_close, random_functional_grads
 
 BASELINES = {"linear_attention": dict(num_heads=2), "gla": dict(num_heads=2),
-             "mamba2": dict(head_dim=8, d_state=4)}
+             "mamba2": dict(head_dim=8, d_state=4), "notebook_deltanet": dict(num_heads=2)}
 GATES = ["none", "head", "channel"]
 
 

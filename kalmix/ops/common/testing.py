@@ -108,6 +108,11 @@ CASES = {
         lambda B, T, H, K, V, dt, g: [_rand(g, B, T, H, K, dtype=dt), _rand(g, B, T, H, K, dtype=dt),
                                       _rand(g, B, T, H, V, dtype=dt), _unif(g, -0.5, 0.0, B, T, H, K, dtype=dt)],
         lambda n, H, K, V, dt, g: _rand(g, n, H, K, V, dtype=dt)),
+    "value_delta": OpCase(   # the VLA notebook's DeltaNet: unit keys, a sigmoid gate per value channel
+        "value_delta", ops.value_gated_delta_rule,
+        lambda B, T, H, K, V, dt, g: [_rand(g, B, T, H, K, dtype=dt), _normalize(_rand(g, B, T, H, K, dtype=dt)),
+                                      _rand(g, B, T, H, V, dtype=dt), _unif(g, -2.0, 0.0, B, T, H, V, dtype=dt)],
+        lambda n, H, K, V, dt, g: _rand(g, n, H, K, V, dtype=dt)),
 }
 
 

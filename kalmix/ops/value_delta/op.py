@@ -1,0 +1,65 @@
+"""Public entry point of the value-gated delta rule: the op under the VLA notebook's DeltaNet baseline."""
+from __future__ import annotations
+
+import torch
+
+from kalmix.ops.common.checks import (Range, check_cu_seqlens, check_gates, check_ranges, check_same, check_tensor,
+                                      compute_dtype, fail, no_check, resolve_impl)
+from kalmix.ops.common.precision import no_autocast
+from kalmix.ops.common.varlen import run_packed
+from kalmix.ops.value_delta.chunk import value_delta_chunk
+from kalmix.ops.value_delta.naive import value_delta_naive
+
+_OP = "value_gated_delta_rule"
+_IMPLS = {"naive": value_delta_naive, "torch": value_delta_chunk}
+
+
+@no_autocast
+def value_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, *,
+                           scale: float | None = None, initial_state: torch.Tensor | None = None,
+                           output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
+                           impl: str | None = None, check_values: bool = True):
+    """S_t = S_{t−1} diag(exp(g_t)) + k_t (v_t − S_{t−1}ᵀ k_t)ᵀ, o_t = scale · S_tᵀ q_t.
+
+    A delta rule with a unit step whose decay acts on each value channel (a column of S) and not on the error,
+    which is measured against the undecayed state: the DeltaNet of the VLA authors' released notebook
+    (S ← σ(W_g x) ⊙ S + (v − S k) kᵀ in its [V, K] layout). With g = 0 it is DeltaNet's rule at β = 1.
+
+    Args:
+        q, k: [B, T, H, K]; v: [B, T, H, V].
+        g: log decay per value channel (finite, <= 0): [B, T, H, V], in q's dtype or fp32.
+        scale: readout scale, default K ** -0.5.
+        initial_state: [B, H, K, V] (B = number of sequences with ``cu_seqlens``); default zeros.
+        cu_seqlens: [N + 1] offsets of packed sequences (B must be 1), run one by one.
+        impl: "naive" (token loop) | "torch" (chunked) | None (= "torch" on every device: there is no Triton
+            kernel, and "triton" is a ValueError).
+        check_values: reject NaN/Inf in q, k, v and the state and g outside (−inf, 0] (one host synchronisation);
+            False skips it, for callers whose inputs are in range by construction (the layers).
+    Returns:
+        o [B, T, H, V] in q's dtype, final state [B, H, K, V] (fp32, fp64 for fp64 inputs) or None.
+    """
+    check_tensor(_OP, "q", q, (None, None, None, None), "[B, T, H, K]")
+    B, T, H, K = q.shape
+    check_tensor(_OP, "k", k, (B, T, H, K), "[B, T, H, K] like q")
+    check_tensor(_OP, "v", v, (B, T, H, None), "[B, T, H, V]")
+    V = v.shape[-1]
+    check_tensor(_OP, "g", g, (B, T, H, V), "[B, T, H, V] like v")
+    check_same(_OP, "q", q, {"k": k, "v": v})
+    check_gates(_OP, q, {"g": g})
+    n_seq = check_cu_seqlens(_OP, cu_seqlens, B, T, q.device)
+    if impl == "triton":
+        fail(_OP, "has no Triton kernel; use impl='torch' (chunked, CPU and CUDA) or 'naive' (the token loop)")
+    fn = resolve_impl(_OP, impl or "torch", q.device, _IMPLS)
+    dt = compute_dtype(q)
+    if initial_state is not None:
+        check_tensor(_OP, "initial_state", initial_state, (n_seq, H, K, V), "[B, H, K, V] (B = number of sequences)")
+        check_same(_OP, "q", q, {"initial_state": initial_state}, dtype=False)
+    finish = no_check
+    if check_values:
+        finish = check_ranges(_OP, [Range("g", g, float("-inf"), 0.0, lo_open=True)],
+                              {"q": q, "k": k, "v": v, "initial_state": initial_state})
+    state = q.new_zeros(n_seq, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt)
+    scale = K ** -0.5 if scale is None else scale
+    (o,), (S,) = run_packed(fn, cu_seqlens, [x.to(dt) for x in (q, k, v, g)], (state,), scale=scale)
+    finish()
+    return o.to(q.dtype), (S if output_final_state else None)
