@@ -141,7 +141,8 @@ class ModelSpec(BaseModel):
 
 class MixerSpec(BaseModel):
     """One compared model: a ``KalmixConfig`` mixer, its layer's keyword arguments and other config fields
-    (e.g. ``mc_samples`` for KLA+)."""
+    (e.g. ``mc_samples`` for KLA+, or a backbone: ``norm``, ``mlp_act``, ``position``, ``residual_init_scale``;
+    ``position: learned`` gets ``max_position_embeddings`` = the task's longest test length unless given)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -533,11 +534,13 @@ class CompressionModel(nn.Module):
 
 def lm_config(recipe: Recipe, spec: MixerSpec, impl: str | None) -> KalmixConfig:
     """The language model of ``spec`` in ``recipe``'s model shape, on the task's vocabulary."""
-    m = recipe.model
+    m, config = recipe.model, dict(spec.config)
+    if config.get("position") == "learned":
+        config.setdefault("max_position_embeddings", max(recipe.test_lengths()))
     return KalmixConfig(vocab_size=recipe.task.vocab_size(), hidden_size=m.d_model, num_hidden_layers=m.n_layers,
                         mixer=spec.mixer, mixer_kwargs={spec.mixer: spec.kwargs} if spec.kwargs else None, mlp=m.mlp,
                         intermediate_size=m.intermediate_size, initializer_range=m.init_std,
-                        tie_word_embeddings=m.tie_embeddings, impl=impl, **spec.config)
+                        tie_word_embeddings=m.tie_embeddings, impl=impl, **config)
 
 
 def build_model(recipe: Recipe, spec: MixerSpec, impl: str | None) -> nn.Module:
