@@ -470,3 +470,37 @@ def test_reproduce_script_spreads_jobs_and_stops_at_its_limit(tmp_path):
     late = subprocess.run(["bash", script, str(tmp_path / "late"), f"{path}:gdn"], env={**env, "LIMIT": "1"},
                           capture_output=True, text=True, timeout=600)
     assert late.returncode == 124 and "not started (time limit)" in late.stdout
+
+
+@pytest.mark.parametrize("name", ["vla_capacity", "vla_long_context"])
+def test_vla_released_mixers_are_the_notebooks_models(name, tmp_path):
+    """The *_released mixers of the VLA recipes build the notebook's models (its layers on LayerNorm, a GELU FFN,
+    learned positions as long as the task, no residual init scale) and a tiny CPU run of them through the command
+    finishes; the other mixers keep kalmix's backbone."""
+    import kalmix.bench.synthetic as syn
+    path = os.path.join(ROOT, "kalmix", "bench", "recipes", name + ".yaml")
+    recipe = load_recipe(path)
+    point = recipe.points()[0]
+    r = recipe.at(point)
+    released = [label for label in r.mixers if label.endswith("_released")]
+    assert sorted(released) == ["attention_released", "deltanet_released", "linear_attention_released",
+                                "vla_released"]
+    for label, spec in r.mixers.items():
+        cfg = syn.lm_config(r, spec, None)
+        notebook = (cfg.norm, cfg.mlp_act, cfg.position, cfg.residual_init_scale)
+        if label in released:
+            assert notebook == ("layernorm", "gelu", "learned", False)
+            assert cfg.max_position_embeddings == r.task.length()
+        else:
+            assert notebook == ("rmsnorm", "swiglu", "none", True)
+    assert r.mixers["deltanet_released"].mixer == "notebook_deltanet"
+    assert r.mixers["attention_released"].kwargs["rope"] is False
+    out = tmp_path / "r.jsonl"
+    assert main(["bench", "run", path, "--device", "cpu", "--mixers", "deltanet_released", "attention_released",
+                 "--set", "train.steps=2", "--set", "train.eval_every=2", "--set", "train.seeds=[42]",
+                 "--set", "train.lrs=[3.0e-4]", "--set", f"grid.{next(iter(point))}=[{next(iter(point.values()))}]",
+                 "--set", "task.val_examples=16", "--set", "task.test_examples=16", "--out", str(out)]) == 0
+    rows = rep.load_rows([str(out)])
+    assert sorted(row["mixer"] for row in rows) == ["attention_released", "deltanet_released"]
+    assert all(row["status"] == "ok" and row["steps_run"] == 2 for row in rows)
+    assert "notebook_deltanet: kalmix torch (chunked PyTorch)" in {row["ran"] for row in rows}

@@ -24,11 +24,13 @@ B, T, VOCAB = 2, 13, 32
 LENGTHS = {2: [5, 8], 4: [3, 4, 1, 5]}      # unequal pieces of T tokens; on 4 ranks one shorter than kernel − 1
 MODELS = {"gdn": ["gdn"] * 2, "kaczmarz": ["kaczmarz"] * 2, "gka": ["gka"] * 2, "vla": ["vla"] * 2,
           "kalman": ["kalman"] * 2, "hybrid": ["gdn", "attention"],
-          "baselines": ["linear_attention", "gla", "mamba2"]}
+          "baselines": ["linear_attention", "gla", "mamba2"], "notebook": ["notebook_deltanet", "attention"]}
 MIXER_KWARGS = {"gdn": {"num_heads": 2}, "kaczmarz": {"num_heads": 2}, "gka": {"num_heads": 2},
                 "vla": {"num_heads": 2}, "kalman": {"d_state": 4, "num_heads": 2}, "attention": {"num_heads": 2},
                 "linear_attention": {"num_heads": 2}, "gla": {"num_heads": 2},
-                "mamba2": {"d_state": 4, "head_dim": 8}}
+                "mamba2": {"d_state": 4, "head_dim": 8}, "notebook_deltanet": {"num_heads": 2}}
+# the VLA notebook's backbone (learned positions: each piece's count from its start, or from its document's)
+BACKBONES = {"notebook": dict(norm="layernorm", mlp_act="gelu", position="learned", max_position_embeddings=T)}
 COMBINE = ("kaczmarz", "gka", "baselines")     # models whose mixers' ops are affine: also run in combine mode
 # packed documents, offsets within each row of T = 13 tokens: documents cross every piece boundary (3, 5, 7, 8); row
 # 0 starts one at 2, inside the halo of the piece at 3; [6, 12) and [5, 9) hold the 1-token piece [7, 8) as their
@@ -37,10 +39,10 @@ DOCS = [[0, 2, 6, 12, 13], [0, 1, 3, 5, 9, 13]]
 TOL = 1e-10
 
 
-def _model(mixers: list[str]) -> KalmixForCausalLM:
+def _model(mixers: list[str], **backbone) -> KalmixForCausalLM:
     torch.manual_seed(0)                    # the same weights on every rank
     config = KalmixConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=len(mixers),
-                          mixers=mixers, mixer_kwargs={m: MIXER_KWARGS[m] for m in set(mixers)})
+                          mixers=mixers, mixer_kwargs={m: MIXER_KWARGS[m] for m in set(mixers)}, **backbone)
     return KalmixForCausalLM(config).double().eval()
 
 
@@ -74,7 +76,7 @@ def _case(rank: int, world: int, name: str, mode: str = "relay", varlen: bool = 
             return _case(rank, world, name, mode, docs=docs)
         finally:
             attention.flash_eligible, attention.varlen_causal = saved
-    model = _model(MODELS[name])
+    model = _model(MODELS[name], **BACKBONES.get(name, {}))
     params = [p for p in model.parameters() if p.requires_grad]
     ids, labels = _batch(world)
     cu, pos = _documents()
