@@ -10,7 +10,7 @@ from kalmix.models import KalmixConfig, KalmixForCausalLM
 
 KW = {"attention": {"num_heads": 2}, "gdn": {"num_heads": 2}, "kaczmarz": {"num_heads": 2}, "gka": {"num_heads": 2},
       "vla": {"num_heads": 2}, "kalman": {"d_state": 4, "expand": 1}, "linear_attention": {"num_heads": 2},
-      "gla": {"num_heads": 2}, "mamba2": {"num_heads": 2, "d_state": 4}}
+      "gla": {"num_heads": 2}, "mamba2": {"num_heads": 2, "d_state": 4}, "notebook_deltanet": {"num_heads": 2}}
 
 
 def _model(mixers, seed=0):
