@@ -12,7 +12,8 @@ from triton.testing import do_bench
 
 from _gpu_script import run, time_anchors
 from kalmix import ops
-from kalmix.ops.common.testing import gka_layer_inputs, random_functional_grads, rel_err
+from kalmix.ops.gka.spec import layer_inputs as gka_layer_inputs
+from kalmix.ops.common.testing import random_functional_grads, rel_err
 from kalmix.ops.gka import fused
 
 DEFAULTS = dict(fused.CONFIGS[16])

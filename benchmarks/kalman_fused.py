@@ -12,7 +12,8 @@ import torch
 from triton.testing import do_bench
 
 from kalmix import ops
-from kalmix.ops.common.testing import kalman_realistic_inputs, rel_err
+from kalmix.ops.kalman.spec import realistic_inputs as kalman_realistic_inputs
+from kalmix.ops.common.testing import rel_err
 from kalmix.ops.kalman import fused
 
 
