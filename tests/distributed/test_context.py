@@ -6,6 +6,7 @@ gradients, compares them with the single-device op and reports "ok" or what diff
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 
 import pytest
@@ -13,7 +14,9 @@ import torch
 import torch.distributed as dist
 
 from kalmix.distributed import context_parallel, packed_piece
+from kalmix.distributed.context import COMBINE_RULES, Piece, _Plan
 from kalmix.ops import SPECS
+from kalmix.ops.common import spec as op_spec
 from tests.distributed.gloo import run_cases
 
 H, K, V, T = 2, 4, 3, 13
@@ -148,6 +151,37 @@ def test_combine_refuses_non_affine_ops(op):
         context_parallel(SPECS[op].fn, *args, mode="combine")
     with pytest.raises(ValueError, match="`mode` must be one of"):
         context_parallel(SPECS[op].fn, *args, mode="scan")
+
+
+def test_every_rule_an_op_can_name_is_implemented():
+    assert set(COMBINE_RULES) == set(op_spec.COMBINE_RULES)
+
+
+@pytest.mark.parametrize("op", COMBINE_OPS)
+def test_combine_rule_composes_on_random_inputs(op):
+    """What a spec's combine rule claims, in one process: the rule summarises a piece's state map without knowing
+    the state it starts from; that summary composed onto a random state S is the op's final state from S, and the
+    piece finished from S gives the op's outputs from S (every row carried in and on, as on a middle rank)."""
+    spec, n = SPECS[op], 2
+    gen = torch.Generator().manual_seed(3)
+    args = spec.inputs(n, T, H, K, V, torch.float64, gen)
+    s = spec.random_state(n, H, K, V, torch.float64, gen)
+    s = [s] if torch.is_tensor(s) else list(s)
+    *ref_outs, ref_final = spec.fn(*args, initial_state=s[0] if spec.single_state else tuple(s),
+                                   output_final_state=True, impl="torch")
+    ref_final = [ref_final] if spec.single_state else list(ref_final)
+    params = inspect.signature(spec.fn).bind(*args, impl="torch").arguments
+    plan = _Plan(spec.fn, spec, params, Piece(0, n, n, n), None, None, None, len(args), True, False, (H, K, V),
+                 torch.float64, torch.device("cpu"))
+    rule, kwargs, own = COMBINE_RULES[spec.combine], plan.kwargs(list(args)), list(plan.defaults(0))
+    summary, cache = rule.summarise(plan, kwargs, own)
+    composed = rule.compose(summary, s)
+    outs, final = rule.finish(plan, kwargs, own, s, cache)
+    for what, xs, refs in (("composed state", composed, ref_final), ("final state", final, ref_final),
+                           ("outputs", outs, ref_outs)):
+        assert len(xs) == len(refs), what
+        for x, r in zip(xs, refs):
+            torch.testing.assert_close(x, r, rtol=TOL, atol=TOL, msg=lambda m: f"{op} {what}: {m}")
 
 
 def test_packed_pieces():
