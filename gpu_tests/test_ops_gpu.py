@@ -7,12 +7,12 @@ from triton.runtime.errors import OutOfResources
 
 from kalmix import ops
 from kalmix.ops import SPECS
-from kalmix.ops.gka.spec import layer_inputs as gka_layer_inputs
-from kalmix.ops.kalman.spec import realistic_inputs as kalman_realistic_inputs
-from kalmix.ops.common.testing import outputs_and_grads, ptxas_verbose, random_functional_grads, rel_err, run_case
 from kalmix.ops.common import delta_triton
+from kalmix.ops.common.testing import outputs_and_grads, ptxas_verbose, random_functional_grads, rel_err, run_case
 from kalmix.ops.gka import fused as gka_fused
+from kalmix.ops.gka.spec import layer_inputs as gka_layer_inputs
 from kalmix.ops.kaczmarz import fused as kaczmarz_fused
+from kalmix.ops.kalman.spec import realistic_inputs as kalman_realistic_inputs
 from kalmix.ops.vla import fused as vla_fused
 
 # fp32 kernels (3xTF32 or fp32 CUDA-core math) against fp64; bf16 activations against fp64 on the same rounded

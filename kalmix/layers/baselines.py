@@ -258,8 +258,12 @@ def _heads(layer) -> tuple[int, int, int]:
     return layer.num_heads, layer.head_k_dim, layer.head_v_dim
 
 
+def _fla_heads(layer: FlaDeltaNet) -> tuple[int, int, int]:
+    head = layer.d_model // layer.num_heads
+    return layer.num_heads, head, head
+
+
 MIXER_SPECS = (MixerSpec("linear_attention", LinearAttention, _heads, {"heads": "num_heads"}),
                MixerSpec("gla", GatedLinearAttention, _heads, {"heads": "num_heads"}),
                MixerSpec("mamba2", Mamba2, _heads, {"heads": "num_heads"}),
-               MixerSpec("deltanet", FlaDeltaNet, lambda layer: (layer.num_heads,) + 2 * (layer.d_model // layer.num_heads,),
-                         {"heads": "num_heads"}, cost=DELTA, requires="fla"))
+               MixerSpec("deltanet", FlaDeltaNet, _fla_heads, {"heads": "num_heads"}, cost=DELTA, requires="fla"))

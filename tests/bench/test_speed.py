@@ -8,8 +8,8 @@ import torch
 
 from kalmix import ops
 from kalmix.bench.speed import SpeedConfig, targets
-from kalmix.ops.common.cost import Shape
 from kalmix.cli import main
+from kalmix.ops.common.cost import Shape
 
 
 def test_cli_on_cpu_writes_csv_and_plots(tmp_path, capsys):

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from kalmix import ops
-from kalmix.ops.common.checks import resolve_impl
 from kalmix.ops import SPECS
+from kalmix.ops.common.checks import resolve_impl
 
 
 @pytest.fixture

@@ -20,9 +20,9 @@ def _fwd(s: Shape, num_iters: int = NUM_ITERS) -> float:
 
 def _inputs(B, T, H, K, V, dtype, gen):
     """q [B, T, H, K], k unit, v [B, T, H, V]; g in [-0.3, 0), β in [0.05, 1), α in [0, 1) [B, T, H]."""
-    return [randn(gen, B, T, H, K, dtype=dtype), unit(gen, B, T, H, K, dtype=dtype), randn(gen, B, T, H, V, dtype=dtype),
-            uniform(gen, -0.3, 0.0, B, T, H, dtype=dtype), uniform(gen, 0.05, 1.0, B, T, H, dtype=dtype),
-            uniform(gen, 0.0, 1.0, B, T, H, dtype=dtype)]
+    return [randn(gen, B, T, H, K, dtype=dtype), unit(gen, B, T, H, K, dtype=dtype),
+            randn(gen, B, T, H, V, dtype=dtype), uniform(gen, -0.3, 0.0, B, T, H, dtype=dtype),
+            uniform(gen, 0.05, 1.0, B, T, H, dtype=dtype), uniform(gen, 0.0, 1.0, B, T, H, dtype=dtype)]
 
 
 def _default_state(n, H, K, V, dtype, device, kwargs):

@@ -11,8 +11,8 @@ from kalmix.ops.gla.op import _IMPLS, gated_linear_attention
 
 def _inputs(B, T, H, K, V, dtype, gen):
     """GLA's regime: q, k [B, T, H, K], v [B, T, H, V] normal; a log decay per key channel in [-0.5, 0)."""
-    return [randn(gen, B, T, H, K, dtype=dtype), randn(gen, B, T, H, K, dtype=dtype), randn(gen, B, T, H, V, dtype=dtype),
-            uniform(gen, -0.5, 0.0, B, T, H, K, dtype=dtype)]
+    return [randn(gen, B, T, H, K, dtype=dtype), randn(gen, B, T, H, K, dtype=dtype),
+            randn(gen, B, T, H, V, dtype=dtype), uniform(gen, -0.5, 0.0, B, T, H, K, dtype=dtype)]
 
 
 SPEC = OpSpec(

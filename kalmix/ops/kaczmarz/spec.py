@@ -10,8 +10,9 @@ from kalmix.ops.kaczmarz.op import _IMPLS, kaczmarz_attention
 
 def _inputs(B, T, H, K, V, dtype, gen):
     """q unit [B, T, H, K], k, v [B, T, H, V]; g in [-0.3, 0), η in [0.05, 1) [B, T, H]."""
-    return [unit(gen, B, T, H, K, dtype=dtype), randn(gen, B, T, H, K, dtype=dtype), randn(gen, B, T, H, V, dtype=dtype),
-            uniform(gen, -0.3, 0.0, B, T, H, dtype=dtype), uniform(gen, 0.05, 1.0, B, T, H, dtype=dtype)]
+    return [unit(gen, B, T, H, K, dtype=dtype), randn(gen, B, T, H, K, dtype=dtype),
+            randn(gen, B, T, H, V, dtype=dtype), uniform(gen, -0.3, 0.0, B, T, H, dtype=dtype),
+            uniform(gen, 0.05, 1.0, B, T, H, dtype=dtype)]
 
 
 SPEC = OpSpec(

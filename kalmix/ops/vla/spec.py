@@ -20,8 +20,8 @@ def _fwd(s: Shape) -> float:
 
 def _inputs(B, T, H, K, V, dtype, gen):
     """q, k, v, u: normal, [B, T, H, K] (v: V)."""
-    return [randn(gen, B, T, H, K, dtype=dtype), randn(gen, B, T, H, K, dtype=dtype), randn(gen, B, T, H, V, dtype=dtype),
-            randn(gen, B, T, H, K, dtype=dtype)]
+    return [randn(gen, B, T, H, K, dtype=dtype), randn(gen, B, T, H, K, dtype=dtype),
+            randn(gen, B, T, H, V, dtype=dtype), randn(gen, B, T, H, K, dtype=dtype)]
 
 
 def _default_state(n, H, K, V, dtype, device, kwargs):

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from kalmix import ops
-from kalmix.ops.common.chebyshev import chebyshev_solve
 from kalmix.ops import SPECS
+from kalmix.ops.common.chebyshev import chebyshev_solve
 from kalmix.ops.common.testing import assert_close
 
 

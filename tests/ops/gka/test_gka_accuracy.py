@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kalmix import ops
-from kalmix.ops.gka.spec import layer_inputs as gka_layer_inputs
 from kalmix.ops.common.testing import random_functional_grads, rel_err
+from kalmix.ops.gka.spec import layer_inputs as gka_layer_inputs
 
 NAMES = "o H U dq dk dv dg dbeta dalpha dH0 dU0".split()
 GRADS = NAMES[3:]

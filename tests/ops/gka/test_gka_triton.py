@@ -6,8 +6,8 @@ import torch
 from kalmix import ops
 from kalmix.ops import SPECS
 from kalmix.ops.common.testing import assert_close, launch_args, random_functional_grads, rel_err
-from kalmix.ops.gka.spec import layer_inputs
 from kalmix.ops.gka import fused
+from kalmix.ops.gka.spec import layer_inputs
 
 NAMES = "o H U dq dk dv dg dbeta dalpha dH0 dU0".split()
 

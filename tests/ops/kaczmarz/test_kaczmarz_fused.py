@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from kalmix import ops
+from kalmix.ops import SPECS
 from kalmix.ops.common import delta_triton
 from kalmix.ops.common.delta import chunk_delta_rule
-from kalmix.ops import SPECS
 from kalmix.ops.common.testing import assert_close, launch_args, random_functional_grads
 from kalmix.ops.common.varlen import run_packed
 from kalmix.ops.kaczmarz import beta_triton, fused

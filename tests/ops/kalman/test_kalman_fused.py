@@ -5,8 +5,8 @@ import torch
 
 from kalmix import ops
 from kalmix.ops import SPECS
-from kalmix.ops.kalman.spec import realistic_inputs as kalman_realistic_inputs
 from kalmix.ops.common.testing import assert_close, launch_args, outputs_and_grads
+from kalmix.ops.kalman.spec import realistic_inputs as kalman_realistic_inputs
 
 
 @pytest.mark.parametrize("min_programs", [None, 1])
