@@ -74,23 +74,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from kalmix.ops import (gated_kalmanet, gated_linear_attention, kaczmarz_attention, kalman_attention,
-                        variational_linear_attention)
+from kalmix.ops import SPECS, OpSpec
 from kalmix.ops.common.checks import compute_dtype
 
 # p2p tags: a piece's start offset, the states (forward) and their gradients (backward) never match each other
 _TAG_START, _TAG_STATE, _TAG_GRAD = 1, 2, 3
 MODES = ("relay", "combine")
-
-
-@dataclass(frozen=True)
-class _StateSpec:
-    """How an op's state looks: its tensors' shapes for n sequences, its default and the op's outputs."""
-    shapes: Callable[[int, int, int, int], tuple[tuple[int, ...], ...]]    # (n, H, K, V) -> one shape per tensor
-    default: Callable[..., tuple[torch.Tensor, ...]]                       # (n, H, K, V, dtype, device, kwargs)
-    single: bool = False     # the state is one tensor, not a tuple (Kaczmarz)
-    n_outputs: int = 1       # outputs before the state: (o,), Kalman (o, variance)
-    combine: type | None = None     # mode="combine": the op's affine piece map (_Columns, _DecayedSums) or None
 
 
 class _Columns:
@@ -183,36 +172,9 @@ class _DecayedSums:
         return [o], list(final)
 
 
-def _vla_default(n, H, K, V, dtype, device, kwargs):
-    lambda0 = kwargs.get("lambda0", inspect.signature(variational_linear_attention).parameters["lambda0"].default)
-    eye = torch.eye(K, dtype=dtype, device=device) / lambda0
-    return (torch.zeros(n, H, K, V, dtype=dtype, device=device), eye.expand(n, H, K, K),
-            torch.zeros(n, H, K, dtype=dtype, device=device))
-
-
-def _matrix_state() -> _StateSpec:
-    """One [n, H, K, V] state starting at zero (the delta rule's, gated linear attention's)."""
-    return _StateSpec(lambda n, H, K, V: ((n, H, K, V),),
-                      lambda n, H, K, V, dtype, device, kw: (torch.zeros(n, H, K, V, dtype=dtype, device=device),),
-                      single=True, combine=_Columns)
-
-
-_SPECS = {
-    kaczmarz_attention: _matrix_state(),
-    gated_linear_attention: _matrix_state(),
-    gated_kalmanet: _StateSpec(
-        lambda n, H, K, V: ((n, H, K, K), (n, H, K, V)),
-        lambda n, H, K, V, dtype, device, kw: (torch.zeros(n, H, K, K, dtype=dtype, device=device),
-                                               torch.zeros(n, H, K, V, dtype=dtype, device=device)),
-        combine=_DecayedSums),
-    variational_linear_attention: _StateSpec(
-        lambda n, H, K, V: ((n, H, K, V), (n, H, K, K), (n, H, K)), _vla_default),
-    kalman_attention: _StateSpec(
-        lambda n, H, K, V: ((n, H, K, V), (n, H, K, V)),     # (precision, mean) [n, H, N, D]
-        lambda n, H, K, V, dtype, device, kw: (torch.ones(n, H, K, V, dtype=dtype, device=device),
-                                               torch.zeros(n, H, K, V, dtype=dtype, device=device)),
-        n_outputs=2),
-}
+# the combine rule an op's spec names (OpSpec.combine); every other op runs the relay only
+COMBINE_RULES = {"columns": _Columns, "decayed_sums": _DecayedSums}
+_SPEC_OF = {spec.fn: spec for spec in SPECS.values()}
 
 
 @dataclass(frozen=True)
@@ -279,22 +241,22 @@ def context_parallel(op: Callable, *args, group: dist.ProcessGroup | None = None
     The backward keeps each piece's graph from the forward (no recomputation) and runs the relay in reverse, or
     reduce-scatters the gradients of the gathered summaries to their ranks (combine).
     """
-    spec = _SPECS.get(op)
+    spec = _SPEC_OF.get(op)
     name = getattr(op, "__name__", type(op).__name__)
     if spec is None:
         raise TypeError(f"context_parallel: {name!r} is not a kalmix op; expected one of "
-                        f"{[f.__name__ for f in _SPECS]}")
+                        f"{[f.__name__ for f in _SPEC_OF]}")
     if mode not in MODES:
         raise ValueError(f"context_parallel: `mode` must be one of {MODES}, got {mode!r}")
     if mode == "combine" and spec.combine is None:
         raise ValueError(f"context_parallel: mode='combine' needs an op whose state map over a piece is affine "
-                         f"({[f.__name__ for f, sp in _SPECS.items() if sp.combine]}); {name}'s is not (Kalman's "
+                         f"({[f.__name__ for f, sp in _SPEC_OF.items() if sp.combine]}); {name}'s is not (Kalman's "
                          "precision follows a Möbius map, VLA's A a Sherman–Morrison one): use mode='relay'")
     params = inspect.signature(op).bind(*args, **kwargs).arguments
     init = params.pop("initial_state", None)
     want_final = params.pop("output_final_state", False)
     cu = params.pop("cu_seqlens", None)
-    init = () if init is None else ((init,) if spec.single else tuple(init))
+    init = () if init is None else ((init,) if spec.single_state else tuple(init))
     q, v = params["q"], params["v"]
     B, T, H, K = q.shape
     n_seq = B if cu is None else len(cu) - 1
@@ -327,20 +289,19 @@ def context_parallel(op: Callable, *args, group: dist.ProcessGroup | None = None
     plan = _Plan(op, spec, params, piece, prev, nxt, group, len(tensors), want_final, bool(init),
                  (H, K, v.shape[-1]), compute_dtype(q), q.device)
     out = (_Relay if mode == "relay" else _Combine).apply(plan, *tensors, *init)
-    variance = spec.n_outputs == 2 and params.get("output_variance", False)
-    final = tuple(out[1 + variance:]) if want_final else None
-    if final is not None and spec.single:
+    got = iter(out)             # the outputs requested (o, and Kalman's variance if asked for), the final states
+    outs = [next(got) if flag is None or params.get(flag, False) else None for flag in spec.outputs]
+    final = tuple(got) if want_final else None
+    if final is not None and spec.single_state:
         final = final[0]
-    if spec.n_outputs == 2:      # Kalman: (o, variance, state)
-        return out[0], (out[1] if variance else None), final
-    return out[0], final
+    return (*outs, final)
 
 
 @dataclass
 class _Plan:
     """What one call needs besides its tensors."""
     op: Callable
-    spec: _StateSpec
+    spec: OpSpec
     params: dict
     piece: Piece
     prev: int | None
@@ -355,14 +316,14 @@ class _Plan:
 
     def receive(self, n: int, src: int | None, tag: int) -> list[torch.Tensor]:
         """The n rows of every state tensor sent by ``src`` (nothing is received for n = 0)."""
-        bufs = [torch.empty(s, dtype=self.dtype, device=self.device) for s in self.spec.shapes(n, *self.sizes)]
+        bufs = [torch.empty(s, dtype=self.dtype, device=self.device) for s in self.spec.state_shapes(n, *self.sizes)]
         if n:
             for b in bufs:
                 dist.recv(b, src, group=self.group, tag=tag)
         return bufs
 
     def defaults(self, n: int) -> tuple[torch.Tensor, ...]:
-        return self.spec.default(n, *self.sizes, self.dtype, self.device, self.params)
+        return self.spec.default_state(n, *self.sizes, self.dtype, self.device, self.params)
 
     def kwargs(self, leaves: list[torch.Tensor]) -> dict:
         """The op's arguments with ``leaves`` in place of its tensors."""
@@ -371,7 +332,7 @@ class _Plan:
 
     def call(self, kwargs: dict, state: list[torch.Tensor] | None):
         """The op on this piece from ``state`` ([n, …] tensors; None: the op's default), its final state returned."""
-        if state is not None and self.spec.single:
+        if state is not None and self.spec.single_state:
             state = state[0]
         return self.op(**kwargs, initial_state=state, output_final_state=True, cu_seqlens=self.piece.cu_seqlens)
 
@@ -412,7 +373,7 @@ class _Relay(torch.autograd.Function):
         with torch.enable_grad() if grad else torch.no_grad():
             out = plan.call(plan.kwargs(leaves), state)
         outs = [x for x in out[:spec.n_outputs] if x is not None]
-        final = (out[-1],) if spec.single else tuple(out[-1])
+        final = (out[-1],) if spec.single_state else tuple(out[-1])
         if p.n_out:
             for f in final:
                 dist.send(f[n - p.n_out:].detach().contiguous(), plan.nxt, group=plan.group, tag=_TAG_STATE)
@@ -447,7 +408,7 @@ class _Relay(torch.autograd.Function):
 
 
 class _Combine(torch.autograd.Function):
-    """One rank's piece in parallel with the others: summarise the piece's affine state map (``spec.combine``),
+    """One rank's piece in parallel with the others: summarise the piece's affine state map (the spec's rule),
     all-gather the R summaries [R, N], compose those of the ranks before this one into this piece's initial state
     and finish the piece from it. The backward takes the gradient of the gathered summaries through the
     composition, sums each rank's over the group onto that rank (reduce-scatter) and backpropagates it, with the
@@ -455,7 +416,7 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, plan: _Plan, *inputs):
-        p, rule = plan.piece, plan.spec.combine
+        p, rule = plan.piece, COMBINE_RULES[plan.spec.combine]
         tensors, init = inputs[:plan.n_tensors], inputs[plan.n_tensors:]
         needs = ctx.needs_input_grad[1:]
         grad = any(needs)
@@ -477,7 +438,7 @@ class _Combine(torch.autograd.Function):
             if p.n_in:
                 gathered.requires_grad_(grad)
                 s_in = [torch.zeros(s, dtype=plan.dtype, device=plan.device)
-                        for s in plan.spec.shapes(p.n_in, *plan.sizes)]
+                        for s in plan.spec.state_shapes(p.n_in, *plan.sizes)]
                 for link in gathered[:dist.get_rank(plan.group)]:
                     s_in = rule.compose([x.view(s) for x, s in zip(link.split(sizes), shapes)], s_in)
             outs, final = rule.finish(plan, kwargs, own, s_in, cache)

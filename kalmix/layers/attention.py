@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from kalmix.layers.cache import KalmixCache
 from kalmix.layers.common import check_hidden, check_layer, check_real, context_mask, head_size
 from kalmix.layers.documents import Documents
+from kalmix.layers.spec import MixerSpec
+from kalmix.ops.common.cost import SDPA
 
 
 def rotary(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
@@ -203,3 +205,7 @@ class SoftmaxAttention(nn.Module):
     def state_size(self, context: int = 1) -> int:
         """Elements carried per sequence while decoding: the KV cache, 2 · d_model per token of ``context``."""
         return 2 * self.d_model * context
+
+
+MIXER_SPECS = (MixerSpec("attention", SoftmaxAttention, lambda layer: (layer.num_heads, layer.head_dim, layer.head_dim),
+                         {"heads": "num_heads"}, cost=SDPA, headline=True),)

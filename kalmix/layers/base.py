@@ -7,6 +7,7 @@ import torch.nn as nn
 from kalmix.layers.cache import KalmixCache
 from kalmix.layers.common import Packer, activation_dtype, check_hidden, context_mask, keep_where
 from kalmix.layers.documents import Documents
+from kalmix.ops import OpSpec
 
 
 class MixerLayer(nn.Module):
@@ -19,8 +20,9 @@ class MixerLayer(nn.Module):
     a state; with a cache holding P tokens it covers the whole context [B, P + T] (its last T columns are this
     call's), as for attention; any other shape, or values other than 0 and 1 (read on CPU), is a ValueError. With
     ``use_cache`` the final recurrent and convolution states go into a ``KalmixCache`` (created when None is
-    given); a following call continues from them, and single-token calls run ``step_impl``: the op's recurrent
-    step (impl="naive", the function the reference loops over) unless a subclass has a fused one.
+    given); a following call continues from them, and single-token calls run ``step_impl``: the op's fused step
+    where its spec has one for the layer's impl (``OpSpec.step_impls``), else its recurrent step (impl="naive",
+    the function the reference loops over).
 
     Packed documents: ``cu_seqlens`` [N + 1] (fla's keyword) gives document offsets into the flattened B·T
     tokens, every row start among them (B = 1 is fla's packed layout); each document starts from a zero state
@@ -39,6 +41,7 @@ class MixerLayer(nn.Module):
     d_model: int
     layer_idx: int
     impl: str | None
+    op_spec: OpSpec             # the op it runs (``kalmix.ops.SPECS``)
     context_split = None        # a sequence split across ranks (kalmix.distributed.ContextSplit) or None
 
     def run_op(self, op, *args, **kwargs):
@@ -48,8 +51,10 @@ class MixerLayer(nn.Module):
         return self.context_split.run(op, *args, **kwargs)
 
     def step_impl(self, device: torch.device) -> str:
-        """The impl of single-token (decoding) calls."""
-        return "naive"
+        """The impl of single-token (decoding) calls: the layer's impl (None: triton on CUDA, torch otherwise) where
+        the op has a fused step for it (one launch per token), else "naive"."""
+        impl = self.impl or ("triton" if device.type == "cuda" else "torch")
+        return impl if impl in self.op_spec.step_impls else "naive"
 
     def project(self, x: torch.Tensor, conv_state, doc_pos: torch.Tensor | None = None):
         """x [B, T, d_model] -> (list of op inputs [B, T, ...], readout context, new conv state); ``doc_pos``

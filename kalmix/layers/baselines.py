@@ -10,7 +10,9 @@ from kalmix.layers.base import MixerLayer
 from kalmix.layers.common import (DecayGate, GatedRMSNorm, ShortConv, check_dt_range, check_int, check_layer,
                                   check_real, context_mask, gated_norm_out, head_size, upcast)
 from kalmix.layers.documents import Documents
-from kalmix.ops import gated_linear_attention
+from kalmix.layers.spec import MixerSpec
+from kalmix.ops import SPECS, gated_linear_attention
+from kalmix.ops.common.cost import DELTA
 
 NORMALIZERS = ("denominator", "rmsnorm")
 
@@ -20,6 +22,7 @@ class _GatedLinearLayer(MixerLayer):
     ``project`` returns [q, k, v] or [q, k, v, g]; g [B, T, H] (per head) or, with ``channel_gates``, [B, T, H·K]
     (per key channel, kept 3-D so that the base class leaves it in fp32, like every kalmix gate)."""
 
+    op_spec = SPECS["gla"]
     scale: float | None = None                  # the op's default, K ** -0.5
     channel_gates = False
 
@@ -249,3 +252,18 @@ class FlaDeltaNet(nn.Module):
     def state_size(self) -> int:
         """Recurrent-state elements per sequence: S [H, K, V] (conv buffers not counted)."""
         return self.d_model ** 2 // self.num_heads
+
+
+def _heads(layer) -> tuple[int, int, int]:
+    return layer.num_heads, layer.head_k_dim, layer.head_v_dim
+
+
+def _fla_heads(layer: FlaDeltaNet) -> tuple[int, int, int]:
+    head = layer.d_model // layer.num_heads
+    return layer.num_heads, head, head
+
+
+MIXER_SPECS = (MixerSpec("linear_attention", LinearAttention, _heads, {"heads": "num_heads"}),
+               MixerSpec("gla", GatedLinearAttention, _heads, {"heads": "num_heads"}),
+               MixerSpec("mamba2", Mamba2, _heads, {"heads": "num_heads"}),
+               MixerSpec("deltanet", FlaDeltaNet, _fla_heads, {"heads": "num_heads"}, cost=DELTA, requires="fla"))

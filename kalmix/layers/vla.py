@@ -5,7 +5,8 @@ import torch.nn as nn
 
 from kalmix.layers.base import MixerLayer
 from kalmix.layers.common import ShortConv, check_int, check_layer, check_real, head_size
-from kalmix.ops import variational_linear_attention
+from kalmix.layers.spec import MixerSpec
+from kalmix.ops import SPECS, variational_linear_attention
 from kalmix.ops.vla.op import WRITE_KEYS
 
 U_MAPS = ("full", "shared")
@@ -44,6 +45,8 @@ class VariationalLinearAttention(MixerLayer):
         d_model: width; num_heads: H; head_dim: K = V (default d_model / H); lambda0, eps: of the op;
         conv_size, write_key ("feature" | "raw"), out_norm, u_map ("full" | "shared"), bias: above.
     """
+
+    op_spec = SPECS["vla"]
 
     def __init__(self, d_model: int, num_heads: int = 4, head_dim: int | None = None, lambda0: float | None = None,
                  eps: float = 1e-4, conv_size: int = 4, write_key: str = "feature", out_norm: bool = True,
@@ -101,3 +104,8 @@ class VariationalLinearAttention(MixerLayer):
         """Recurrent-state elements per sequence: S [H, K, V], A [H, K, K], n [H, K] (conv buffers not counted)."""
         H, D = self.num_heads, self.head_dim
         return H * (2 * D * D + D)
+
+
+MIXER_SPECS = (MixerSpec("vla", VariationalLinearAttention,
+                         lambda layer: (layer.num_heads, layer.head_dim, layer.head_dim),
+                         {"heads": "num_heads", "head_dim": "head_dim"}, headline=True),)

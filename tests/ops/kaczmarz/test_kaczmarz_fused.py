@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from kalmix import ops
+from kalmix.ops import SPECS
 from kalmix.ops.common import delta_triton
 from kalmix.ops.common.delta import chunk_delta_rule
-from kalmix.ops.common.testing import CASES, assert_close, launch_args, random_functional_grads
+from kalmix.ops.common.testing import assert_close, launch_args, random_functional_grads
 from kalmix.ops.common.varlen import run_packed
 from kalmix.ops.kaczmarz import beta_triton, fused
 
@@ -31,9 +32,9 @@ def _gdn_stand_in(q, k, v, g, beta, *, scale, state, cu_seqlens, final_state):
 def _draw(T, seed, n_seq=2, B=None):
     gen = torch.Generator().manual_seed(seed)
     B = n_seq if B is None else B
-    args = CASES["kaczmarz"].inputs(B, T, 2, 5, 7, torch.float64, gen)
+    args = SPECS["kaczmarz"].inputs(B, T, 2, 5, 7, torch.float64, gen)
     args[1][0, 3] = 0.0                                  # a zero key: its gradient is η/eps · …
-    state = CASES["kaczmarz"].state(n_seq, 2, 5, 7, torch.float64, gen)
+    state = SPECS["kaczmarz"].random_state(n_seq, 2, 5, 7, torch.float64, gen)
     return args, state
 
 
