@@ -72,7 +72,7 @@ def check_offsets(name: str, cu_seqlens, total: int | None, device: torch.device
                                                                                                       torch.int64):
         got = (f"a {cu_seqlens.dtype} tensor of shape {list(cu_seqlens.shape)}" if isinstance(cu_seqlens, torch.Tensor)
                else type(cu_seqlens).__name__)
-        fail(name, f"`cu_seqlens` must be a 1-D int32 or int64 tensor [N + 1] of offsets, got {got}")
+        fail(name, f"`cu_seqlens` must be a 1-D integer tensor (int32 or int64) [N + 1] of offsets, got {got}")
     if device is not None and cu_seqlens.device != device:
         fail(name, f"`cu_seqlens` is on {cu_seqlens.device} but the inputs are on {device}; pass both on one device")
     return offsets_from_host(name, cu_seqlens.tolist(), total, cu_seqlens.device, row, tensor=cu_seqlens)
@@ -100,10 +100,10 @@ def offsets_from_host(name: str, bounds: Sequence[int], total: int | None, devic
     return Offsets(tensor, bounds)
 
 
-def check_packed(op: str, cu_seqlens, batch: int, seq_len: int,
+def check_packed(op: str, cu_seqlens, batch: int, seq_len: int | None,
                  device: torch.device) -> tuple[Offsets | None, int]:
-    """An op's ``cu_seqlens`` (None, a tensor or ``Offsets``) for inputs [batch, seq_len, ...] on ``device``: ->
-    (the checked offsets or None, the number of sequences)."""
+    """An op's ``cu_seqlens`` (None, a tensor or ``Offsets``) for inputs [batch, seq_len, ...] on ``device``
+    (``seq_len`` None: any total, ``check_offsets``): -> (the checked offsets or None, the number of sequences)."""
     if cu_seqlens is None:
         return None, batch
     if batch != 1:
