@@ -122,19 +122,13 @@ def test_empty_documents_hold_no_tokens():
         assert torch.equal(out.logits, ref.logits) and torch.equal(out.loss, ref.loss), extra
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_one_host_read_per_packed_forward(impl):
+def test_one_host_read_per_packed_forward():
     """Packed documents cost one host read per forward, whichever way they come (``cu_seqlens``, ``position_ids``)
     and however many layers take them: the model checks them once (``Documents``) and every layer, short
     convolution and op below reads nothing back (the op's loop, chunk tables and length buckets come from the
-    host offsets); the backward reads nothing. Counted against the same forward without documents, which reads the
-    ids once on the CPU. "triton" runs the kernels (interpreter) of every mixer that has them."""
-    mixers = list(MIXERS) if impl == "torch" else ["gdn", "kaczmarz", "gka", "vla", "kalman", "attention"]
-    torch.manual_seed(0)
-    cfg = KalmixConfig(vocab_size=48, hidden_size=16, num_hidden_layers=len(mixers), mixers=mixers,
-                       mixer_kwargs={m: KW[m] for m in mixers}, intermediate_size=32,
-                       impl=None if impl == "torch" else "triton")
-    model = KalmixForCausalLM(cfg)
+    host offsets; every op and impl is counted alone in tests/ops/common/test_varlen.py); the backward reads
+    nothing. Counted against the same forward without documents, which reads the ids once on the CPU."""
+    model = _model(list(MIXERS))
     ids, cu, B, T = _packed_case(seed=5)
     pos = torch.cat([torch.arange(b - a) for _, a, b in _split(cu, B, T)]).view(B, T)
     counts = {}

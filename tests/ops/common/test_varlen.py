@@ -79,7 +79,7 @@ def test_one_read_for_a_tensor_none_for_offsets():
 @pytest.mark.parametrize("name", list(CASES))
 def test_ops_read_a_tensor_once_and_offsets_never(name):
     """Every op and impl: packed by a tensor, one host read (its check; the values are not checked here); by
-    checked Offsets, none; the same outputs. An Offsets of another total is refused."""
+    checked Offsets, none, in the backward neither; the same outputs. An Offsets of another total is refused."""
     gen = torch.Generator().manual_seed(0)
     args = CASES[name].inputs(1, 12, 2, 4, 3, torch.float64, gen)
     cu = torch.tensor([0, 5, 5, 6, 12])
@@ -87,10 +87,14 @@ def test_ops_read_a_tensor_once_and_offsets_never(name):
     for impl in ("naive", "torch") + (() if name == "gla" else ("triton",)):
         outs = []
         for given, want in ((cu, 1), (offsets, 0)):
+            leaves = [a.detach().requires_grad_(given is offsets) for a in args]
             with HostReads() as reads:
-                outs.append(CASES[name].fn(*args, cu_seqlens=given, output_final_state=True, impl=impl,
+                outs.append(CASES[name].fn(*leaves, cu_seqlens=given, output_final_state=True, impl=impl,
                                            check_values=False))
             assert reads.count == want, (impl, reads.where)
+        with HostReads() as reads:
+            sum(x.sum() for x in _leaves(outs[-1])).backward()
+        assert reads.count == 0, (impl, reads.where)
         for a, b in zip(_leaves(outs[0]), _leaves(outs[1])):
             assert torch.equal(a, b)
         with pytest.raises(ValueError, match=r"`cu_seqlens` must end at T = 11, got offsets ending at 12"):
