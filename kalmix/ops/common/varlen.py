@@ -85,7 +85,7 @@ def offsets_from_host(name: str, bounds: Sequence[int], total: int | None, devic
     (without waiting for the device)."""
     bounds = tuple(bounds)
     if len(bounds) < 2 or bounds[0] != 0 or (total is not None and bounds[-1] != total):
-        fail(name, f"`cu_seqlens` must start at 0 and end at {_total(total, row)} (N + 1 >= 2 offsets), got "
+        fail(name, f"`cu_seqlens` must hold N + 1 >= 2 offsets, start at 0 and end at {_total(total, row)}, got "
                    f"{_show(bounds)}")
     drop = next((i for i in range(1, len(bounds)) if bounds[i] < bounds[i - 1]), None)
     if drop is not None:
