@@ -85,8 +85,8 @@ def offsets_from_host(name: str, bounds: Sequence[int], total: int | None, devic
     (without waiting for the device)."""
     bounds = tuple(bounds)
     if len(bounds) < 2 or bounds[0] != 0 or (total is not None and bounds[-1] != total):
-        fail(name, f"`cu_seqlens` must hold N + 1 >= 2 offsets, start at 0 and end at {_total(total, row)}, got "
-                   f"{_show(bounds)}")
+        fail(name, f"`cu_seqlens` must start at 0 and end at {_total(total, row)}, got {_show(bounds)} (N + 1 >= 2 "
+                   f"offsets for N sequences)")
     drop = next((i for i in range(1, len(bounds)) if bounds[i] < bounds[i - 1]), None)
     if drop is not None:
         fail(name, f"`cu_seqlens` must be non-decreasing (equal offsets are an empty sequence), got "

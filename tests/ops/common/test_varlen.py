@@ -18,8 +18,8 @@ from tests.host_reads import HostReads
     (torch.tensor([[0, 3, 8]]), {}, r"1-D integer tensor .* got a torch.int64 tensor of shape \[1, 3\]"),
     ([0, 3, 8], {"as_list": True}, r"1-D integer tensor .* got list"),
     (torch.tensor([0, 3, 8], device="meta"), {}, r"is on meta but the inputs are on cpu"),
-    ([], {}, r"must hold N \+ 1 >= 2 offsets, start at 0 and end at T = 8, got \[\]"),
-    ([0], {}, r"must hold N \+ 1 >= 2 offsets, start at 0 and end at T = 8, got \[0\]"),
+    ([], {}, r"must start at 0 and end at T = 8, got \[\] \(N \+ 1 >= 2 offsets for N sequences\)"),
+    ([0], {}, r"must start at 0 and end at T = 8, got \[0\] \(N \+ 1 >= 2 offsets for N sequences\)"),
     ([1, 3, 8], {}, r"start at 0 and end at T = 8, got \[1, 3, 8\]"),
     ([0, 3, 7], {}, r"start at 0 and end at T = 8, got \[0, 3, 7\]"),
     ([0, 3, 9], {}, r"end at T = 8, got \[0, 3, 9\]"),
@@ -55,7 +55,8 @@ def test_host_offsets_follow_the_same_rule():
     assert offsets_from_host("t", [0, 2, 2, 5], 5, torch.device("cpu")).tensor.tolist() == [0, 2, 2, 5]
     with pytest.raises(ValueError, match=r"^t: `cu_seqlens` must be non-decreasing"):
         offsets_from_host("t", [0, 3, 2, 5], 5, torch.device("cpu"))
-    with pytest.raises(ValueError, match=r"^t: `cu_seqlens` must .* start at 0 and end at the number of tokens"):
+    with pytest.raises(ValueError, match=r"^t: `cu_seqlens` must start at 0 and end at the number of tokens, "
+                                         r"got \[2, 5\]"):
         offsets_from_host("t", [2, 5], None, torch.device("cpu"))
 
 
