@@ -221,10 +221,9 @@ class Piece:
     """One rank's share of the sequences: local state row i is global sequence ``lo + i``.
 
     ``cu_seqlens`` are the global offsets clipped to the piece (checked ``Offsets``; None for a plain batch). The
-    first ``n_in``
-    local rows continue from the previous rank's final state, the last ``n_out`` continue on the next rank;
-    the rows in between start here from their own initial state and the rows before the last ``n_out`` end
-    here.
+    first ``n_in`` local rows continue from the previous rank's final state, the last ``n_out`` continue on the
+    next rank; the rows in between start here from their own initial state and the rows before the last
+    ``n_out`` end here.
     """
     lo: int
     hi: int

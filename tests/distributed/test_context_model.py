@@ -17,8 +17,11 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kalmix.distributed import context_parallel_loss, context_parallel_model
+from kalmix.distributed.model import PieceDocuments
+from kalmix.layers.documents import Documents, cu_seqlens_from_positions
 from kalmix.models import KalmixConfig, KalmixForCausalLM
 from tests.distributed.gloo import run_cases
+from tests.host_reads import HostReads
 
 B, T, VOCAB = 2, 13, 32
 LENGTHS = {2: [5, 8], 4: [3, 4, 1, 5]}      # unequal pieces of T tokens; on 4 ranks one shorter than kernel − 1
@@ -251,3 +254,27 @@ def test_rejects_other_modules():
     with pytest.raises(NotImplementedError, match="cannot run on a sequence split"):
         with context_parallel_model(model):
             pass
+
+
+@pytest.mark.parametrize("start, length", [(0, 5), (3, 4), (7, 1), (8, 5), (5, 8)])
+def test_piece_documents_come_from_the_host(start, length):
+    """A piece's documents are built from the whole batch's host offsets without reading anything back, and equal
+    what the device computes from the positions: the segments (cut at every document and row start), each row's
+    offsets, and the varlen keys (each segment's document from its start to the piece's end). The whole batch
+    holds empty documents (equal offsets) too."""
+    flat = [b * T + x for b, row in enumerate(DOCS) for x in row[:-1]] + [B * T]      # DOCS' rows end to end
+    cu = torch.tensor(sorted(flat + [T, T + 5, B * T]))     # empty documents at a row start, in a row, at the end
+    whole = Documents("t", cu, B, T)
+    with HostReads() as reads:
+        piece = PieceDocuments(whole, start, length)
+        keys, cu_keys, max_keys = piece.keys, piece.cu_keys, piece.max_keys
+    assert reads.count == 0, reads.where
+    assert piece.cu_seqlens.tolist() == cu_seqlens_from_positions(piece.doc_pos).tolist()
+    end = start + length
+    assert torch.equal(keys, (piece.key_doc >= piece.key_doc[:, start:start + 1]).flatten().nonzero()[:, 0])
+    want = piece.cu_seqlens.diff() + piece.doc_pos.flatten()[piece.cu_seqlens[:-1]]
+    assert cu_keys.tolist() == [0, *want.cumsum(0).tolist()] and max_keys == int(want.max())
+    assert [r.tensor.tolist() for r in piece.rows] == [[x - b * T for x in cu.tolist() if b * T <= x <= (b + 1) * T]
+                                                       for b in range(B)]
+    assert piece.row_starts == max(int((piece.doc_pos[b] == 0).sum() + (piece.doc_pos[b, 0] != 0)) for b in range(B))
+    assert keys.numel() == sum(end - max(x for x in r.bounds if x <= start) for r in piece.rows)
