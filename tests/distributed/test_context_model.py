@@ -67,7 +67,8 @@ def _case(rank: int, world: int, name: str, mode: str = "relay", varlen: bool = 
     """One model on this rank, its mixers' states passed in ``mode``; on rank 0 returns "ok" or what differs from
     the single process. ``varlen``: attention's pieces go through the varlen flash path, its kernel played by the
     CPU stand-in of tests/layers/test_attention_varlen.py. ``docs``: the rows pack ``DOCS``, given to the split
-    model as "cu_seqlens" (the whole batch's) or "position_ids" (the piece's)."""
+    model as "cu_seqlens" (the whole batch's), "empty" (the same with empty documents added) or "position_ids"
+    (the piece's)."""
     if varlen:
         import kalmix.layers.attention as attention
         from tests.layers.test_attention_varlen import varlen_stand_in
@@ -81,12 +82,14 @@ def _case(rank: int, world: int, name: str, mode: str = "relay", varlen: bool = 
     params = [p for p in model.parameters() if p.requires_grad]
     ids, labels = _batch(world)
     cu, pos = _documents()
+    if docs == "empty":                             # at a row start, at a piece boundary (3, on 4 ranks), at the end
+        cu = torch.sort(torch.cat([cu, torch.tensor([T, T + 3, B * T], dtype=cu.dtype)])).values
     ref = model(input_ids=ids, labels=labels, use_cache=False, **({"cu_seqlens": cu} if docs else {}))
     ref_grads = torch.autograd.grad(ref.loss, params)
 
     start, length = sum(LENGTHS[world][:rank]), LENGTHS[world][rank]
     cut = slice(start, start + length)
-    packed = {"cu_seqlens": {"cu_seqlens": cu}, "position_ids": {"position_ids": pos[:, cut]}, None: {}}[docs]
+    packed = {"position_ids": {"position_ids": pos[:, cut]}, None: {}}.get(docs, {"cu_seqlens": cu})
     with context_parallel_model(model, mode=mode):  # use_cache defaults to False here, though the model is in eval
         out = model(input_ids=ids[:, cut], labels=labels[:, cut], **packed)
         if docs:                                    # the loss on its own, documents given by their positions
@@ -171,6 +174,7 @@ def _cases() -> dict:
             **{f"{name}-combine-docs": functools.partial(_case, name=name, mode="combine", docs="cu_seqlens")
                for name in COMBINE},
             "hybrid-positions": functools.partial(_case, name="hybrid", docs="position_ids"),
+            "hybrid-empty-docs": functools.partial(_case, name="hybrid", docs="empty"),
             "hybrid-varlen": functools.partial(_case, name="hybrid", varlen=True),
             "hybrid-varlen-docs": functools.partial(_case, name="hybrid", varlen=True, docs="cu_seqlens"),
             "ddp": _ddp, "refusals": _refusals}
@@ -220,6 +224,12 @@ def test_packed_documents_combine_match_single_process(world, name):
 def test_packed_documents_by_position_ids(world):
     """The hybrid with its documents given as each piece's positions within them."""
     assert _results(world)["hybrid-positions"] == "ok"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_empty_documents(world):
+    """The hybrid with empty documents (equal offsets) among its packed ones: the same as one process."""
+    assert _results(world)["hybrid-empty-docs"] == "ok"
 
 
 @pytest.mark.parametrize("world", [2, 4])
