@@ -140,7 +140,9 @@ class KalmixModel(KalmixPreTrainedModel):
         ``cu_seqlens`` [N + 1], document offsets into the flattened B·T tokens with every row start among them
         (fla's keyword; B = 1 is its packed layout), or ``position_ids`` [B, T], each token's position in its
         document with 0 starting one (transformers' padding-free convention). No recurrent state, convolution
-        input or attention crosses a document boundary, and attention's rotary positions restart at each.
+        input or attention crosses a document boundary, and attention's rotary positions restart at each. Either is
+        checked once per forward, with one host read on any device, into the ``Documents`` every layer shares (the
+        rule: ``kalmix.ops.common.varlen``; equal offsets are an empty document, which holds no token).
 
         ``sample_readout``: every Kalman layer reads out one sample of its posterior instead of the mean (KLA+;
         see ``KalmanAttention`` and ``KalmixConfig.mc_samples``).
