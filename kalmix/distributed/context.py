@@ -76,6 +76,7 @@ import torch.nn.functional as F
 
 from kalmix.ops import SPECS, OpSpec
 from kalmix.ops.common.checks import compute_dtype
+from kalmix.ops.common.varlen import Offsets, check_packed, offsets_from_host
 
 # p2p tags: a piece's start offset, the states (forward) and their gradients (backward) never match each other
 _TAG_START, _TAG_STATE, _TAG_GRAD = 1, 2, 3
@@ -181,26 +182,26 @@ _SPEC_OF = {spec.fn: spec for spec in SPECS.values()}
 class Piece:
     """One rank's share of the sequences: local state row i is global sequence ``lo + i``.
 
-    ``cu_seqlens`` are the global offsets clipped to the piece (None for a plain batch). The first ``n_in``
-    local rows continue from the previous rank's final state, the last ``n_out`` continue on the next rank;
-    the rows in between start here from their own initial state and the rows before the last ``n_out`` end
-    here.
+    ``cu_seqlens`` are the global offsets clipped to the piece (checked ``Offsets``; None for a plain batch). The
+    first ``n_in`` local rows continue from the previous rank's final state, the last ``n_out`` continue on the
+    next rank; the rows in between start here from their own initial state and the rows before the last
+    ``n_out`` end here.
     """
     lo: int
     hi: int
     n_in: int
     n_out: int
-    cu_seqlens: torch.Tensor | None = None
+    cu_seqlens: Offsets | None = None
 
 
-def packed_piece(cu_seqlens: torch.Tensor, start: int, length: int, last: bool) -> Piece:
-    """The piece [start, start + length) of the packed sequences at ``cu_seqlens`` [N + 1] (global offsets).
+def packed_piece(cu_seqlens: Offsets, start: int, length: int, last: bool) -> Piece:
+    """The piece [start, start + length) of the packed sequences at ``cu_seqlens`` (checked global offsets).
 
     A sequence belongs to every piece it has a token in; an empty sequence belongs to the piece holding its
     offset (the last piece for one at the very end). Its local offsets are the global ones clipped to the
     piece; only the first sequence can continue from the previous piece and only the last on the next one.
     """
-    c = cu_seqlens.tolist()
+    c = cu_seqlens.bounds
     end = start + length
     if length < 1 or end > c[-1] or (last and end != c[-1]):
         raise ValueError(f"context_parallel: the piece [{start}, {end}) of a rank does not fit the packed sequences "
@@ -208,8 +209,8 @@ def packed_piece(cu_seqlens: torch.Tensor, start: int, length: int, last: bool) 
     members = [i for i in range(len(c) - 1) if (c[i] < end or last) and (c[i + 1] > start or c[i] >= start)]
     lo, hi = members[0], members[-1] + 1
     local = [min(max(x - start, 0), length) for x in c[lo:hi + 1]]
-    return Piece(lo, hi, int(c[lo] < start), int(c[hi] > end), torch.tensor(local, dtype=cu_seqlens.dtype,
-                                                                             device=cu_seqlens.device))
+    return Piece(lo, hi, int(c[lo] < start), int(c[hi] > end),
+                 offsets_from_host("context_parallel", local, length, cu_seqlens.tensor.device))
 
 
 def context_parallel(op: Callable, *args, group: dist.ProcessGroup | None = None, mode: str = "relay", **kwargs):
@@ -227,7 +228,8 @@ def context_parallel(op: Callable, *args, group: dist.ProcessGroup | None = None
         output_final_state: return the final states of the sequences whose last token is on this rank, [n_r, …]
             (n_r = 0 on all but the last rank for a plain batch); concatenated over the ranks in order they
             are the op's final state.
-        cu_seqlens: [N + 1] global offsets of the packed sequences (B = 1), the same on every rank; each rank
+        cu_seqlens: [N + 1] global offsets of the packed sequences (B = 1), the same on every rank (checked as
+            an op's, ``kalmix.ops.common.varlen``, but for their end, which only the last rank knows); each rank
             clips them to its piece (``packed_piece``), learning its piece's start from the previous rank.
         group: the process group (default: the world); rank r of the group holds the r-th piece.
         mode: "relay" (any op: the state goes from rank to rank) or "combine" (``kaczmarz_attention``,
@@ -259,7 +261,7 @@ def context_parallel(op: Callable, *args, group: dist.ProcessGroup | None = None
     init = () if init is None else ((init,) if spec.single_state else tuple(init))
     q, v = params["q"], params["v"]
     B, T, H, K = q.shape
-    n_seq = B if cu is None else len(cu) - 1
+    cu, n_seq = check_packed("context_parallel", cu, B, None, q.device)     # the end: ``packed_piece``
     for i, s in enumerate(init):
         if s.shape[0] != n_seq:
             raise ValueError(f"context_parallel: initial_state[{i}] has {s.shape[0]} rows; the op has {n_seq} "
@@ -272,9 +274,6 @@ def context_parallel(op: Callable, *args, group: dist.ProcessGroup | None = None
     if cu is None:
         piece = Piece(0, B, B if prev is not None else 0, B if nxt is not None else 0)
     else:
-        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.is_floating_point() or B != 1:
-            raise ValueError("context_parallel: `cu_seqlens` must be a 1-D integer tensor [N + 1] of packed "
-                             f"sequences (B = 1), got {cu!r:.80} with B = {B}")
         # the start offsets travel down the ranks ahead of the states, so a piece that continues no sequence
         # starts at once
         start = torch.zeros(1, dtype=torch.int64, device=q.device)

@@ -112,7 +112,7 @@ class SoftmaxAttention(nn.Module):
                 raise ValueError("SoftmaxAttention: under context parallelism packed documents come from the model "
                                  "(`cu_seqlens` or `position_ids` passed to it), not as a layer's `cu_seqlens`")
             return self._split(q, k, v, kwargs.get("documents")), None, None
-        docs = Documents.of_layer_call(type(self).__name__, kwargs, B, T, attention_mask, past_key_values, use_cache)
+        docs = Documents.of_layer_call(name, kwargs, hidden_states, attention_mask, past_key_values, use_cache)
         if docs is not None:
             return self._documents(q, k, v, docs), None, None
         if (past_key_values is not None and past_key_values.static and T == 1 and use_cache

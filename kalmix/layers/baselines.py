@@ -84,7 +84,7 @@ class LinearAttention(_GatedLinearLayer):
             self.o_norm = GatedRMSNorm(self.head_v_dim, eps=norm_eps)
         self.o_proj = nn.Linear(width, d_model, bias=bias)
 
-    def project(self, x, conv_state, doc_pos=None):
+    def project(self, x, conv_state, docs=None):
         q, k, v = self.qkv_proj(x).unflatten(-1, (3, self.num_heads, self.head_k_dim)).unbind(2)
         if self.normalizer == "denominator":
             v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)            # its readout: φ(q)·Σφ(k)
@@ -139,7 +139,7 @@ class GatedLinearAttention(_GatedLinearLayer):
         self.o_norm = GatedRMSNorm(self.head_v_dim, eps=norm_eps)
         self.o_proj = nn.Linear(vw, d_model, bias=False)
 
-    def project(self, x, conv_state, doc_pos=None):
+    def project(self, x, conv_state, docs=None):
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
         q, k, v, gate = self.in_proj(x).split(self.splits, dim=-1)
         g = F.logsigmoid(upcast(self.gk_proj(x))) / self.gate_normalizer         # [B, T, H·K], fp32 (at least)
@@ -189,11 +189,11 @@ class Mamba2(_GatedLinearLayer):
         self.norm = GatedRMSNorm(d_inner, eps=norm_eps)
         self.out_proj = nn.Linear(d_inner, d_model, bias=False)
 
-    def project(self, x, conv_state, doc_pos=None):
+    def project(self, x, conv_state, docs=None):
         B, T, _ = x.shape
         H, N, P = self.num_heads, self.head_k_dim, self.head_v_dim
         z, xbc, dt = self.in_proj(x).split(self.splits, dim=-1)
-        xbc, conv_state = self.conv(xbc, conv_state, doc_pos=doc_pos)
+        xbc, conv_state = self.conv(xbc, conv_state, docs)
         xs, b, c = xbc.split([self.d_inner, N, N], dim=-1)
         delta = F.softplus(upcast(dt) + upcast(self.decay.dt_bias))            # Δ [B, T, H], fp32 (at least)
         g = -upcast(self.decay.A_log).exp() * delta
@@ -241,8 +241,8 @@ class FlaDeltaNet(nn.Module):
             raise ValueError(f"FlaDeltaNet runs fla's Triton kernels, which need CUDA tensors; got "
                              f"{hidden_states.device}. On CPU use kalmix's mixers (e.g. 'gdn', 'kaczmarz')")
         context_mask(type(self).__name__, attention_mask, hidden_states, past_key_values, self.layer_idx)
-        docs = Documents.of_layer_call(type(self).__name__, kwargs, *hidden_states.shape[:2], attention_mask,
-                                       past_key_values, use_cache)
+        docs = Documents.of_layer_call(type(self).__name__, kwargs, hidden_states, attention_mask, past_key_values,
+                                       use_cache)
         if docs is not None:                            # fla's packed layout: [1, total] with cu_seqlens
             o, _, _ = self.inner(docs.pack(hidden_states), cu_seqlens=docs.cu_seqlens.long())
             return docs.unpack(o), None, None

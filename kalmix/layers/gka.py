@@ -83,12 +83,12 @@ class GatedKalmaNet(MixerLayer):
         self.o_norm = GatedRMSNorm(self.head_dim, eps=norm_eps)
         self.o_proj = nn.Linear(width, d_model, bias=False)
 
-    def project(self, x, conv_state, doc_pos=None):
+    def project(self, x, conv_state, docs=None):
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
         qkv, gate, *pre = self.in_proj(x).split(self.splits, dim=-1)
         pre = dict(zip(self.proj_gates, pre))
-        qkv, conv_state = self.conv(qkv, conv_state, doc_pos=doc_pos)
+        qkv, conv_state = self.conv(qkv, conv_state, docs)
         q, k, v = qkv.view(B, T, 3, H, D).unbind(2)
         q = F.normalize(q, dim=-1, eps=1e-6)
         k = F.normalize(k, dim=-1, eps=1e-6)

@@ -98,11 +98,11 @@ class KalmanAttention(MixerLayer):
         noise = scale / (2 * a) * -torch.expm1(-2 * a * dt)
         return decay, noise
 
-    def project(self, x, conv_state, doc_pos=None):
+    def project(self, x, conv_state, docs=None):
         B, T, _ = x.shape
         H, N, D = self.num_heads, self.d_state, self.head_dim
         z, gate = self.in_proj(x).chunk(2, dim=-1)
-        z, conv_state = self.conv(z, conv_state, doc_pos=doc_pos)
+        z, conv_state = self.conv(z, conv_state, docs)
         if self.fused(x.device):
             v, w, k, q = fused_kernels().sensor_split(self.sensor_proj(z), H, N)
             return [q, k, v.view(B, T, H, D), w.view(B, T, H, D)], (z, gate), conv_state

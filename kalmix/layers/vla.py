@@ -80,11 +80,11 @@ class VariationalLinearAttention(MixerLayer):
         self.o_norm = nn.LayerNorm(width) if out_norm else None
         self.o_proj = nn.Linear(width, d_model, bias=bias)
 
-    def project(self, x, conv_state, doc_pos=None):
+    def project(self, x, conv_state, docs=None):
         B, T, _ = x.shape
         qkv = self.qkv_proj(x)
         if self.conv is not None:
-            qkv, conv_state = self.conv(qkv, conv_state, doc_pos=doc_pos)
+            qkv, conv_state = self.conv(qkv, conv_state, docs)
         q, k, v = qkv.view(B, T, 3, self.num_heads, self.head_dim).unbind(2)
         u = self.u_proj(k.flatten(2)).view_as(k) if self.u_map == "full" else self.u_proj(k)
         return [q, k, v, u], None, conv_state

@@ -17,6 +17,7 @@ from kalmix.distributed import context_parallel, packed_piece
 from kalmix.distributed.context import COMBINE_RULES, Piece, _Plan
 from kalmix.ops import SPECS
 from kalmix.ops.common import spec as op_spec
+from kalmix.ops.common.varlen import check_offsets
 from tests.distributed.gloo import run_cases
 
 H, K, V, T = 2, 4, 3, 13
@@ -186,9 +187,10 @@ def test_combine_rule_composes_on_random_inputs(op):
 
 def test_packed_pieces():
     """4 pieces of CU: local offsets clipped, the crossing sequence continued, empty sequences placed once."""
-    cu = torch.tensor(CU)
+    cu = check_offsets("test", torch.tensor(CU), None)
     got = [packed_piece(cu, s, n, last=r == 3) for r, (s, n) in enumerate(zip([0, 3, 7, 8], LENGTHS[4]))]
-    assert [(p.lo, p.hi, p.n_in, p.n_out, p.cu_seqlens.tolist()) for p in got] == [
+    assert all(p.cu_seqlens.tensor.tolist() == list(p.cu_seqlens.bounds) for p in got)
+    assert [(p.lo, p.hi, p.n_in, p.n_out, list(p.cu_seqlens.bounds)) for p in got] == [
         (0, 2, 0, 0, [0, 0, 3]), (2, 4, 0, 1, [0, 0, 4]), (3, 4, 1, 1, [0, 1]), (3, 6, 1, 0, [0, 1, 5, 5])]
     with pytest.raises(ValueError, match="does not fit"):
         packed_piece(cu, 8, 4, last=True)
