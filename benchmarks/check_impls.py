@@ -9,7 +9,8 @@ import argparse
 
 import torch
 
-from kalmix.ops.common.testing import CASES, outputs_and_grads, rel_err
+from kalmix.ops import SPECS
+from kalmix.ops.common.testing import outputs_and_grads, rel_err
 
 
 def main() -> None:
@@ -20,10 +21,10 @@ def main() -> None:
     dev = torch.device(args.device)
     print(torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch", torch.__version__)
     print(f"{'op':9s} {'dtype':14s} {'outputs':>9s} {'grads':>9s}   (max relative RMS error vs fp64 loop)")
-    for name, case in CASES.items():
+    for name, case in SPECS.items():
         gen = torch.Generator().manual_seed(0)
         inputs = case.inputs(2, 300, 4, 32, 48, torch.float64, gen)
-        state = case.state(2, 4, 32, 48, torch.float64, gen)
+        state = case.random_state(2, 4, 32, 48, torch.float64, gen)
         ref_out, ref_grad = outputs_and_grads(case, inputs, state, "naive")
         for dt in (torch.float64, torch.float32):
             x = [t.to(dev, dt) for t in inputs]

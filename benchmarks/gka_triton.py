@@ -12,8 +12,9 @@ from triton.testing import do_bench
 
 from _gpu_script import run, time_anchors
 from kalmix import ops
-from kalmix.ops.common.testing import gka_layer_inputs, random_functional_grads, rel_err
+from kalmix.ops.common.testing import random_functional_grads, rel_err
 from kalmix.ops.gka import fused
+from kalmix.ops.gka.spec import layer_inputs as gka_layer_inputs
 
 DEFAULTS = dict(fused.CONFIGS[16])
 NAMES = "o H U dq dk dv dg dbeta dalpha dH0 dU0".split()

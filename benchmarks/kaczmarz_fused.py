@@ -8,7 +8,8 @@ import torch
 from triton.testing import do_bench
 
 from kalmix import ops
-from kalmix.ops.common.testing import CASES, outputs_and_grads, rel_err, run_case
+from kalmix.ops import SPECS
+from kalmix.ops.common.testing import outputs_and_grads, rel_err, run_case
 from kalmix.ops.kaczmarz import fused
 
 
@@ -22,15 +23,15 @@ def checks(dev):
                           (torch.float32, 1001, torch.tensor([0, 300, 301, 301, 1001], device=dev))):
             gen = torch.Generator().manual_seed(T)
             B = 1 if cu is not None else 2
-            args = [x.to(dev) for x in CASES["kaczmarz"].inputs(B, T, 4, 64, 64, torch.float64, gen)]
-            state = CASES["kaczmarz"].state(B if cu is None else 4, 4, 64, 64, torch.float64, gen).to(dev)
-            ref_out, ref_grad = outputs_and_grads(CASES["kaczmarz"], args, state, "torch", cu_seqlens=cu)
+            args = [x.to(dev) for x in SPECS["kaczmarz"].inputs(B, T, 4, 64, 64, torch.float64, gen)]
+            state = SPECS["kaczmarz"].random_state(B if cu is None else 4, 4, 64, 64, torch.float64, gen).to(dev)
+            ref_out, ref_grad = outputs_and_grads(SPECS["kaczmarz"], args, state, "torch", cu_seqlens=cu)
             x = [a.to(dt) if i < 3 else a.float() for i, a in enumerate(args)]
             if eng == "fla" and refused:
                 with torch.no_grad():
-                    out, grad = run_case(CASES["kaczmarz"], x, state.float(), "triton", cu_seqlens=cu), []
+                    out, grad = run_case(SPECS["kaczmarz"], x, state.float(), "triton", cu_seqlens=cu), []
             else:
-                out, grad = outputs_and_grads(CASES["kaczmarz"], x, state.float(), "triton", cu_seqlens=cu)
+                out, grad = outputs_and_grads(SPECS["kaczmarz"], x, state.float(), "triton", cu_seqlens=cu)
             ref, got = ref_out + ref_grad, out + grad
             print(f"  {eng:6s} {str(dt)[6:]:8s} T={T} varlen={cu is not None!s:5s}",
                   " ".join(f"{n}={rel_err(a.double(), b):.1e}" for n, a, b in zip(names, got, ref)))
@@ -43,7 +44,7 @@ def timings(dev):
     from fla.ops import chunk_delta_rule, chunk_gated_delta_rule
     gen = torch.Generator().manual_seed(0)
     args = [a.to(dev, torch.bfloat16) if i < 3 else a.to(dev) for i, a in
-            enumerate(CASES["kaczmarz"].inputs(B, T, H, K, K, torch.float32, gen))]
+            enumerate(SPECS["kaczmarz"].inputs(B, T, H, K, K, torch.float32, gen))]
     xs = [a.requires_grad_() for a in args]
     do = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
     q, k, v, g, eta = xs

@@ -12,8 +12,9 @@ import torch
 from triton.testing import do_bench
 
 from kalmix import ops
-from kalmix.ops.common.testing import kalman_realistic_inputs, rel_err
+from kalmix.ops.common.testing import rel_err
 from kalmix.ops.kalman import fused
+from kalmix.ops.kalman.spec import realistic_inputs as kalman_realistic_inputs
 
 
 def _run(args, impl, state=None, cu_seqlens=None):

@@ -45,7 +45,7 @@ def test_layer_training_step_and_decode(name, dev):
     """bf16 training step finite; fp32 prefill of 40 tokens then 3 decoded tokens equal to the 43-token forward."""
     from kalmix.bench.speed import layer_kwargs
     torch.manual_seed(0)
-    kw = layer_kwargs(name, 256, 4, 64, 16)
+    kw = layer_kwargs(name, 4, 64, 16)
     layer = MIXERS[name](256, **kw).to(dev)
     x = torch.randn(2, 43, 256, device=dev)
     full = layer(x)[0]

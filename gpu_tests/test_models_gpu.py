@@ -3,7 +3,7 @@ CUDA-graphed decode step against the eager one and against the full forward."""
 import pytest
 import torch
 
-from kalmix.layers import MIXERS
+from kalmix.layers import MIXER_SPECS, MIXERS
 from kalmix.models import KalmixConfig, KalmixForCausalLM
 from kalmix.models.decoding import Decoder
 
@@ -12,7 +12,7 @@ HYBRID = ["kalman", "attention", "gka", "vla", "kaczmarz", "gdn"]
 
 def lm(mixers, dev, dtype=torch.float32, d=256):
     torch.manual_seed(0)
-    kw = {m: ({"num_heads": 4} if m != "kalman" else {}) for m in set(mixers)}
+    kw = {m: MIXER_SPECS[m].size_kwargs(heads=4) for m in set(mixers)}
     cfg = KalmixConfig(vocab_size=512, hidden_size=d, num_hidden_layers=len(mixers), mixers=mixers, mixer_kwargs=kw)
     return KalmixForCausalLM(cfg).to(dev, dtype)
 

@@ -6,11 +6,13 @@ import torch
 from triton.runtime.errors import OutOfResources
 
 from kalmix import ops
-from kalmix.ops.common.testing import (CASES, gka_layer_inputs, kalman_realistic_inputs, outputs_and_grads,
-                                       ptxas_verbose, random_functional_grads, rel_err, run_case)
+from kalmix.ops import SPECS
 from kalmix.ops.common import delta_triton
+from kalmix.ops.common.testing import outputs_and_grads, ptxas_verbose, random_functional_grads, rel_err, run_case
 from kalmix.ops.gka import fused as gka_fused
+from kalmix.ops.gka.spec import layer_inputs as gka_layer_inputs
 from kalmix.ops.kaczmarz import fused as kaczmarz_fused
+from kalmix.ops.kalman.spec import realistic_inputs as kalman_realistic_inputs
 from kalmix.ops.vla import fused as vla_fused
 
 # fp32 kernels (3xTF32 or fp32 CUDA-core math) against fp64; bf16 activations against fp64 on the same rounded
@@ -33,8 +35,8 @@ def _case_inputs(name, dev, dtype, varlen, sizes=None):
     B, T, H, K, V = SIZES[name] if sizes is None else sizes
     gen = torch.Generator().manual_seed(T + varlen)
     n_seq = 4 if varlen else B
-    args = CASES[name].inputs(1 if varlen else B, T, H, K, V, torch.float64, gen)
-    state = CASES[name].state(n_seq, H, K, V, torch.float64, gen)
+    args = SPECS[name].inputs(1 if varlen else B, T, H, K, V, torch.float64, gen)
+    state = SPECS[name].random_state(n_seq, H, K, V, torch.float64, gen)
     # the activations in the tested dtype, the reference on exactly those values; gates/dynamics stay fp32
     n_act = 4 if name in ("kalman", "vla") else 3
     args = [(a.to(dtype) if i < n_act else a.float()).double().to(dev) for i, a in enumerate(args)]
@@ -48,11 +50,11 @@ def _case_inputs(name, dev, dtype, varlen, sizes=None):
 @pytest.mark.quick
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", [n for n in CASES if "triton" in ops.AVAILABLE_IMPLS[CASES[n].fn.__name__]])
+@pytest.mark.parametrize("name", [n for n, spec in SPECS.items() if "triton" in spec.impls])
 def test_op_triton_against_fp64(name, dtype, varlen, dev):
     args, state, low, low_state, cu = _case_inputs(name, dev, dtype, varlen)
-    ref_out, ref_grad = outputs_and_grads(CASES[name], args, state, "torch", cu_seqlens=cu)
-    out, grad = outputs_and_grads(CASES[name], low, low_state, "triton", cu_seqlens=cu)
+    ref_out, ref_grad = outputs_and_grads(SPECS[name], args, state, "torch", cu_seqlens=cu)
+    out, grad = outputs_and_grads(SPECS[name], low, low_state, "triton", cu_seqlens=cu)
     _check(f"{name} {str(dtype)[6:]} varlen={varlen}", out + grad, ref_out + ref_grad, TOL[dtype])
 
 
@@ -65,8 +67,8 @@ def test_delta_kernels_small_heads(name, dtype, head, dev):
     at least 32 wide."""
     for T in (40, 130):
         args, state, low, low_state, _ = _case_inputs(name, dev, dtype, False, sizes=(2, T, 2, head, head))
-        ref_out, ref_grad = outputs_and_grads(CASES[name], args, state, "torch")
-        out, grad = outputs_and_grads(CASES[name], low, low_state, "triton")
+        ref_out, ref_grad = outputs_and_grads(SPECS[name], args, state, "torch")
+        out, grad = outputs_and_grads(SPECS[name], low, low_state, "triton")
         _check(f"{name} {str(dtype)[6:]} K=V={head} T={T}", out + grad, ref_out + ref_grad, TOL[dtype])
 
 
@@ -78,8 +80,8 @@ def test_delta_kernels_at_both_launches(name, narrow, dev, monkeypatch):
     picks narrow), bf16 against fp64."""
     monkeypatch.setattr(delta_triton, "_narrow", lambda *a: narrow)
     args, state, low, low_state, _ = _case_inputs(name, dev, torch.bfloat16, False)
-    ref_out, ref_grad = outputs_and_grads(CASES[name], args, state, "torch")
-    out, grad = outputs_and_grads(CASES[name], low, low_state, "triton")
+    ref_out, ref_grad = outputs_and_grads(SPECS[name], args, state, "torch")
+    out, grad = outputs_and_grads(SPECS[name], low, low_state, "triton")
     _check(f"{name} bf16 narrow={narrow}", out + grad, ref_out + ref_grad, TOL[torch.bfloat16])
 
 
@@ -94,8 +96,8 @@ def test_ops_run_at_their_largest_head_size(name, dtype, dev, monkeypatch):
     args, state, low, low_state, _ = _case_inputs(name, dev, dtype, False, sizes=(1, 130, 2, K, 64))
     if dtype == torch.float64:
         low, low_state = args, state
-    ref_out, ref_grad = outputs_and_grads(CASES[name], args, state, "torch")
-    out, grad = outputs_and_grads(CASES[name], low, low_state, "triton")
+    ref_out, ref_grad = outputs_and_grads(SPECS[name], args, state, "torch")
+    out, grad = outputs_and_grads(SPECS[name], low, low_state, "triton")
     _check(f"{name} {str(dtype)[6:]} K={K}", out + grad, ref_out + ref_grad, TOL.get(dtype, 1e-6))
 
 
@@ -116,11 +118,11 @@ def test_kaczmarz_fla_engine_forward(dev):
     """fla's chunk_gated_delta_rule engine (forward only where fla refuses its backward) on the same check."""
     args, state, low, low_state, cu = _case_inputs("kaczmarz", dev, torch.float32, False)
     with torch.no_grad():
-        ref = run_case(CASES["kaczmarz"], args, state, "torch")
+        ref = run_case(SPECS["kaczmarz"], args, state, "torch")
         saved = kaczmarz_fused.engine
         kaczmarz_fused.engine = lambda device, dtype: "fla"
         try:
-            got = run_case(CASES["kaczmarz"], low, low_state, "triton")
+            got = run_case(SPECS["kaczmarz"], low, low_state, "triton")
         finally:
             kaczmarz_fused.engine = saved
     _check("kaczmarz fla engine fp32 forward", got, ref, 1e-3)   # fla computes with bf16/tf32 operands
@@ -134,23 +136,23 @@ def test_kaczmarz_key_norms_spread_over_two_decades(eng, dtype, dev):
     refused here)."""
     B, T, H, K, V = SIZES["kaczmarz"]
     gen = torch.Generator().manual_seed(11)
-    args = CASES["kaczmarz"].inputs(B, T, H, K, V, torch.float64, gen)
+    args = SPECS["kaczmarz"].inputs(B, T, H, K, V, torch.float64, gen)
     args[1] = args[1] / args[1].norm(dim=-1, keepdim=True) * 10 ** (2 * torch.rand(B, T, H, 1, generator=gen,
                                                                                     dtype=torch.float64) - 1)
-    state = CASES["kaczmarz"].state(B, H, K, V, torch.float64, gen).to(dev)
+    state = SPECS["kaczmarz"].random_state(B, H, K, V, torch.float64, gen).to(dev)
     args = [(a.to(dtype) if i < 3 else a.float()).double().to(dev) for i, a in enumerate(args)]
     low = [(a.to(dtype) if i < 3 else a.float()) for i, a in enumerate(args)]
     saved = kaczmarz_fused.engine
     kaczmarz_fused.engine = lambda device, dtype: eng
     try:
         if eng == "kalmix":
-            ref_out, ref_grad = outputs_and_grads(CASES["kaczmarz"], args, state, "torch")
-            out, grad = outputs_and_grads(CASES["kaczmarz"], low, state.float(), "triton")
+            ref_out, ref_grad = outputs_and_grads(SPECS["kaczmarz"], args, state, "torch")
+            out, grad = outputs_and_grads(SPECS["kaczmarz"], low, state.float(), "triton")
             got, ref = out + grad, ref_out + ref_grad
         else:
             with torch.no_grad():
-                ref = run_case(CASES["kaczmarz"], args, state, "torch")
-                got = run_case(CASES["kaczmarz"], low, state.float(), "triton")
+                ref = run_case(SPECS["kaczmarz"], args, state, "torch")
+                got = run_case(SPECS["kaczmarz"], low, state.float(), "triton")
     finally:
         kaczmarz_fused.engine = saved
     # fla multiplies fp32 inputs in TF32 (10-bit mantissa): 1.45e-3 on o here (H200)
@@ -188,8 +190,8 @@ def test_vla_16384_tokens_in_parts(dev):
     The initial A's gradient (carried back over all 16384 tokens, the same with or without parts) shrinks with T
     while fp32's rounding in the carry does not: 9e-4 here, 2e-4 at T = 8192, 6e-6 at T = 1000."""
     args, state, low, low_state, _ = _case_inputs("vla", dev, torch.float32, False, sizes=(1, 16384, 2, 64, 64))
-    ref_out, ref_grad = outputs_and_grads(CASES["vla"], args, state, "torch")
-    out, grad = outputs_and_grads(CASES["vla"], low, low_state, "triton")
+    ref_out, ref_grad = outputs_and_grads(SPECS["vla"], args, state, "torch")
+    out, grad = outputs_and_grads(SPECS["vla"], low, low_state, "triton")
     got, ref = out + grad, ref_out + ref_grad
     _check("vla fp32 T=16384", got[:9] + got[10:], ref[:9] + ref[10:], TOL[torch.float32])
     _check("vla fp32 T=16384 dA0", got[9:10], ref[9:10], 3e-3)
@@ -280,12 +282,12 @@ def test_value_errors_on_cuda(dev):
     """On CUDA the value checks are read back after the op's kernels are queued; they still raise before the op
     returns, with the same messages as on CPU."""
     gen = torch.Generator().manual_seed(0)
-    q, k, v, w, a, p = (x.to(dev) for x in CASES["kalman"].inputs(2, 40, 2, 4, 8, torch.float32, gen))
+    q, k, v, w, a, p = (x.to(dev) for x in SPECS["kalman"].inputs(2, 40, 2, 4, 8, torch.float32, gen))
     with pytest.raises(ValueError, match=r"`v_precision` contains NaN"):
         ops.kalman_attention(q, k, v, w.clone().index_fill_(1, torch.tensor([3], device=dev), float("nan")), a, p)
     with pytest.raises(ValueError, match=r"`decay` must lie in \(0.0, 1.0\]"):
         ops.kalman_attention(q, k, v, w, a + 1.0, p)
-    q, k, v, g, eta = (x.to(dev) for x in CASES["kaczmarz"].inputs(2, 40, 2, 16, 16, torch.float32, gen))
+    q, k, v, g, eta = (x.to(dev) for x in SPECS["kaczmarz"].inputs(2, 40, 2, 16, 16, torch.float32, gen))
     with pytest.raises(ValueError, match=r"`g` must lie in"):
         ops.kaczmarz_attention(q, k, v, -g + 0.1, eta)
     # Kaczmarz checks in its step kernel, with either engine (fla's without gradients, kalmix's with them here)
@@ -297,7 +299,7 @@ def test_value_errors_on_cuda(dev):
         with pytest.raises(ValueError, match=r"`eta` must lie in \(0.0, 1.0\]"):
             ops.kaczmarz_attention(*leaves, g, eta + 1.0)
         assert torch.isfinite(ops.kaczmarz_attention(*leaves, g, eta)[0]).all()
-    q, k, v, g, beta, alpha = (x.to(dev) for x in CASES["gka"].inputs(2, 40, 2, 16, 16, torch.float32, gen))
+    q, k, v, g, beta, alpha = (x.to(dev) for x in SPECS["gka"].inputs(2, 40, 2, 16, 16, torch.float32, gen))
     with pytest.raises(ValueError, match=r"`beta` must lie in \[0.0, inf\)"):
         ops.gated_kalmanet(q, k, v, g, -beta, alpha)
     assert torch.isfinite(ops.gated_kalmanet(q, k, v, g, beta, alpha)[0]).all()     # and valid input passes

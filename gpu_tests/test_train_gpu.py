@@ -5,13 +5,13 @@ import json
 import pytest
 import torch
 
-from kalmix.layers import MIXERS
+from kalmix.layers import MIXER_SPECS, MIXERS
 from kalmix.models import KalmixConfig, KalmixForCausalLM
 
 
 def lm(mixers, dev, d=256):
     torch.manual_seed(0)
-    kw = {m: ({"num_heads": 4} if m != "kalman" else {}) for m in set(mixers)}
+    kw = {m: MIXER_SPECS[m].size_kwargs(heads=4) for m in set(mixers)}
     cfg = KalmixConfig(vocab_size=512, hidden_size=d, num_hidden_layers=len(mixers), mixers=mixers, mixer_kwargs=kw)
     return KalmixForCausalLM(cfg).to(dev)
 
@@ -60,7 +60,7 @@ def test_kalmix_train_runs_a_hybrid_of_every_mixer(tmp_path, dev):
         "run_dir": str(tmp_path / "run"), "data_dir": str(tmp_path / "data"), "data.source": str(corpus),
         "data.val_fraction": 0.1, "tokenizer.vocab_size": 300, "model.mixers": mixers,
         "model.num_hidden_layers": len(mixers), "model.hidden_size": 128,
-        "model.mixer_kwargs": {m: ({"num_heads": 2} if m != "kalman" else {}) for m in mixers},
+        "model.mixer_kwargs": {m: MIXER_SPECS[m].size_kwargs(heads=2) for m in mixers},
         "train.steps": 6, "train.seq_len": 256, "train.global_batch_size": 8, "train.micro_batch_size": 4,
         "train.device": "cuda", "train.dtype": "bf16", "optim.warmup_steps": 2, "eval.every": 6, "eval.rows": 8,
         "checkpoint.every": 6, "log.every": 1, "log.progress": False})

@@ -384,7 +384,7 @@ def test_every_command_the_readme_shows_is_installed(capsys):
 
 def test_output_piped_into_a_reader_that_stops_early_is_quiet(tmp_path):
     """``kalmix ... | head -1``: the closed pipe ends the command with 141 (SIGPIPE's shell status), no message and
-    no traceback. The table (1,000 models) is far larger than a pipe's buffer, so the write hits the closed pipe."""
+    no traceback. The table (3,000 models, ~200 kB) is far larger than a pipe's buffer, so the write hits the closed pipe."""
     import csv
     src = os.path.join(os.path.dirname(__file__), "..", "docs", "results", "speed-lm", "lm_64k.csv")
     with open(src, newline="") as f:
@@ -393,7 +393,7 @@ def test_output_piped_into_a_reader_that_stops_early_is_quiet(tmp_path):
     with open(big, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
-        w.writerows({**rows[i % len(rows)], "model": f"model{i}"} for i in range(1000))
+        w.writerows({**rows[i % len(rows)], "model": f"model{i}"} for i in range(3000))
     proc = subprocess.Popen([sys.executable, "-m", "kalmix.cli", "bench", "lm", "--table", str(big)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.readline()

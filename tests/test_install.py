@@ -20,7 +20,7 @@ import torch, kalmix
 from kalmix import ops
 from kalmix.models import KalmixConfig, KalmixForCausalLM
 
-assert ops.runnable_impls("kaczmarz_attention", torch.device("cpu")) == ("naive", "torch")
+assert ops.SPECS["kaczmarz"].runnable_impls(torch.device("cpu")) == ("naive", "torch")
 q, g, eta = torch.randn(1, 5, 2, 4), -torch.rand(1, 5, 2), 0.5 + 0.5 * torch.rand(1, 5, 2)
 o, _ = ops.kaczmarz_attention(q, q, q, g, eta)
 o_torch, _ = ops.kaczmarz_attention(q, q, q, g, eta, impl="torch")
@@ -60,7 +60,7 @@ def test_kalmix_runs_its_torch_paths_without_triton():
 def test_an_interpreter_too_old_for_the_kernels_is_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(checks, "_triton_version", lambda: (3, 6))
-    assert "triton" not in kalmix.ops.runnable_impls("kalman_attention", torch.device("cpu"))
+    assert "triton" not in kalmix.ops.SPECS["kalman"].runnable_impls(torch.device("cpu"))
     q = torch.randn(1, 3, 1, 4)
     with pytest.raises(ValueError, match=r"interpreter of triton 3\.6 cannot run kalmix's kernels \(triton >= 3\.9"):
         kalmix.ops.kaczmarz_attention(q, q, q, -torch.rand(1, 3, 1), torch.ones(1, 3, 1), impl="triton")

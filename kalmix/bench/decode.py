@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
 from kalmix.ops.common.checks import check_device
 from kalmix.bench.checks import check_model, check_out
-from kalmix.layers import MIXERS
+from kalmix.layers import MIXER_SPECS, MIXERS
 from kalmix.models import KalmixConfig, KalmixForCausalLM
 from kalmix.models.decoding import Decoder
 
@@ -63,10 +63,10 @@ class DecodeBenchConfig(BaseModel):
 
 
 def lm_config(mixer: str, cfg: DecodeBenchConfig) -> KalmixConfig:
-    """``layers`` blocks of ``mixer`` with SwiGLU MLPs, ``num_heads`` heads (Kalman: its paper's H = 1)."""
-    kw = {} if mixer == "kalman" else {"num_heads": cfg.num_heads}
+    """``layers`` blocks of ``mixer`` with SwiGLU MLPs, ``num_heads`` heads where the mixer takes them (Kalman: its
+    paper's H = 1)."""
     return KalmixConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.layers,
-                        mixer=mixer, mixer_kwargs={mixer: kw})
+                        mixer=mixer, mixer_kwargs={mixer: MIXER_SPECS[mixer].size_kwargs(heads=cfg.num_heads)})
 
 
 def kernel_ms(fn, n: int = 5) -> float:

@@ -41,19 +41,19 @@ import torch
 import torch.nn as nn
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kalmix.bench.models import Shape, lm_flops_per_token, op_flops
+from kalmix.bench.models import lm_flops_per_token
 from kalmix.bench.speed import versions, write_csv
+from kalmix.layers import MIXER_SPECS
 from kalmix.ops.common.checks import check_device
+from kalmix.ops.common.cost import DELTA, SDPA, Shape
 
-KALMIX_MODELS = ("attention", "gdn", "kaczmarz", "gka", "vla", "kalman")
+KALMIX_MODELS = tuple(name for name, spec in MIXER_SPECS.items() if spec.headline)
 MODELS = (*KALMIX_MODELS, "hybrid", "fla_deltanet", "llama")
 HYBRID_ATTENTION_EVERY = 4                # the hybrid: gka, softmax attention in layers 3, 7, ...
 REFERENCES = ("fla_deltanet", "llama")    # tokens/s ratios are taken against these; Llama's count is the target
 # the model shapes: the issue's (8 blocks of width 1024, 8 heads of 128) and `kalmix train gpu-125m`'s
 PRESETS = {"default": dict(layers=8, d_model=1024, vocab_size=32000, num_heads=8, attention_heads=8),
            "125m": dict(layers=12, d_model=768, vocab_size=32768, num_heads=6, attention_heads=12)}
-# mixer arguments tried in turn when a model is sized, before its SwiGLU width: the paper's layer first
-_VARIANTS = {"kalman": ({}, {"expand": 1})}
 _MLP_MULTIPLE = 64
 
 
@@ -166,8 +166,9 @@ def specs(shape: LMShape, names=MODELS) -> dict[str, Spec]:
     out = {}
     for name in dict.fromkeys([*names, "llama"]):
         if name in KALMIX_MODELS:
-            kw = {} if name == "kalman" else attn if name == "attention" else {"num_heads": shape.num_heads}
-            out[name] = Spec(name, "kalmix", width, mixer=name, mixer_kwargs={name: kw})
+            heads = shape.attention_heads if name == "attention" else shape.num_heads
+            out[name] = Spec(name, "kalmix", width, mixer=name,
+                             mixer_kwargs={name: MIXER_SPECS[name].size_kwargs(heads=heads)})
         elif name == "hybrid":
             out[name] = Spec(name, "kalmix", width, mixer="gka", attention_every=HYBRID_ATTENTION_EVERY,
                              mixer_kwargs={"gka": {"num_heads": shape.num_heads}, "attention": attn})
@@ -209,11 +210,13 @@ def count_params(spec: Spec, shape: LMShape) -> int:
 
 
 def size_to(spec: Spec, shape: LMShape, target: int, tolerance: float) -> Spec:
-    """``spec`` sized to ``target`` parameters: for each mixer variant in turn (``_VARIANTS``; Kalman: its paper's
-    layer, then expand 1), the SwiGLU width (a multiple of 64, at least 64) nearest to the target; the first variant
-    within ``tolerance`` (else the nearest)."""
+    """``spec`` sized to ``target`` parameters: for each mixer variant in turn (its layer as given, then its compact
+    variant if it has one, ``MixerSpec.compact``; Kalman: its paper's layer, then expand 1), the SwiGLU width (a
+    multiple of 64, at least 64) nearest to the target; the first variant within ``tolerance`` (else the
+    nearest)."""
     best = None
-    for variant in _VARIANTS.get(spec.name, ({},)):
+    compact = MIXER_SPECS[spec.mixer].compact if spec.mixer is not None else {}
+    for variant in ({}, compact) if compact else ({},):
         s = spec
         if variant:
             s = replace(spec, mixer_kwargs={**spec.mixer_kwargs, spec.mixer: {**spec.mixer_kwargs[spec.mixer],
@@ -285,11 +288,11 @@ def flops_per_token(model: nn.Module, spec: Spec, T: int) -> float:
     for layer in model.model.layers:
         if spec.source == "fla":
             a = layer.attn
-            s, op = Shape(1, T, a.num_heads, a.head_k_dim, a.head_v_dim), "delta"
+            s, cost = Shape(1, T, a.num_heads, a.head_k_dim, a.head_v_dim), DELTA
         else:
             heads, hd = model.config.num_attention_heads, layer.self_attn.head_dim
-            s, op = Shape(1, T, heads, hd, hd), "sdpa"
-        flops += op_flops(op, s, "fwdbwd") / T
+            s, cost = Shape(1, T, heads, hd, hd), SDPA
+        flops += cost.flops(s, "fwdbwd") / T
     return flops
 
 

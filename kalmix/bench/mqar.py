@@ -13,13 +13,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from kalmix.ops.common.checks import check_device
 from kalmix.bench.checks import check_impl, check_model, check_out, validation_lines
 from kalmix.bench.synthetic import Batches, TrainSpec, evaluate, fit, git_sha
-from kalmix.layers import MIXERS
+from kalmix.layers import MIXER_SPECS, MIXERS
 from kalmix.models import KalmixConfig, KalmixForCausalLM
 from kalmix.tasks import MQARConfig
 
 MIXER_NAMES = tuple(MIXERS)
 # the default run: kalmix's four mixers beside softmax attention and Gated DeltaNet (the README's table)
-DEFAULT_MIXERS = ["attention", "gdn", "kaczmarz", "gka", "vla", "kalman"]
+DEFAULT_MIXERS = [name for name, spec in MIXER_SPECS.items() if spec.headline]
 
 
 class MQARBenchConfig(BaseModel):
@@ -79,9 +79,10 @@ class MQARBenchConfig(BaseModel):
                             tie_word_embeddings=False, impl=self.impl)
 
     def mixer_kwargs(self, mixer: str) -> dict:
-        if mixer == "kalman":
-            return dict(d_state=self.d_state, expand=1)     # the Kalman paper's MQAR setting (expand 1, H = 1)
-        return dict(num_heads=self.num_heads)
+        """``num_heads`` and ``d_state`` where the mixer takes them, in its compact variant (the Kalman paper's
+        MQAR setting: expand 1, H = 1)."""
+        spec = MIXER_SPECS[mixer]
+        return {**spec.size_kwargs(heads=self.num_heads, d_state=self.d_state), **spec.compact}
 
 
 def train_one(mixer: str, cfg: MQARBenchConfig, data) -> dict:

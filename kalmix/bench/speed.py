@@ -2,9 +2,9 @@
 
 Rows are long-format: one per (thing timed, mode, dtype, T). Each row carries the median and p20/p80 time
 (``triton.testing.do_bench`` on CUDA; a plain timer loop on CPU), the peak memory of one call, achieved GB/s
-and TFLOP/s under the models of ``kalmix.bench.models``, and their fraction of the machine ceilings measured in
-the same run (copy bandwidth, bf16 matmul rate, and for Kalman's elementwise filter the fp32 FMA rate of the CUDA
-cores).
+and TFLOP/s under the cost models of ``kalmix.ops.common.cost`` (each op's from its spec), and their fraction of
+the machine ceilings measured in the same run (copy bandwidth, bf16 matmul rate, and for Kalman's elementwise
+filter the fp32 FMA rate of the CUDA cores).
 """
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, 
 
 from kalmix import ops
 from kalmix.bench.checks import check_builds, check_out
-from kalmix.bench.models import Shape, op_bytes, op_flops
+from kalmix.layers import MIXER_SPECS, MIXERS
 from kalmix.ops.common.checks import check_device, triton_module
-from kalmix.ops.common.testing import CASES
-from kalmix.layers import MIXERS
+from kalmix.ops.common.cost import DELTA, GATED_DELTA, GLA, SDPA, SIMPLE_GLA, Cost, Shape
+from kalmix.ops.common.spec import OpSpec, matrix_heads
 
 MODES = ("fwd", "fwdbwd", "decode")
 GKA_ITERS = inspect.signature(ops.gated_kalmanet).parameters["num_iters"].default    # the op's default (30)
@@ -40,8 +40,8 @@ class Target:
     name: str
     impl: str
     kind: str                    # "op", "anchor" or "layer"
-    model: str | None            # key of the bytes/FLOPs model (ops and anchors)
-    family: str                  # "matrix" (H heads of K x V states) or "kalman" (diagonal N x D lanes)
+    cost: Cost | None            # the bytes/FLOPs model (ops and anchors)
+    heads: tuple[int, int, int]  # (H, K, V) it is timed at
     build: Callable
     op_kwargs: dict = field(default_factory=dict)    # keywords the op is called with (GKA's num_iters)
 
@@ -58,17 +58,17 @@ def _leaves(*xs):
     return [x.requires_grad_() for x in xs]
 
 
-def _op(op_name: str, case: str, impl: str, check_values: bool, op_kwargs: dict):
-    """Inputs drawn like the tests' (``kalmix.ops.common.testing.CASES``), cast to the timed dtype (Kalman's
-    decay and process noise stay fp32 parameters); the op is called with ``op_kwargs``. Ops with a value check run
+def _op(spec: OpSpec, impl: str, check_values: bool, op_kwargs: dict):
+    """Inputs drawn like the tests' (the spec's ``inputs``), cast to the timed dtype (time-invariant parameters,
+    Kalman's decay and process noise, stay fp32); the op is called with ``op_kwargs``. Ops with a value check run
     it only with ``check_values`` (its read-back is one host synchronisation per call, which fla's ops do not
     make; the layers skip it)."""
     def build(s: Shape, dt, dev):
-        xs = CASES[case].inputs(s.B, s.T, s.H, s.K, s.V, torch.float32, torch.Generator().manual_seed(0))
-        n_params = 2 if case == "kalman" else 0
-        xs = [x.to(dev, dt) for x in xs[:len(xs) - n_params]] + [x.to(dev) for x in xs[len(xs) - n_params:]]
+        xs = spec.inputs(s.B, s.T, s.H, s.K, s.V, torch.float32, torch.Generator().manual_seed(0))
+        n_acts = len(xs) - spec.n_params
+        xs = [x.to(dev, dt) for x in xs[:n_acts]] + [x.to(dev) for x in xs[n_acts:]]
         leaves = _leaves(*xs)
-        fn = getattr(ops, op_name)
+        fn = spec.fn
         kw = {"check_values": check_values} if "check_values" in inspect.signature(fn).parameters else {}
         return (lambda: fn(*leaves, impl=impl, **kw, **op_kwargs)[0]), leaves
     return build
@@ -107,25 +107,17 @@ def _sdpa(s: Shape, dt, dev):
     return fn, leaves
 
 
-def layer_kwargs(name: str, d_model: int, heads: int, head_dim: int, d_state: int) -> dict:
-    """Constructor arguments of the timed layers: matrix-state mixers with ``heads`` x ``head_dim``; Kalman with
-    expand 2, H = 1 and ``d_state`` slots (the paper's layer)."""
-    if name == "kalman":
-        return dict(expand=2, d_state=d_state, num_heads=1)
-    if name in ("kaczmarz", "gdn"):
-        return dict(num_heads=heads, head_k_dim=head_dim)
-    return dict(num_heads=heads, head_dim=head_dim) if name in ("gka", "vla") else dict(num_heads=heads)
+def layer_kwargs(name: str, heads: int, head_dim: int, d_state: int) -> dict:
+    """Constructor arguments of a timed layer: the sizes its mixer takes (``MixerSpec.size_kwargs``): matrix-state
+    mixers ``heads`` × ``head_dim``; Kalman ``d_state`` slots in its paper's layer (expand 2, H = 1)."""
+    return MIXER_SPECS[name].size_kwargs(heads=heads, head_dim=head_dim, d_state=d_state)
 
 
 def layer_impls(name: str, device: torch.device) -> list[str]:
-    """The impls a layer is timed with on ``device``: those of its op but the token loop ("-" for attention)."""
-    if name == "attention":
-        return ["-"]
-    op_name = {"kalman": "kalman_attention", "gka": "gated_kalmanet", "kaczmarz": "kaczmarz_attention",
-               "gdn": "kaczmarz_attention", "vla": "variational_linear_attention",
-               "linear_attention": "gated_linear_attention", "gla": "gated_linear_attention",
-               "mamba2": "gated_linear_attention", "notebook_deltanet": "value_gated_delta_rule"}[name]
-    return [i for i in ops.runnable_impls(op_name, device) if i != "naive"]
+    """The impls a layer is timed with on ``device``: those of its op but the token loop ("-": no kalmix op,
+    softmax attention)."""
+    op = MIXER_SPECS[name].op
+    return ["-"] if op is None else [i for i in op.runnable_impls(device) if i != "naive"]
 
 
 def _selected(name: str, ops_filter) -> bool:
@@ -134,14 +126,11 @@ def _selected(name: str, ops_filter) -> bool:
 
 def _layer(name, impl, d_model, heads, head_dim, d_state):
     def build(s: Shape, dt, dev):
-        kw = layer_kwargs(name, d_model, heads, head_dim, d_state)
         if name == "fla_gdn":
             from fla.layers import GatedDeltaNet as FlaGDN
             layer = FlaGDN(hidden_size=d_model, num_heads=heads, head_dim=head_dim, expand_v=1, layer_idx=0)
-        elif name == "attention":
-            layer = MIXERS[name](d_model, **kw)
         else:
-            layer = MIXERS[name](d_model, impl=impl, **kw)
+            layer = MIXERS[name](d_model, impl=impl, **layer_kwargs(name, heads, head_dim, d_state))
         layer = layer.to(dev, dt)
         x = _rand((s.B, s.T, d_model), dt, dev).requires_grad_()
         return (lambda: layer(x)[0]), [x, *layer.parameters()]
@@ -154,28 +143,32 @@ def targets(ops_filter, impls_filter, d_model, heads, head_dim, d_state, device,
     ops run their value checks; ``gka_iters``: gated_kalmanet's Chebyshev steps, one row each (named
     ``gated_kalmanet[num_iters=N]`` but for the op's default)."""
     out = []
-    op_cases = {"kalman_attention": "kalman", "gated_kalmanet": "gka", "kaczmarz_attention": "kaczmarz",
-                "variational_linear_attention": "vla"}
-    for op_name, case in op_cases.items():
-        variants = [(op_name, {})]
-        if case == "gka":
-            variants = [(op_name if n == GKA_ITERS else f"{op_name}[num_iters={n}]", {"num_iters": n})
-                        for n in gka_iters]
-        for impl in ops.runnable_impls(op_name, device):
-            for name, kw in variants:
-                out.append(Target(name, impl, "op", case, "kalman" if case == "kalman" else "matrix",
-                                  _op(op_name, case, impl, check_values, kw), kw))
+    sizes = (heads, head_dim, d_model, d_state)
+    matrix = matrix_heads(*sizes)
+    sweeps = {"num_iters": gka_iters}         # the values of each keyword an op's spec sweeps (OpSpec.sweep)
+    for spec in (s for s in ops.SPECS.values() if s.timed):
+        name, variants = spec.fn.__name__, [(spec.fn.__name__, {})]
+        if spec.sweep is not None:
+            default = inspect.signature(spec.fn).parameters[spec.sweep].default
+            variants = [(name if n == default else f"{name}[{spec.sweep}={n}]", {spec.sweep: n})
+                        for n in sweeps[spec.sweep]]
+        for impl in spec.runnable_impls(device):
+            for label, kw in variants:
+                out.append(Target(label, impl, "op", spec.cost, spec.bench_heads(*sizes),
+                                  _op(spec, impl, check_values, kw), kw))
     if device.type == "cuda":
-        for fn_name, model in (("chunk_delta_rule", "delta"), ("chunk_gated_delta_rule", "gated_delta"),
-                               ("chunk_simple_gla", "simple_gla"), ("chunk_gla", "gla")):
-            out.append(Target(f"fla.{fn_name}", "fla", "anchor", model, "matrix", _fla_anchor(fn_name)))
-    out.append(Target("sdpa_causal", "flash" if device.type == "cuda" else "sdpa", "anchor", "sdpa", "matrix", _sdpa))
+        for fn_name, cost in (("chunk_delta_rule", DELTA), ("chunk_gated_delta_rule", GATED_DELTA),
+                              ("chunk_simple_gla", SIMPLE_GLA), ("chunk_gla", GLA)):
+            out.append(Target(f"fla.{fn_name}", "fla", "anchor", cost, matrix, _fla_anchor(fn_name)))
+    out.append(Target("sdpa_causal", "flash" if device.type == "cuda" else "sdpa", "anchor", SDPA, matrix, _sdpa))
     for name in MIXERS:
+        op = MIXER_SPECS[name].op           # a layer is timed at its op's shape (softmax attention: the matrix one)
+        layer_heads = matrix if op is None else op.bench_heads(*sizes)
         for impl in layer_impls(name, device):
-            out.append(Target(f"layer.{name}", impl, "layer", None, "kalman" if name == "kalman" else "matrix",
+            out.append(Target(f"layer.{name}", impl, "layer", None, layer_heads,
                               _layer(name, None if impl == "-" else impl, d_model, heads, head_dim, d_state)))
     if device.type == "cuda":
-        out.append(Target("layer.fla_gdn", "fla", "layer", None, "matrix",
+        out.append(Target("layer.fla_gdn", "fla", "layer", None, matrix,
                           _layer("fla_gdn", None, d_model, heads, head_dim, d_state)))
     # the token loops take seconds to minutes per call at these budgets: only when asked for by --impls
     return [t for t in out if _selected(t.name, ops_filter)
@@ -269,7 +262,7 @@ def _is_refusal(err: Exception) -> bool:
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # every impl name a row can carry: the ops' backends, fla's kernels, attention's flash / SDPA, "-" (attention layer)
-IMPLS = tuple(sorted({i for impls in ops.AVAILABLE_IMPLS.values() for i in impls} | {"fla", "flash", "sdpa", "-"}))
+IMPLS = tuple(sorted({i for spec in ops.SPECS.values() for i in spec.impls} | {"fla", "flash", "sdpa", "-"}))
 
 
 class SpeedConfig(BaseModel):
@@ -324,15 +317,9 @@ class SpeedConfig(BaseModel):
                              f"nothing to time on {device.type}")
         for name in MIXERS:
             if _selected(f"layer.{name}", self.ops):
-                kw = layer_kwargs(name, self.d_model, self.heads, self.head_dim, self.d_state)
+                kw = layer_kwargs(name, self.heads, self.head_dim, self.d_state)
                 check_builds(lambda: MIXERS[name](self.d_model, **kw), f"layer.{name} with {kw}")
         return self
-
-
-def _shape(t: Target, cfg: SpeedConfig, B: int, T: int) -> Shape:
-    if t.family == "kalman":
-        return Shape(B, T, 1, cfg.d_state, 2 * cfg.d_model)
-    return Shape(B, T, cfg.heads, cfg.head_dim, cfg.head_dim)
 
 
 def _measure(call, leaves, device, cfg):
@@ -355,14 +342,15 @@ def _measure(call, leaves, device, cfg):
 def _row(t: Target, mode, dtype_name, s: Shape, timing, ceil, meta, elt) -> dict:
     p20, p50, p80, peak, status = timing
     gbps = tflops = float("nan")
-    if t.model is not None and status == "ok":
-        gbps = op_bytes(t.model, s, elt, mode) / p50 / 1e6
-        tflops = op_flops(t.model, s, mode, **t.op_kwargs) / p50 / 1e9
+    if t.cost is not None and status == "ok":
+        gbps = t.cost.bytes(s, elt, mode) / p50 / 1e6
+        tflops = t.cost.flops(s, mode, **t.op_kwargs) / p50 / 1e9
     return {"op": t.name, "impl": t.impl, "kind": t.kind, "mode": mode, "dtype": dtype_name, "B": s.B, "T": s.T,
             "H": s.H, "K": s.K, "V": s.V, "tokens": s.B * s.T, "ms_p20": p20, "ms_p50": p50, "ms_p80": p80,
             "peak_MiB": peak, "GBps": gbps, "TFLOPs": tflops, "frac_copy_bw": gbps / ceil["copy_GBps"],
-            "frac_matmul": tflops / ceil["matmul_TFLOPs"] if t.family == "matrix" else math.nan,
-            "frac_fp32": tflops / ceil["fp32_TFLOPs"] if t.family == "kalman" else math.nan, "status": status,
+            "frac_matmul": tflops / ceil["matmul_TFLOPs"] if t.cost and t.cost.ceiling == "matmul" else math.nan,
+            "frac_fp32": tflops / ceil["fp32_TFLOPs"] if t.cost and t.cost.ceiling == "fp32" else math.nan,
+            "status": status,
             **meta, "copy_GBps_measured": ceil["copy_GBps"], "matmul_TFLOPs_measured": ceil["matmul_TFLOPs"],
             "fp32_TFLOPs_measured": ceil["fp32_TFLOPs"]}
 
@@ -387,12 +375,11 @@ def _decode_rows(cfg, device, dtype_name, ceil, meta) -> list[dict]:
                     q = _rand((1, cfg.heads, 1, cfg.head_dim), dt, device)
                     kv = [_rand((1, cfg.heads, L, cfg.head_dim), dt, device) for _ in range(2)]
                     timing = _measure(lambda: F.scaled_dot_product_attention(q, *kv), [], device, cfg)
-                    rows.append(_row(Target(name, impl, "anchor", None, "matrix", None), "decode", dtype_name,
+                    rows.append(_row(Target(name, impl, "anchor", None, (), None), "decode", dtype_name,
                                      Shape(1, L, cfg.heads, cfg.head_dim, cfg.head_dim), timing, ceil, meta, 0))
                 continue
-            kw = layer_kwargs(name, cfg.d_model, cfg.heads, cfg.head_dim, cfg.d_state)
-            layer = (MIXERS[name](cfg.d_model, **kw) if name == "attention" else
-                     MIXERS[name](cfg.d_model, impl=impl, **kw)).to(device, dt)
+            kw = layer_kwargs(name, cfg.heads, cfg.head_dim, cfg.d_state)
+            layer = MIXERS[name](cfg.d_model, impl=None if impl == "-" else impl, **kw).to(device, dt)
             x1 = _rand((1, 1, cfg.d_model), dt, device)
             timing = None
             for L in cfg.decode_contexts:
@@ -401,7 +388,7 @@ def _decode_rows(cfg, device, dtype_name, ceil, meta) -> list[dict]:
                     _, _, cache = layer(_rand((1, prompt, cfg.d_model), dt, device), use_cache=True)
                     timing = _measure(lambda c=cache, m=layer: m(x1, past_key_values=c)[0], [], device, cfg)
                 s = Shape(1, L, cfg.heads, cfg.head_dim, cfg.head_dim)
-                rows.append(_row(Target(f"layer.{name}", impl, "layer", None, "matrix", None), "decode",
+                rows.append(_row(Target(f"layer.{name}", impl, "layer", None, (), None), "decode",
                                  dtype_name, s, timing, ceil, meta, 0))
     for r in rows:
         r["tokens"] = 1
@@ -426,7 +413,7 @@ def run(cfg: SpeedConfig, progress: bool = True) -> list[dict]:
     bar = tqdm(plan, desc="kalmix speed", disable=not progress, dynamic_ncols=True)
     for dtype_name, T, t in bar:
         bar.set_postfix_str(f"{t.name}/{t.impl} {dtype_name} T={T}")
-        s = _shape(t, cfg, max(1, cfg.tokens // T), T)
+        s = Shape(max(1, cfg.tokens // T), T, *t.heads)
         elt = torch.finfo(DTYPES[dtype_name]).bits // 8
         modes = [m for m in cfg.modes if m != "decode"]
         if t.impl == "naive" and T > cfg.naive_max_len:

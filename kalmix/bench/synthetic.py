@@ -39,8 +39,7 @@ from tqdm.auto import tqdm
 
 from kalmix.ops.common.checks import check_device
 from kalmix.bench.checks import check_impl, check_model, check_out
-from kalmix.layers import ALL_MIXERS, BASELINES
-from kalmix.layers.baselines import NotebookDeltaNet, _GatedLinearLayer
+from kalmix.layers import ALL_MIXERS, BASELINES, MIXER_SPECS
 from kalmix.models import KalmixConfig, KalmixForCausalLM
 from kalmix.models.modeling import mc_marginal
 from kalmix.tasks import (CapacityMQARConfig, CompressionConfig, FuzzyRecallConfig, HardMQARConfig,
@@ -588,7 +587,7 @@ def what_ran(model: nn.Module, device: torch.device) -> str:
             parts[name] = f"fla {fla.__version__}"
         elif name == "attention":
             parts[name] = "torch sdpa"
-        elif isinstance(layer, (_GatedLinearLayer, NotebookDeltaNet)):     # pure PyTorch, no Triton impl
+        elif "triton" not in MIXER_SPECS[name].op.impls:          # pure PyTorch, no Triton impl
             parts[name] = f"kalmix {layer.impl or 'torch'} (chunked PyTorch)"
         else:
             parts[name] = f"kalmix {layer.impl or ('triton' if device.type == 'cuda' else 'torch')}"

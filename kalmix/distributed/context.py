@@ -77,23 +77,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from kalmix.ops import (gated_kalmanet, gated_linear_attention, kaczmarz_attention, kalman_attention,
-                        value_gated_delta_rule, variational_linear_attention)
+from kalmix.ops import SPECS, OpSpec
 from kalmix.ops.common.checks import compute_dtype
+from kalmix.ops.common.varlen import Offsets, check_packed, offsets_from_host
 
 # p2p tags: a piece's start offset, the states (forward) and their gradients (backward) never match each other
 _TAG_START, _TAG_STATE, _TAG_GRAD = 1, 2, 3
 MODES = ("relay", "combine")
-
-
-@dataclass(frozen=True)
-class _StateSpec:
-    """How an op's state looks: its tensors' shapes for n sequences, its default and the op's outputs."""
-    shapes: Callable[[int, int, int, int], tuple[tuple[int, ...], ...]]    # (n, H, K, V) -> one shape per tensor
-    default: Callable[..., tuple[torch.Tensor, ...]]                       # (n, H, K, V, dtype, device, kwargs)
-    single: bool = False     # the state is one tensor, not a tuple (Kaczmarz)
-    n_outputs: int = 1       # outputs before the state: (o,), Kalman (o, variance)
-    combine: type | None = None     # mode="combine": the op's affine piece map (_Columns, _DecayedSums) or None
 
 
 class _Columns:
@@ -186,63 +176,35 @@ class _DecayedSums:
         return [o], list(final)
 
 
-def _vla_default(n, H, K, V, dtype, device, kwargs):
-    lambda0 = kwargs.get("lambda0", inspect.signature(variational_linear_attention).parameters["lambda0"].default)
-    eye = torch.eye(K, dtype=dtype, device=device) / lambda0
-    return (torch.zeros(n, H, K, V, dtype=dtype, device=device), eye.expand(n, H, K, K),
-            torch.zeros(n, H, K, dtype=dtype, device=device))
-
-
-def _matrix_state() -> _StateSpec:
-    """One [n, H, K, V] state starting at zero (the delta rule's, gated linear attention's)."""
-    return _StateSpec(lambda n, H, K, V: ((n, H, K, V),),
-                      lambda n, H, K, V, dtype, device, kw: (torch.zeros(n, H, K, V, dtype=dtype, device=device),),
-                      single=True, combine=_Columns)
-
-
-_SPECS = {
-    kaczmarz_attention: _matrix_state(),
-    gated_linear_attention: _matrix_state(),
-    value_gated_delta_rule: _StateSpec(_matrix_state().shapes, _matrix_state().default, single=True),
-    gated_kalmanet: _StateSpec(
-        lambda n, H, K, V: ((n, H, K, K), (n, H, K, V)),
-        lambda n, H, K, V, dtype, device, kw: (torch.zeros(n, H, K, K, dtype=dtype, device=device),
-                                               torch.zeros(n, H, K, V, dtype=dtype, device=device)),
-        combine=_DecayedSums),
-    variational_linear_attention: _StateSpec(
-        lambda n, H, K, V: ((n, H, K, V), (n, H, K, K), (n, H, K)), _vla_default),
-    kalman_attention: _StateSpec(
-        lambda n, H, K, V: ((n, H, K, V), (n, H, K, V)),     # (precision, mean) [n, H, N, D]
-        lambda n, H, K, V, dtype, device, kw: (torch.ones(n, H, K, V, dtype=dtype, device=device),
-                                               torch.zeros(n, H, K, V, dtype=dtype, device=device)),
-        n_outputs=2),
-}
+# the combine rule an op's spec names (OpSpec.combine); every other op runs the relay only
+COMBINE_RULES = {"columns": _Columns, "decayed_sums": _DecayedSums}
+_SPEC_OF = {spec.fn: spec for spec in SPECS.values()}
 
 
 @dataclass(frozen=True)
 class Piece:
     """One rank's share of the sequences: local state row i is global sequence ``lo + i``.
 
-    ``cu_seqlens`` are the global offsets clipped to the piece (None for a plain batch). The first ``n_in``
-    local rows continue from the previous rank's final state, the last ``n_out`` continue on the next rank;
-    the rows in between start here from their own initial state and the rows before the last ``n_out`` end
-    here.
+    ``cu_seqlens`` are the global offsets clipped to the piece (checked ``Offsets``; None for a plain batch). The
+    first ``n_in`` local rows continue from the previous rank's final state, the last ``n_out`` continue on the
+    next rank; the rows in between start here from their own initial state and the rows before the last
+    ``n_out`` end here.
     """
     lo: int
     hi: int
     n_in: int
     n_out: int
-    cu_seqlens: torch.Tensor | None = None
+    cu_seqlens: Offsets | None = None
 
 
-def packed_piece(cu_seqlens: torch.Tensor, start: int, length: int, last: bool) -> Piece:
-    """The piece [start, start + length) of the packed sequences at ``cu_seqlens`` [N + 1] (global offsets).
+def packed_piece(cu_seqlens: Offsets, start: int, length: int, last: bool) -> Piece:
+    """The piece [start, start + length) of the packed sequences at ``cu_seqlens`` (checked global offsets).
 
     A sequence belongs to every piece it has a token in; an empty sequence belongs to the piece holding its
     offset (the last piece for one at the very end). Its local offsets are the global ones clipped to the
     piece; only the first sequence can continue from the previous piece and only the last on the next one.
     """
-    c = cu_seqlens.tolist()
+    c = cu_seqlens.bounds
     end = start + length
     if length < 1 or end > c[-1] or (last and end != c[-1]):
         raise ValueError(f"context_parallel: the piece [{start}, {end}) of a rank does not fit the packed sequences "
@@ -250,8 +212,8 @@ def packed_piece(cu_seqlens: torch.Tensor, start: int, length: int, last: bool) 
     members = [i for i in range(len(c) - 1) if (c[i] < end or last) and (c[i + 1] > start or c[i] >= start)]
     lo, hi = members[0], members[-1] + 1
     local = [min(max(x - start, 0), length) for x in c[lo:hi + 1]]
-    return Piece(lo, hi, int(c[lo] < start), int(c[hi] > end), torch.tensor(local, dtype=cu_seqlens.dtype,
-                                                                             device=cu_seqlens.device))
+    return Piece(lo, hi, int(c[lo] < start), int(c[hi] > end),
+                 offsets_from_host("context_parallel", local, length, cu_seqlens.tensor.device))
 
 
 def context_parallel(op: Callable, *args, group: dist.ProcessGroup | None = None, mode: str = "relay", **kwargs):
@@ -270,7 +232,8 @@ def context_parallel(op: Callable, *args, group: dist.ProcessGroup | None = None
         output_final_state: return the final states of the sequences whose last token is on this rank, [n_r, …]
             (n_r = 0 on all but the last rank for a plain batch); concatenated over the ranks in order they
             are the op's final state.
-        cu_seqlens: [N + 1] global offsets of the packed sequences (B = 1), the same on every rank; each rank
+        cu_seqlens: [N + 1] global offsets of the packed sequences (B = 1), the same on every rank (checked as
+            an op's, ``kalmix.ops.common.varlen``, but for their end, which only the last rank knows); each rank
             clips them to its piece (``packed_piece``), learning its piece's start from the previous rank.
         group: the process group (default: the world); rank r of the group holds the r-th piece.
         mode: "relay" (any op: the state goes from rank to rank) or "combine" (``kaczmarz_attention``,
@@ -284,26 +247,26 @@ def context_parallel(op: Callable, *args, group: dist.ProcessGroup | None = None
     The backward keeps each piece's graph from the forward (no recomputation) and runs the relay in reverse, or
     reduce-scatters the gradients of the gathered summaries to their ranks (combine).
     """
-    spec = _SPECS.get(op)
+    spec = _SPEC_OF.get(op)
     name = getattr(op, "__name__", type(op).__name__)
     if spec is None:
         raise TypeError(f"context_parallel: {name!r} is not a kalmix op; expected one of "
-                        f"{[f.__name__ for f in _SPECS]}")
+                        f"{[f.__name__ for f in _SPEC_OF]}")
     if mode not in MODES:
         raise ValueError(f"context_parallel: `mode` must be one of {MODES}, got {mode!r}")
     if mode == "combine" and spec.combine is None:
         raise ValueError(f"context_parallel: mode='combine' needs an op whose state map over a piece is affine "
-                         f"({[f.__name__ for f, sp in _SPECS.items() if sp.combine]}); {name} has none (Kalman's "
-                         "precision follows a Möbius map, VLA's A a Sherman–Morrison one, the value-gated delta rule "
-                         "decays each value channel apart): use mode='relay'")
+                         f"({[f.__name__ for f, sp in _SPEC_OF.items() if sp.combine]}); {name} has no combine rule "
+                         "(Kalman's precision follows a Möbius map, VLA's A a Sherman–Morrison one, the value-gated "
+                         "delta rule decays each value channel apart): use mode='relay'")
     params = inspect.signature(op).bind(*args, **kwargs).arguments
     init = params.pop("initial_state", None)
     want_final = params.pop("output_final_state", False)
     cu = params.pop("cu_seqlens", None)
-    init = () if init is None else ((init,) if spec.single else tuple(init))
+    init = () if init is None else ((init,) if spec.single_state else tuple(init))
     q, v = params["q"], params["v"]
     B, T, H, K = q.shape
-    n_seq = B if cu is None else len(cu) - 1
+    cu, n_seq = check_packed("context_parallel", cu, B, None, q.device)     # the end: ``packed_piece``
     for i, s in enumerate(init):
         if s.shape[0] != n_seq:
             raise ValueError(f"context_parallel: initial_state[{i}] has {s.shape[0]} rows; the op has {n_seq} "
@@ -316,9 +279,6 @@ def context_parallel(op: Callable, *args, group: dist.ProcessGroup | None = None
     if cu is None:
         piece = Piece(0, B, B if prev is not None else 0, B if nxt is not None else 0)
     else:
-        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.is_floating_point() or B != 1:
-            raise ValueError("context_parallel: `cu_seqlens` must be a 1-D integer tensor [N + 1] of packed "
-                             f"sequences (B = 1), got {cu!r:.80} with B = {B}")
         # the start offsets travel down the ranks ahead of the states, so a piece that continues no sequence
         # starts at once
         start = torch.zeros(1, dtype=torch.int64, device=q.device)
@@ -333,20 +293,19 @@ def context_parallel(op: Callable, *args, group: dist.ProcessGroup | None = None
     plan = _Plan(op, spec, params, piece, prev, nxt, group, len(tensors), want_final, bool(init),
                  (H, K, v.shape[-1]), compute_dtype(q), q.device)
     out = (_Relay if mode == "relay" else _Combine).apply(plan, *tensors, *init)
-    variance = spec.n_outputs == 2 and params.get("output_variance", False)
-    final = tuple(out[1 + variance:]) if want_final else None
-    if final is not None and spec.single:
+    got = iter(out)             # the outputs requested (o, and Kalman's variance if asked for), the final states
+    outs = [next(got) if flag is None or params.get(flag, False) else None for flag in spec.outputs]
+    final = tuple(got) if want_final else None
+    if final is not None and spec.single_state:
         final = final[0]
-    if spec.n_outputs == 2:      # Kalman: (o, variance, state)
-        return out[0], (out[1] if variance else None), final
-    return out[0], final
+    return (*outs, final)
 
 
 @dataclass
 class _Plan:
     """What one call needs besides its tensors."""
     op: Callable
-    spec: _StateSpec
+    spec: OpSpec
     params: dict
     piece: Piece
     prev: int | None
@@ -361,14 +320,14 @@ class _Plan:
 
     def receive(self, n: int, src: int | None, tag: int) -> list[torch.Tensor]:
         """The n rows of every state tensor sent by ``src`` (nothing is received for n = 0)."""
-        bufs = [torch.empty(s, dtype=self.dtype, device=self.device) for s in self.spec.shapes(n, *self.sizes)]
+        bufs = [torch.empty(s, dtype=self.dtype, device=self.device) for s in self.spec.state_shapes(n, *self.sizes)]
         if n:
             for b in bufs:
                 dist.recv(b, src, group=self.group, tag=tag)
         return bufs
 
     def defaults(self, n: int) -> tuple[torch.Tensor, ...]:
-        return self.spec.default(n, *self.sizes, self.dtype, self.device, self.params)
+        return self.spec.default_state(n, *self.sizes, self.dtype, self.device, self.params)
 
     def kwargs(self, leaves: list[torch.Tensor]) -> dict:
         """The op's arguments with ``leaves`` in place of its tensors."""
@@ -377,7 +336,7 @@ class _Plan:
 
     def call(self, kwargs: dict, state: list[torch.Tensor] | None):
         """The op on this piece from ``state`` ([n, …] tensors; None: the op's default), its final state returned."""
-        if state is not None and self.spec.single:
+        if state is not None and self.spec.single_state:
             state = state[0]
         return self.op(**kwargs, initial_state=state, output_final_state=True, cu_seqlens=self.piece.cu_seqlens)
 
@@ -418,7 +377,7 @@ class _Relay(torch.autograd.Function):
         with torch.enable_grad() if grad else torch.no_grad():
             out = plan.call(plan.kwargs(leaves), state)
         outs = [x for x in out[:spec.n_outputs] if x is not None]
-        final = (out[-1],) if spec.single else tuple(out[-1])
+        final = (out[-1],) if spec.single_state else tuple(out[-1])
         if p.n_out:
             for f in final:
                 dist.send(f[n - p.n_out:].detach().contiguous(), plan.nxt, group=plan.group, tag=_TAG_STATE)
@@ -453,7 +412,7 @@ class _Relay(torch.autograd.Function):
 
 
 class _Combine(torch.autograd.Function):
-    """One rank's piece in parallel with the others: summarise the piece's affine state map (``spec.combine``),
+    """One rank's piece in parallel with the others: summarise the piece's affine state map (the spec's rule),
     all-gather the R summaries [R, N], compose those of the ranks before this one into this piece's initial state
     and finish the piece from it. The backward takes the gradient of the gathered summaries through the
     composition, sums each rank's over the group onto that rank (reduce-scatter) and backpropagates it, with the
@@ -461,7 +420,7 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, plan: _Plan, *inputs):
-        p, rule = plan.piece, plan.spec.combine
+        p, rule = plan.piece, COMBINE_RULES[plan.spec.combine]
         tensors, init = inputs[:plan.n_tensors], inputs[plan.n_tensors:]
         needs = ctx.needs_input_grad[1:]
         grad = any(needs)
@@ -483,7 +442,7 @@ class _Combine(torch.autograd.Function):
             if p.n_in:
                 gathered.requires_grad_(grad)
                 s_in = [torch.zeros(s, dtype=plan.dtype, device=plan.device)
-                        for s in plan.spec.shapes(p.n_in, *plan.sizes)]
+                        for s in plan.spec.state_shapes(p.n_in, *plan.sizes)]
                 for link in gathered[:dist.get_rank(plan.group)]:
                     s_in = rule.compose([x.view(s) for x, s in zip(link.split(sizes), shapes)], s_in)
             outs, final = rule.finish(plan, kwargs, own, s_in, cache)

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -65,7 +66,8 @@ from torch.autograd.function import once_differentiable
 
 from kalmix.distributed.context import MODES, context_parallel
 from kalmix.layers.common import upcast
-from kalmix.layers.documents import Documents, cu_seqlens_from_positions
+from kalmix.layers.documents import Documents
+from kalmix.ops.common.varlen import offsets_from_host, to_device
 from kalmix.models.modeling import KalmixBlock, KalmixModel
 
 # p2p tags beyond those of kalmix.distributed.context: convolution halos, their gradients, the next piece's label
@@ -85,12 +87,13 @@ class ContextSplit:
         self.next = dist.get_global_rank(self.group, self.rank + 1) if self.rank < self.world - 1 else None
         self.pieces: PieceDocuments | None = None      # the documents of the latest forward's piece
 
-    def documents(self, shape: tuple[int, int], position_ids: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-                  documents: Documents | None) -> PieceDocuments:
-        """The packed documents of this piece [B, T] (shape) from one of: ``cu_seqlens`` [N + 1], the whole
-        batch's offsets over its flattened B·S tokens; ``position_ids`` [B, T], this piece's positions within
-        their documents; ``documents``, a ``PieceDocuments`` of this piece. Collective (an all-gather of the
-        pieces' lengths, or of the positions); the result is what the mixers' ops run on."""
+    def documents(self, shape: tuple[int, int], device: torch.device, position_ids: torch.Tensor | None,
+                  cu_seqlens: torch.Tensor | None, documents: Documents | None) -> PieceDocuments:
+        """The packed documents of this piece [B, T] (shape, on ``device``) from one of: ``cu_seqlens`` [N + 1],
+        the whole batch's offsets over its flattened B·S tokens; ``position_ids`` [B, T], this piece's positions
+        within their documents; ``documents``, a ``PieceDocuments`` of this piece. Collective (an all-gather of the
+        pieces' lengths, or of the positions); the documents are checked once with one host read (besides the
+        lengths'), and the result is what the mixers' ops run on, reading nothing back."""
         name = "context_parallel_model"
         B, T = shape
         if documents is not None:
@@ -109,7 +112,7 @@ class ContextSplit:
         else:
             lengths = self.lengths(T, cu_seqlens.device)
             start = sum(lengths[:self.rank])
-            whole = Documents(name, cu_seqlens, B, sum(lengths))
+            whole = Documents(name, cu_seqlens, B, sum(lengths), device)
         self.pieces = PieceDocuments(whole, start, T)
         return self.pieces
 
@@ -120,7 +123,7 @@ class ContextSplit:
         if cu_seqlens is None:
             return context_parallel(op, *args, group=self.group, mode=self.mode, **kwargs)
         docs = self.pieces
-        if docs is None or cu_seqlens is not docs.cu_seqlens:
+        if docs is None or cu_seqlens is not docs.offsets:
             raise ValueError("context_parallel_model: a mixer's op got `cu_seqlens` that are not the model's packed "
                              "documents; pass them to the model (`cu_seqlens` or `position_ids`), not to a layer")
         if kwargs.get("initial_state") is not None or kwargs.get("output_final_state"):
@@ -137,10 +140,10 @@ class ContextSplit:
         return tuple(None if ys[0] is None else torch.cat(ys, 1) for ys in zip(*outs))
 
     def lengths(self, T: int, device: torch.device) -> list[int]:
-        """The pieces' lengths of every rank (an all-gather, read on the host)."""
+        """The pieces' lengths of every rank (an all-gather, read on the host at once)."""
         lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.world)]
         dist.all_gather(lengths, torch.tensor([T], device=device), group=self.group)
-        return [int(n) for n in lengths]
+        return torch.cat(lengths).tolist()
 
     def gather_plain(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """``gather`` without autograd, for tensors that take no gradient (positions)."""
@@ -188,50 +191,65 @@ class ContextSplit:
 
 class PieceDocuments(Documents):
     """The packed documents of one rank's piece [B, T] of rows [B, S] split across ranks (tokens [start, start +
-    T) of every row), built from the whole batch's ``Documents`` ``whole``.
+    T) of every row), built from the whole batch's ``Documents`` ``whole`` on the host: nothing is read back.
 
-    As ``Documents`` for the piece, its rows packed to [1, B·T] by ``pack``: ``cu_seqlens`` [n + 1] (int32) the
-    piece's segments, cut at every document start and every row start; ``doc_id`` [B, T] each token's segment;
-    ``max_len`` the longest segment; but ``doc_pos`` [B, T] are the positions within the whole documents (a
-    document continuing from the previous piece does not restart at 0). Besides: ``start``; ``rows``, per row its
-    documents' offsets within the row [n_b + 1] (int32, the ``cu_seqlens`` the ops' ``context_parallel`` takes);
-    ``key_doc`` and ``key_pos`` [B, start + T], each token's document (an index over the batch) and position in
-    it, up to the piece's end; ``keys``, ``cu_keys``, ``max_keys``: the keys softmax attention's varlen kernel
-    reads (see ``keys``).
+    As ``Documents`` for the piece, its rows packed to [1, B·T] by ``pack``: ``offsets`` / ``cu_seqlens`` [n + 1]
+    the piece's segments, cut at every document start and every row start; ``doc_id`` [B, T] each token's segment;
+    ``max_len`` the longest segment, ``row_starts`` the most segments in a row; but ``doc_pos`` [B, T] are the
+    positions within the whole documents (a document continuing from the previous piece does not restart at 0).
+    Besides: ``start``; ``rows``, per row its documents' ``Offsets`` within the row (the ``cu_seqlens`` the ops'
+    ``context_parallel`` takes); ``key_doc`` and ``key_pos`` [B, start + T], each token's document (an index over
+    the batch) and position in it, up to the piece's end; ``keys``, ``cu_keys``, ``max_keys``: the keys softmax
+    attention's varlen kernel reads (see ``keys``).
     """
 
     def __init__(self, whole: Documents, start: int, T: int):
+        name = "context_parallel_model"
         B, S = whole.B, whole.T
         end = start + T
         self.B, self.T, self.start = B, T, start
+        c, device = whole.offsets.bounds, whole.cu_seqlens.device
+        firsts = sorted({x for x in c if x < B * S})                # the documents' first tokens (non-empty ones)
+        # each row's document holding the piece's first token starts at row position ``lead[b]``
+        lead = [max(x for x in firsts if x <= b * S + start) - b * S for b in range(B)]
+        cuts = {b * T for b in range(B)} | {x // S * T + x % S - start for x in firsts if start <= x % S < end}
+        self.offsets = offsets_from_host(name, [*sorted(cuts), B * T], B * T, device, row=T)
+        self.cu_seqlens = self.offsets.tensor
+        self.max_len, self.row_starts = self.offsets.max_len, self.offsets.row_starts(T)
         self.doc_pos = whole.doc_pos[:, start:end]
-        self.cu_seqlens = cu_seqlens_from_positions(self.doc_pos)
-        bounds = self.cu_seqlens.tolist()
-        self.max_len = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-        idx = torch.arange(B * T, device=self.cu_seqlens.device, dtype=torch.int32)
+        idx = torch.arange(B * T, device=device, dtype=torch.int32)
         self.doc_id = (torch.searchsorted(self.cu_seqlens, idx, right=True) - 1).view(B, T)
-        c = whole.cu_seqlens.tolist()
-        self.rows = [torch.tensor([x - b * S for x in c if b * S <= x <= (b + 1) * S], dtype=torch.int32,
-                                  device=self.cu_seqlens.device) for b in range(B)]
+        self.rows = [offsets_from_host(name, [x - b * S for x in c if b * S <= x <= (b + 1) * S], S, device)
+                     for b in range(B)]
         self.key_doc, self.key_pos = whole.doc_id[:, :end], whole.doc_pos[:, :end]
+        # per segment: its queries and the tokens of its document before the piece (a row's first segment only)
+        bounds = self.offsets.bounds
+        self._key_counts = [b - a + (start - lead[a // T] if a % T == 0 else 0)
+                            for a, b in zip(bounds[:-1], bounds[1:])]
+        self._lead = lead
 
     @functools.cached_property
     def keys(self) -> torch.Tensor:
         """The keys the piece's queries attend, as indices into the flattened [B, start + T] keys (int64): each
         segment's document from its start to the piece's end, laid out segment after segment as the queries are
         (so each segment's queries are the last of its keys, the varlen kernel's causal alignment)."""
-        return (self.key_doc >= self.key_doc[:, self.start:self.start + 1]).flatten().nonzero()[:, 0]
+        end = self.start + self.T
+        lengths = [end - lead for lead in self._lead]                   # row b: its keys [lead_b, end)
+        shift = [b * end + lead - sum(lengths[:b]) for b, lead in enumerate(self._lead)]
+        total = sum(lengths)
+        device = self.cu_seqlens.device
+        return torch.arange(total, device=device) + to_device(shift, device, torch.int64).repeat_interleave(
+            to_device(lengths, device, torch.int64), output_size=total)
 
     @functools.cached_property
     def cu_keys(self) -> torch.Tensor:
         """[n + 1] (int32): each segment's keys within ``keys``: its queries and the tokens of its document before
         the piece."""
-        lengths = self.cu_seqlens.diff() + self.doc_pos.flatten()[self.cu_seqlens[:-1]]
-        return F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+        return to_device([0, *itertools.accumulate(self._key_counts)], self.cu_seqlens.device)
 
     @functools.cached_property
     def max_keys(self) -> int:
-        return int(self.cu_keys.diff().max())
+        return max(self._key_counts)
 
     def repeat(self, n: int):
         raise ValueError("context_parallel_model: packed documents split across ranks cannot be repeated for "

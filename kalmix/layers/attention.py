@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from kalmix.layers.cache import KalmixCache
 from kalmix.layers.common import check_hidden, check_layer, check_real, context_mask, head_size
 from kalmix.layers.documents import Documents
+from kalmix.layers.spec import MixerSpec
+from kalmix.ops.common.cost import SDPA
 
 
 def rotary(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
@@ -124,7 +126,7 @@ class SoftmaxAttention(nn.Module):
                 raise ValueError("SoftmaxAttention: under context parallelism packed documents come from the model "
                                  "(`cu_seqlens` or `position_ids` passed to it), not as a layer's `cu_seqlens`")
             return self._split(q, k, v, kwargs.get("documents")), None, None
-        docs = Documents.of_layer_call(type(self).__name__, kwargs, B, T, attention_mask, past_key_values, use_cache)
+        docs = Documents.of_layer_call(name, kwargs, hidden_states, attention_mask, past_key_values, use_cache)
         if docs is not None:
             return self._documents(q, k, v, docs), None, None
         if (past_key_values is not None and past_key_values.static and T == 1 and use_cache
@@ -217,3 +219,7 @@ class SoftmaxAttention(nn.Module):
     def state_size(self, context: int = 1) -> int:
         """Elements carried per sequence while decoding: the KV cache, 2 · d_model per token of ``context``."""
         return 2 * self.d_model * context
+
+
+MIXER_SPECS = (MixerSpec("attention", SoftmaxAttention, lambda layer: (layer.num_heads, layer.head_dim, layer.head_dim),
+                         {"heads": "num_heads"}, cost=SDPA, headline=True),)

@@ -7,6 +7,7 @@ import torch.nn as nn
 from kalmix.layers.cache import KalmixCache
 from kalmix.layers.common import Packer, activation_dtype, check_hidden, context_mask, keep_where
 from kalmix.layers.documents import Documents
+from kalmix.ops import OpSpec
 
 
 class MixerLayer(nn.Module):
@@ -19,13 +20,14 @@ class MixerLayer(nn.Module):
     a state; with a cache holding P tokens it covers the whole context [B, P + T] (its last T columns are this
     call's), as for attention; any other shape, or values other than 0 and 1 (read on CPU), is a ValueError. With
     ``use_cache`` the final recurrent and convolution states go into a ``KalmixCache`` (created when None is
-    given); a following call continues from them, and single-token calls run ``step_impl``: the op's recurrent
-    step (impl="naive", the function the reference loops over) unless a subclass has a fused one.
+    given); a following call continues from them, and single-token calls run ``step_impl``: the op's fused step
+    where its spec has one for the layer's impl (``OpSpec.step_impls``), else its recurrent step (impl="naive",
+    the function the reference loops over).
 
     Packed documents: ``cu_seqlens`` [N + 1] (fla's keyword) gives document offsets into the flattened B·T
-    tokens, every row start among them (B = 1 is fla's packed layout); each document starts from a zero state
-    and a zero convolution history, exactly as if it were its own sequence. For calls without a cache or
-    padding mask (training, scoring).
+    tokens, every row start among them (B = 1 is fla's packed layout; the rule: ``kalmix.ops.common.varlen``),
+    or the model's ``documents``; each document starts from a zero state and a zero convolution history, exactly
+    as if it were its own sequence. For calls without a cache or padding mask (training, scoring).
 
     Context parallelism: while ``context_split`` is set (``kalmix.distributed.context_parallel_model``), the call
     holds one contiguous piece of a sequence split across ranks, and ``run_op`` runs the op on it with the state
@@ -39,6 +41,7 @@ class MixerLayer(nn.Module):
     d_model: int
     layer_idx: int
     impl: str | None
+    op_spec: OpSpec             # the op it runs (``kalmix.ops.SPECS``)
     context_split = None        # a sequence split across ranks (kalmix.distributed.ContextSplit) or None
 
     def run_op(self, op, *args, **kwargs):
@@ -48,12 +51,14 @@ class MixerLayer(nn.Module):
         return self.context_split.run(op, *args, **kwargs)
 
     def step_impl(self, device: torch.device) -> str:
-        """The impl of single-token (decoding) calls."""
-        return "naive"
+        """The impl of single-token (decoding) calls: the layer's impl (None: triton on CUDA, torch otherwise) where
+        the op has a fused step for it (one launch per token), else "naive"."""
+        impl = self.impl or ("triton" if device.type == "cuda" else "torch")
+        return impl if impl in self.op_spec.step_impls else "naive"
 
-    def project(self, x: torch.Tensor, conv_state, doc_pos: torch.Tensor | None = None):
-        """x [B, T, d_model] -> (list of op inputs [B, T, ...], readout context, new conv state); ``doc_pos``
-        [B, T] (packed documents: each token's position in its document) restarts the short convolution."""
+    def project(self, x: torch.Tensor, conv_state, docs: Documents | None = None):
+        """x [B, T, d_model] -> (list of op inputs [B, T, ...], readout context, new conv state); packed
+        documents ``docs`` restart the short convolution at each document (``ShortConv``)."""
         raise NotImplementedError
 
     def mix(self, inputs, initial_state, output_final_state, cu_seqlens, impl, **kwargs):
@@ -70,7 +75,7 @@ class MixerLayer(nn.Module):
         check_hidden(name, hidden_states, self.d_model)
         B, T = hidden_states.shape[:2]
         attention_mask = context_mask(name, attention_mask, hidden_states, past_key_values, self.layer_idx)
-        docs = Documents.of_layer_call(name, kwargs, B, T, attention_mask, past_key_values, use_cache)
+        docs = Documents.of_layer_call(name, kwargs, hidden_states, attention_mask, past_key_values, use_cache)
         if T == 0:                                          # no tokens: nothing to mix, the cache stays as it is
             if use_cache and past_key_values is None:
                 past_key_values = KalmixCache()
@@ -87,7 +92,7 @@ class MixerLayer(nn.Module):
         elif attention_mask is not None and not bool(attention_mask.all()):
             x = torch.where(attention_mask.bool()[..., None], x, 0)   # padding enters the convolutions as zeros
             packer = Packer(attention_mask)
-        inputs, ctx, conv_state = self.project(x, conv_state, docs.doc_pos if docs is not None else None)
+        inputs, ctx, conv_state = self.project(x, conv_state, docs)
         act = activation_dtype(hidden_states)
         inputs = [a.to(act) if a.dim() == 4 else a for a in inputs]
         cu_seqlens = None
@@ -95,7 +100,7 @@ class MixerLayer(nn.Module):
             packer = docs
         if packer is not None:
             inputs = [packer.pack(a) if a.dim() >= 3 else a for a in inputs]
-            cu_seqlens = packer.cu_seqlens
+            cu_seqlens = docs.offsets if docs is not None else packer.cu_seqlens     # checked offsets: no read
         impl = self.step_impl(x.device) if T == 1 else self.impl
         o, extra, state = self.mix(inputs, rec_state, use_cache, cu_seqlens, impl, **kwargs)
         if packer is not None:

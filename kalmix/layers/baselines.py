@@ -11,7 +11,9 @@ from kalmix.layers.base import MixerLayer
 from kalmix.layers.common import (DecayGate, GatedRMSNorm, ShortConv, check_dt_range, check_int, check_layer,
                                   check_real, context_mask, gated_norm_out, head_size, upcast)
 from kalmix.layers.documents import Documents
-from kalmix.ops import gated_linear_attention, value_gated_delta_rule
+from kalmix.layers.spec import MixerSpec
+from kalmix.ops import SPECS, gated_linear_attention, value_gated_delta_rule
+from kalmix.ops.common.cost import DELTA
 
 NORMALIZERS = ("denominator", "rmsnorm")
 
@@ -21,6 +23,7 @@ class _GatedLinearLayer(MixerLayer):
     ``project`` returns [q, k, v] or [q, k, v, g]; g [B, T, H] (per head) or, with ``channel_gates``, [B, T, H·K]
     (per key channel, kept 3-D so that the base class leaves it in fp32, like every kalmix gate)."""
 
+    op_spec = SPECS["gla"]
     scale: float | None = None                  # the op's default, K ** -0.5
     channel_gates = False
 
@@ -82,7 +85,7 @@ class LinearAttention(_GatedLinearLayer):
             self.o_norm = GatedRMSNorm(self.head_v_dim, eps=norm_eps)
         self.o_proj = nn.Linear(width, d_model, bias=bias)
 
-    def project(self, x, conv_state, doc_pos=None):
+    def project(self, x, conv_state, docs=None):
         q, k, v = self.qkv_proj(x).unflatten(-1, (3, self.num_heads, self.head_k_dim)).unbind(2)
         if self.normalizer == "denominator":
             v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)            # its readout: φ(q)·Σφ(k)
@@ -137,7 +140,7 @@ class GatedLinearAttention(_GatedLinearLayer):
         self.o_norm = GatedRMSNorm(self.head_v_dim, eps=norm_eps)
         self.o_proj = nn.Linear(vw, d_model, bias=False)
 
-    def project(self, x, conv_state, doc_pos=None):
+    def project(self, x, conv_state, docs=None):
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
         q, k, v, gate = self.in_proj(x).split(self.splits, dim=-1)
         g = F.logsigmoid(upcast(self.gk_proj(x))) / self.gate_normalizer         # [B, T, H·K], fp32 (at least)
@@ -187,11 +190,11 @@ class Mamba2(_GatedLinearLayer):
         self.norm = GatedRMSNorm(d_inner, eps=norm_eps)
         self.out_proj = nn.Linear(d_inner, d_model, bias=False)
 
-    def project(self, x, conv_state, doc_pos=None):
+    def project(self, x, conv_state, docs=None):
         B, T, _ = x.shape
         H, N, P = self.num_heads, self.head_k_dim, self.head_v_dim
         z, xbc, dt = self.in_proj(x).split(self.splits, dim=-1)
-        xbc, conv_state = self.conv(xbc, conv_state, doc_pos=doc_pos)
+        xbc, conv_state = self.conv(xbc, conv_state, docs)
         xs, b, c = xbc.split([self.d_inner, N, N], dim=-1)
         delta = F.softplus(upcast(dt) + upcast(self.decay.dt_bias))            # Δ [B, T, H], fp32 (at least)
         g = -upcast(self.decay.A_log).exp() * delta
@@ -218,6 +221,8 @@ class NotebookDeltaNet(MixerLayer):
         (the notebook's, zero at init).
     """
 
+    op_spec = SPECS["value_delta"]
+
     def __init__(self, d_model: int, num_heads: int = 4, bias: bool = True, layer_idx: int = 0,
                  impl: str | None = None):
         super().__init__()
@@ -233,7 +238,7 @@ class NotebookDeltaNet(MixerLayer):
         self.qkvg_proj = nn.Linear(d_model, 4 * d_model, bias=bias)            # q, k, v and the gate
         self.o_proj = nn.Linear(d_model, d_model, bias=bias)
 
-    def project(self, x, conv_state, doc_pos=None):
+    def project(self, x, conv_state, docs=None):
         q, k, v, g = self.qkvg_proj(x).unflatten(-1, (4, self.num_heads, self.head_dim)).unbind(2)
         g = F.logsigmoid(upcast(g)).flatten(2)      # [B, T, H·V], 3-D so that the base class keeps it in fp32
         return [F.elu(q) + 1, F.normalize(k, dim=-1), v, g], None, conv_state
@@ -288,8 +293,8 @@ class FlaDeltaNet(nn.Module):
             raise ValueError(f"FlaDeltaNet runs fla's Triton kernels, which need CUDA tensors; got "
                              f"{hidden_states.device}. On CPU use kalmix's mixers (e.g. 'gdn', 'kaczmarz')")
         context_mask(type(self).__name__, attention_mask, hidden_states, past_key_values, self.layer_idx)
-        docs = Documents.of_layer_call(type(self).__name__, kwargs, *hidden_states.shape[:2], attention_mask,
-                                       past_key_values, use_cache)
+        docs = Documents.of_layer_call(type(self).__name__, kwargs, hidden_states, attention_mask, past_key_values,
+                                       use_cache)
         if docs is not None:                            # fla's packed layout: [1, total] with cu_seqlens
             o, _, _ = self.inner(docs.pack(hidden_states), cu_seqlens=docs.cu_seqlens.long())
             return docs.unpack(o), None, None
@@ -299,3 +304,23 @@ class FlaDeltaNet(nn.Module):
     def state_size(self) -> int:
         """Recurrent-state elements per sequence: S [H, K, V] (conv buffers not counted)."""
         return self.d_model ** 2 // self.num_heads
+
+
+def _heads(layer) -> tuple[int, int, int]:
+    return layer.num_heads, layer.head_k_dim, layer.head_v_dim
+
+
+def _notebook_heads(layer: NotebookDeltaNet) -> tuple[int, int, int]:
+    return layer.num_heads, layer.head_dim, layer.head_dim
+
+
+def _fla_heads(layer: FlaDeltaNet) -> tuple[int, int, int]:
+    head = layer.d_model // layer.num_heads
+    return layer.num_heads, head, head
+
+
+MIXER_SPECS = (MixerSpec("linear_attention", LinearAttention, _heads, {"heads": "num_heads"}),
+               MixerSpec("gla", GatedLinearAttention, _heads, {"heads": "num_heads"}),
+               MixerSpec("mamba2", Mamba2, _heads, {"heads": "num_heads"}),
+               MixerSpec("notebook_deltanet", NotebookDeltaNet, _notebook_heads, {"heads": "num_heads"}),
+               MixerSpec("deltanet", FlaDeltaNet, _fla_heads, {"heads": "num_heads"}, cost=DELTA, requires="fla"))

@@ -95,13 +95,14 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
 class ShortConv(nn.Module):
     """Causal depthwise 1-D convolution over time (+ SiLU), with the last ``kernel - 1`` inputs as decode state.
 
-    Input and output [B, T, C]; ``state`` [B, C, kernel - 1] holds the inputs that precede ``x``; ``doc_pos``
-    [B, T] (int32 or int64) marks documents packed in one row: each token's position in its document (0 at the
-    document's first token, then 1, 2, ...).
+    Input and output [B, T, C]; ``state`` [B, C, kernel - 1] holds the inputs that precede ``x``; ``docs`` marks
+    documents packed in one row: their ``doc_pos`` [B, T] (int32 or int64), each token's position in its document
+    (0 at the document's first token, then 1, 2, ...), and ``row_starts``, the most tokens of a row that start a
+    document (doc_pos 0, or a row's first token), an int on the host (a ``Documents``, which holds both).
 
     While ``context_split`` is set (a sequence split across ranks, ``kalmix.distributed.context_parallel_model``)
     a call without a state takes the ``kernel - 1`` inputs before its piece from the previous ranks as its state
-    (with ``doc_pos``, the positions within whole documents, only a document continuing from them sees them).
+    (with ``docs``, positions within whole documents, only a document continuing from them sees them).
     """
 
     context_split = None        # a sequence split across ranks (kalmix.distributed.ContextSplit) or None
@@ -116,41 +117,44 @@ class ShortConv(nn.Module):
         bound = 1.0 / math.sqrt(kernel_size)
         nn.init.uniform_(self.weight, -bound, bound)
 
-    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None, doc_pos: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None, docs=None):
         """Returns (y [B, T, C], new state [B, C, kernel - 1]). On CUDA a call without a state (training,
         a first prefill) runs kalmix's fused kernel (``layers/fused.py``) in the [B, T, C] layout.
 
-        With ``doc_pos`` [B, T], y at token t uses x[t − s] only for s <= doc_pos[t]: every document is convolved
-        as if it started a sequence from a zero state, so no ``state`` may be given. The new state is still the
-        row's last kernel − 1 inputs, which continue only the row's last document."""
+        With ``docs`` (class docstring), y at token t uses x[t − s] only for s <= doc_pos[t]: every document is
+        convolved as if it started a sequence from a zero state, so no ``state`` may be given. The new state is
+        still the row's last kernel − 1 inputs, which continue only the row's last document."""
         keep = self.kernel_size - 1
+        doc_pos, starts = (None, None) if docs is None else (docs.doc_pos, docs.row_starts)
         if state is None and keep and self.context_split is not None:   # the inputs before this rank's piece
             halo = self.context_split.halo(x, keep)
             if doc_pos is None:
                 return self._conv(x, halo.transpose(1, 2), None)
             # the piece behind its halo, the halo's positions counted back from the piece's first token's: a
-            # document starting in the piece or in the halo restarts there
+            # document starting in the piece or in the halo restarts there (the halo holds one start at most)
             before = doc_pos[:, :1] + torch.arange(-keep, 0, device=doc_pos.device, dtype=doc_pos.dtype)
-            y, last = self._conv(torch.cat([halo, x], 1), None, torch.cat([before, doc_pos], 1))
+            y, last = self._conv(torch.cat([halo, x], 1), None, torch.cat([before, doc_pos], 1), starts + 1)
             return y[:, keep:], last
-        return self._conv(x, state, doc_pos)
+        return self._conv(x, state, doc_pos, starts)
 
-    def _conv(self, x: torch.Tensor, state: torch.Tensor | None, doc_pos: torch.Tensor | None):
+    def _conv(self, x: torch.Tensor, state: torch.Tensor | None, doc_pos: torch.Tensor | None,
+              max_starts: int | None = None):
         B, T, C = x.shape
         keep = self.kernel_size - 1
         xt = x.transpose(1, 2)                                           # [B, C, T]
         if doc_pos is not None:
             if state is not None:
-                raise ValueError("ShortConv: `doc_pos` and `state` cannot be given together: documents packed in "
-                                 "a row each start from a zero state, a decode state continues one sequence")
+                raise ValueError("ShortConv: `docs` (their doc_pos) and `state` cannot be given together: documents "
+                                 "packed in a row each start from a zero state, a decode state continues one "
+                                 "sequence")
             if doc_pos.shape != (B, T) or doc_pos.dtype not in (torch.int32, torch.int64):
-                raise ValueError(f"ShortConv: `doc_pos` must be an int32 or int64 [B, T] = {[B, T]} tensor, got "
+                raise ValueError(f"ShortConv: `docs.doc_pos` must be an int32 or int64 [B, T] = {[B, T]} tensor, got "
                                  f"{doc_pos.dtype} of shape {list(doc_pos.shape)}")
         if state is None and (x.is_cuda or doc_pos is not None):
             last = F.pad(xt[..., T - min(T, keep):], (keep - min(T, keep), 0))
             if x.is_cuda:
                 return fused_kernels().short_conv(x, self.weight, self.bias, self.activation, doc_pos), last
-            y = self._conv_documents(xt, doc_pos)
+            y = self._conv_documents(xt, doc_pos, max_starts)
             return (F.silu(y) if self.activation else y), last
         if state is None:
             state = xt.new_zeros(B, C, keep)
@@ -161,17 +165,18 @@ class ShortConv(nn.Module):
             y = F.silu(y)
         return y, full[..., T:]                                         # the last K - 1 (none for K = 1)
 
-    def _conv_documents(self, xt: torch.Tensor, doc_pos: torch.Tensor) -> torch.Tensor:
+    def _conv_documents(self, xt: torch.Tensor, doc_pos: torch.Tensor, max_starts: int) -> torch.Tensor:
         """The convolution before the activation, xt [B, C, T] -> [B, T, C], of the documents that start where
-        doc_pos [B, T] is 0 (and at t = 0). Each document goes behind kernel − 1 zeros of its own in a wider row,
-        so one conv1d computes every document exactly as the zero-state path computes it alone (bit for bit with
-        one document per row, in every dtype). The width is read on the host."""
+        doc_pos [B, T] is 0 (and at t = 0), at most ``max_starts`` in a row. Each document goes behind kernel − 1
+        zeros of its own in a wider row, so one conv1d computes every document exactly as the zero-state path
+        computes it alone (bit for bit with one document per row, in every dtype; a larger ``max_starts`` only adds
+        unread columns)."""
         B, C, T = xt.shape
         keep = self.kernel_size - 1
         starts = doc_pos == 0
         starts[:, :1] = True
         at = torch.arange(T, device=xt.device) + keep * starts.cumsum(1)  # [B, T]: each token's wide column
-        width = T + keep * max([1, *starts.sum(1).tolist()])
+        width = T + keep * max_starts
         wide = xt.new_zeros(B, C, width).scatter_(2, at[:, None].expand(B, C, T), xt)
         y = F.conv1d(wide, self.weight[:, None, :], self.bias, groups=C)  # column j: the window ending at j + keep
         return y.gather(2, (at - keep)[:, None].expand(B, C, T)).transpose(1, 2)

@@ -1,42 +1,38 @@
 """Packed documents: several documents laid end to end in rows of a [B, T] batch, their boundaries as
-``cu_seqlens``; no recurrent state, convolution input or attention crosses a boundary."""
+``cu_seqlens``; no recurrent state, convolution input or attention crosses a boundary.
+
+A model turns its ``cu_seqlens`` or ``position_ids`` into one ``Documents`` per forward, checked once by the rule of
+``kalmix.ops.common.varlen`` with one host read; its layers and their ops take it as checked and read nothing back.
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 from kalmix.layers.common import describe, is_integer
+from kalmix.ops.common.varlen import Offsets, check_offsets, offsets_from_host
 
 
 class Documents:
-    """The documents of a [B, T] batch, given as ``cu_seqlens`` [N + 1]: offsets into the flattened B·T tokens,
-    0 first, B·T last, strictly increasing, every row start (a multiple of T) among them. fla's layout, one row
-    [1, total] with ``cu_seqlens``, is the case B = 1.
+    """The documents of a [B, T] batch, given as ``cu_seqlens`` [N + 1]: offsets into the flattened B·T tokens
+    (checked by ``kalmix.ops.common.varlen.check_offsets``: an int32 or int64 tensor on the inputs' device, 0 first,
+    B·T last, non-decreasing, every row start among them; equal offsets are an empty document, which holds no
+    token). fla's layout, one row [1, total] with ``cu_seqlens``, is the case B = 1. ``device``: the inputs' (None:
+    the offsets'). A tensor is read to the host once, here; checked ``Offsets`` are taken as they are.
 
-    Attributes: ``cu_seqlens`` [N + 1] (int32); ``max_len`` (int), the longest document's length; ``doc_pos`` [B, T] (int32), each token's position in its
-    document; ``doc_id`` [B, T] (int64), the index of its document.
+    Attributes: ``offsets`` (``Offsets``: the offsets on the device and on the host, what the ops take);
+    ``cu_seqlens`` [N + 1] (int32, on the device); ``max_len`` (int), the longest document's length;
+    ``row_starts`` (int), the most documents starting in one row; ``doc_pos`` [B, T] (int32), each token's position
+    in its document; ``doc_id`` [B, T] (int64), the index of its document.
     """
 
-    def __init__(self, name: str, cu_seqlens: torch.Tensor, B: int, T: int):
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point \
-                or cu_seqlens.dtype == torch.bool:
-            raise ValueError(f"{name}: `cu_seqlens` must be a 1-D integer tensor of document offsets, got "
-                             f"{cu_seqlens!r:.80}")
-        bounds = cu_seqlens.tolist()                            # one host read per forward (no decode step has one)
-        total = B * T
-        if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != total:
-            raise ValueError(f"{name}: `cu_seqlens` must start at 0 and end at B·T = {total} (the flattened "
-                             f"[{B}, {T}] batch), got {bounds[:3]}…{bounds[-1:]}")
-        if any(b <= a for a, b in zip(bounds[:-1], bounds[1:])):
-            raise ValueError(f"{name}: `cu_seqlens` must be strictly increasing (no empty documents)")
-        missing = sorted(set(range(0, total, T)) - set(bounds))
-        if missing:
-            raise ValueError(f"{name}: `cu_seqlens` must contain every row start of the [{B}, {T}] batch (a "
-                             f"document cannot span rows); missing {missing[:4]}")
+    def __init__(self, name: str, cu_seqlens: torch.Tensor | Offsets, B: int, T: int,
+                 device: torch.device | None = None):
         self.B, self.T = B, T
-        self.max_len = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))    # the longest document (host int)
-        self.cu_seqlens = cu_seqlens.to(torch.int32)
-        idx = torch.arange(total, device=cu_seqlens.device, dtype=torch.int32)
+        self.offsets = check_offsets(name, cu_seqlens, B * T, device, row=T)
+        self.cu_seqlens = self.offsets.tensor
+        self.max_len, self.row_starts = self.offsets.max_len, self.offsets.row_starts(T)
+        idx = torch.arange(B * T, device=self.cu_seqlens.device, dtype=torch.int32)
         doc = torch.searchsorted(self.cu_seqlens, idx, right=True) - 1
         self.doc_id = doc.view(B, T)
         self.doc_pos = (idx - self.cu_seqlens[doc]).view(B, T)
@@ -44,22 +40,29 @@ class Documents:
     @classmethod
     def from_position_ids(cls, name: str, position_ids: torch.Tensor) -> "Documents":
         """position_ids [B, T]: each token's position in its document, 0 where one starts (transformers'
-        padding-free convention); every row starts a document whatever its first value."""
+        padding-free convention); every row starts a document whatever its first value. One host read: the
+        positions' check and the documents' starts come back together."""
         if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or not is_integer(position_ids):
             raise ValueError(f"{name}: `position_ids` must be an integer tensor [B, T], got {describe(position_ids)}")
         pos = position_ids.long()
-        if not bool(((pos[:, 1:] == 0) | (pos[:, 1:] == pos[:, :-1] + 1)).all()):
+        B, T = pos.shape
+        counts = ((pos[:, 1:] == 0) | (pos[:, 1:] == pos[:, :-1] + 1)).all()
+        host = torch.cat([counts.view(1), document_starts(pos).flatten()]).cpu().numpy()    # the one host read
+        if not host[0]:
             raise ValueError(f"{name}: `position_ids` must count 0, 1, 2, … within each document (0 starts one)")
-        return cls(name, cu_seqlens_from_positions(pos), *pos.shape)
+        bounds = [*host[1:].nonzero()[0].tolist(), B * T]
+        return cls(name, offsets_from_host(name, bounds, B * T, pos.device, row=T), B, T)
 
     @classmethod
-    def of_layer_call(cls, name: str, kwargs: dict, B: int, T: int, attention_mask, past_key_values,
+    def of_layer_call(cls, name: str, kwargs: dict, hidden_states: torch.Tensor, attention_mask, past_key_values,
                       use_cache: bool) -> "Documents | None":
         """A layer's packed documents: ``kwargs``'s ``documents`` (built by the model) or ``cu_seqlens`` (both
-        popped), None without them or for T = 0; an error with a cache or padding mask."""
+        popped) for ``hidden_states`` [B, T, ...], None without them or for T = 0; an error with a cache or padding
+        mask."""
+        B, T = hidden_states.shape[:2]
         docs, cu_seqlens = kwargs.pop("documents", None), kwargs.pop("cu_seqlens", None)
         if docs is None and cu_seqlens is not None and T > 0:
-            docs = cls(name, cu_seqlens, B, T)
+            docs = cls(name, cu_seqlens, B, T, hidden_states.device)
         if docs is not None and (attention_mask is not None or past_key_values is not None or use_cache):
             raise ValueError(f"{name}: packed documents (`cu_seqlens`) are for calls without a cache or padding "
                              f"mask; pad rows with whole documents instead")
@@ -70,7 +73,9 @@ class Documents:
         total = self.B * self.T
         shifts = torch.arange(n, device=self.cu_seqlens.device, dtype=torch.int32)[:, None] * total
         cu_seqlens = torch.cat([(self.cu_seqlens[:-1] + shifts).flatten(), self.cu_seqlens[-1:] * n])
-        return Documents("Documents.repeat", cu_seqlens, n * self.B, self.T)
+        bounds = [x + i * total for i in range(n) for x in self.offsets.bounds[:-1]] + [n * total]
+        offsets = offsets_from_host("Documents.repeat", bounds, n * total, cu_seqlens.device, self.T, cu_seqlens)
+        return Documents("Documents.repeat", offsets, n * self.B, self.T)
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, ...] -> [1, B·T, ...], the layout the ops take with ``cu_seqlens``."""
@@ -87,9 +92,16 @@ class Documents:
         return (same & causal)[:, None]
 
 
-def cu_seqlens_from_positions(positions: torch.Tensor) -> torch.Tensor:
-    """positions [B, T] (each token's position in its document, 0 starting one) -> cu_seqlens int32 [N + 1] over
-    the flattened B·T tokens: a document starts at every 0 and at every row start."""
+def document_starts(positions: torch.Tensor) -> torch.Tensor:
+    """positions [B, T] (each token's position in its document) -> [B, T] bool: the tokens that start a document,
+    every 0 and every row's first token."""
     starts = positions == 0
     starts[:, :1] = True
-    return F.pad(starts.flatten().nonzero()[:, 0], (0, 1), value=positions.numel()).to(torch.int32)
+    return starts
+
+
+def cu_seqlens_from_positions(positions: torch.Tensor) -> torch.Tensor:
+    """positions [B, T] (each token's position in its document, 0 starting one) -> cu_seqlens int32 [N + 1] over
+    the flattened B·T tokens: a document starts at every 0 and at every row start (``document_starts``)."""
+    return F.pad(document_starts(positions).flatten().nonzero()[:, 0], (0, 1), value=positions.numel()).to(
+        torch.int32)

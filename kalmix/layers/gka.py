@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from kalmix.layers.base import MixerLayer
 from kalmix.layers.common import (DecayGate, GatedRMSNorm, ShortConv, check_int, check_layer, check_real,
                                   gated_norm_out, head_size)
-from kalmix.ops import gated_kalmanet
+from kalmix.layers.spec import MixerSpec
+from kalmix.ops import SPECS, gated_kalmanet
 
 
 BETA_SCALINGS = ("squared", "linear", "none")
@@ -40,6 +41,8 @@ class GatedKalmaNet(MixerLayer):
         norm_eps: of the output norm (the released layer's 1e-6); beta_scaling: "squared" | "linear" | "none";
         use_decay, use_alpha: keep the decay gate and the α-connection.
     """
+
+    op_spec = SPECS["gka"]
 
     def __init__(self, d_model: int, num_heads: int = 4, head_dim: int | None = None, conv_size: int = 4,
                  ridge: float = 0.02, num_iters: int | None = 30, norm_eps: float = 1e-6,
@@ -80,12 +83,12 @@ class GatedKalmaNet(MixerLayer):
         self.o_norm = GatedRMSNorm(self.head_dim, eps=norm_eps)
         self.o_proj = nn.Linear(width, d_model, bias=False)
 
-    def project(self, x, conv_state, doc_pos=None):
+    def project(self, x, conv_state, docs=None):
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
         qkv, gate, *pre = self.in_proj(x).split(self.splits, dim=-1)
         pre = dict(zip(self.proj_gates, pre))
-        qkv, conv_state = self.conv(qkv, conv_state, doc_pos=doc_pos)
+        qkv, conv_state = self.conv(qkv, conv_state, docs)
         q, k, v = qkv.view(B, T, 3, H, D).unbind(2)
         q = F.normalize(q, dim=-1, eps=1e-6)
         k = F.normalize(k, dim=-1, eps=1e-6)
@@ -98,10 +101,6 @@ class GatedKalmaNet(MixerLayer):
         if "g" in pre:
             gates["g"] = self.decay(pre["g"])                          # fp32 (at least)
         return [q, k, v, *(gates[n] for n in self.gates)], gate, conv_state
-
-    def step_impl(self, device):
-        """Decoding runs the op's Triton step (one launch per token) wherever the layer runs Triton."""
-        return "triton" if self.impl == "triton" or (self.impl is None and device.type == "cuda") else "naive"
 
     def mix(self, inputs, initial_state, output_final_state, cu_seqlens, impl, **kwargs):
         # g <= 0 and β = sigmoid >= 0 by construction: no host sync for checking them; a gate left out is the op's
@@ -118,3 +117,8 @@ class GatedKalmaNet(MixerLayer):
     def state_size(self) -> int:
         """Recurrent-state elements per sequence: H [H, D, D] and U [H, D, D] (conv buffers not counted)."""
         return 2 * self.num_heads * self.head_dim ** 2
+
+
+MIXER_SPECS = (MixerSpec("gka", GatedKalmaNet, lambda layer: (layer.num_heads, layer.head_dim, layer.head_dim),
+                         {"heads": "num_heads", "head_dim": "head_dim"},
+                         cost_kwargs=lambda layer: {"num_iters": layer.num_iters or 0}, headline=True),)

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from kalmix.layers.base import MixerLayer
 from kalmix.layers.common import (DecayGate, GatedRMSNorm, ShortConv, check_int, check_layer, check_real,
                                   gated_norm_out, head_size)
-from kalmix.ops import kaczmarz_attention
+from kalmix.layers.spec import MixerSpec
+from kalmix.ops import SPECS, kaczmarz_attention
 
 
 class KaczmarzAttention(MixerLayer):
@@ -23,6 +24,7 @@ class KaczmarzAttention(MixerLayer):
     """
 
     normalize_keys = False
+    op_spec = SPECS["kaczmarz"]
 
     def __init__(self, d_model: int, num_heads: int = 4, head_k_dim: int | None = None, expand_v: float = 1.0,
                  conv_size: int = 4, eps: float = 1e-6, norm_eps: float = 1e-5, layer_idx: int = 0,
@@ -55,11 +57,11 @@ class KaczmarzAttention(MixerLayer):
         self.o_norm = GatedRMSNorm(self.head_v_dim, eps=norm_eps)
         self.o_proj = nn.Linear(vw, d_model, bias=False)
 
-    def project(self, x, conv_state, doc_pos=None):
+    def project(self, x, conv_state, docs=None):
         B, T, _ = x.shape
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
         qkv, gate, eta, dt = self.in_proj(x).split(self.splits, dim=-1)
-        qkv, conv_state = self.conv(qkv, conv_state, doc_pos=doc_pos)
+        qkv, conv_state = self.conv(qkv, conv_state, docs)
         q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
         q = F.normalize(q.view(B, T, H, K), dim=-1, eps=1e-6)
         k = k.view(B, T, H, K)
@@ -68,10 +70,6 @@ class KaczmarzAttention(MixerLayer):
         eta = torch.sigmoid(eta + self.eta_bias)
         g = self.decay(dt)                                             # fp32 (at least)
         return [q, k, v.view(B, T, H, V), g, eta], gate, conv_state
-
-    def step_impl(self, device):
-        """Decoding runs the op's Triton step (one launch per token) wherever the layer runs Triton."""
-        return "triton" if self.impl == "triton" or (self.impl is None and device.type == "cuda") else "naive"
 
     def mix(self, inputs, initial_state, output_final_state, cu_seqlens, impl, **kwargs):
         # g <= 0 and η = sigmoid in [0, 1] by construction (η = 0, a sigmoid underflowing in bf16, writes
@@ -94,3 +92,12 @@ class GatedDeltaNet(KaczmarzAttention):
     η/(‖k‖² + eps) into GDN's learned β = η exactly."""
 
     normalize_keys = True
+
+
+def _heads(layer) -> tuple[int, int, int]:
+    return layer.num_heads, layer.head_k_dim, layer.head_v_dim
+
+
+_SIZES = {"heads": "num_heads", "head_dim": "head_k_dim"}
+MIXER_SPECS = (MixerSpec("gdn", GatedDeltaNet, _heads, _SIZES, headline=True),
+                MixerSpec("kaczmarz", KaczmarzAttention, _heads, _SIZES, headline=True))

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from kalmix.layers.base import MixerLayer
 from kalmix.layers.common import (P_MIN, ShortConv, check_dt_range, check_int, check_layer, check_real, fused_kernels,
                                   head_size, upcast)
-from kalmix.ops import kalman_attention
+from kalmix.layers.spec import MixerSpec
+from kalmix.ops import SPECS, kalman_attention
 
 
 NOISE_PARAMS = ("p2", "p")
@@ -45,6 +46,8 @@ class KalmanAttention(MixerLayer):
         d_model: model width; expand: channels M = expand · d_model; d_state: N; num_heads: H (M = H · D);
         noise_param: "p2" | "p".
     """
+
+    op_spec = SPECS["kalman"]
 
     def __init__(self, d_model: int, expand: int = 2, d_state: int = 16, num_heads: int = 1, conv_size: int = 4,
                  dt_min: float = 1e-3, dt_max: float = 0.1, p_init: float = 0.01, noise_param: str = "p2",
@@ -95,15 +98,11 @@ class KalmanAttention(MixerLayer):
         noise = scale / (2 * a) * -torch.expm1(-2 * a * dt)
         return decay, noise
 
-    def step_impl(self, device):
-        """Decoding runs the fused kernel (one launch per token) wherever the layer runs it for prefill."""
-        return "triton" if self.fused(device) else "naive"
-
-    def project(self, x, conv_state, doc_pos=None):
+    def project(self, x, conv_state, docs=None):
         B, T, _ = x.shape
         H, N, D = self.num_heads, self.d_state, self.head_dim
         z, gate = self.in_proj(x).chunk(2, dim=-1)
-        z, conv_state = self.conv(z, conv_state, doc_pos=doc_pos)
+        z, conv_state = self.conv(z, conv_state, docs)
         if self.fused(x.device):
             v, w, k, q = fused_kernels().sensor_split(self.sensor_proj(z), H, N)
             return [q, k, v.view(B, T, H, D), w.view(B, T, H, D)], (z, gate), conv_state
@@ -148,3 +147,9 @@ class KalmanAttention(MixerLayer):
         """Recurrent-state elements per sequence: precision and mean [H, N, D] (the paper's 2·M·N; the short-conv
         buffer of kernel − 1 inputs per channel comes on top while decoding)."""
         return 2 * self.num_heads * self.d_state * self.head_dim
+
+
+# benchmarks set its state slots, not its heads: the paper's layer has one; its compact variant is the paper's MQAR
+# setting (expand 1)
+MIXER_SPECS = (MixerSpec("kalman", KalmanAttention, lambda layer: (layer.num_heads, layer.d_state, layer.head_dim),
+                         {"d_state": "d_state"}, compact={"expand": 1}, headline=True),)

@@ -5,7 +5,8 @@ import torch.nn as nn
 
 from kalmix.layers.base import MixerLayer
 from kalmix.layers.common import ShortConv, check_int, check_layer, check_real, head_size
-from kalmix.ops import variational_linear_attention
+from kalmix.layers.spec import MixerSpec
+from kalmix.ops import SPECS, variational_linear_attention
 from kalmix.ops.vla.op import WRITE_KEYS
 
 U_MAPS = ("full", "shared")
@@ -45,6 +46,8 @@ class VariationalLinearAttention(MixerLayer):
         conv_size, write_key ("feature" | "raw"), out_norm, u_map ("full" | "shared"), bias: above.
     """
 
+    op_spec = SPECS["vla"]
+
     def __init__(self, d_model: int, num_heads: int = 4, head_dim: int | None = None, lambda0: float | None = None,
                  eps: float = 1e-4, conv_size: int = 4, write_key: str = "feature", out_norm: bool = True,
                  u_map: str = "full", bias: bool = False, layer_idx: int = 0, impl: str | None = None):
@@ -77,11 +80,11 @@ class VariationalLinearAttention(MixerLayer):
         self.o_norm = nn.LayerNorm(width) if out_norm else None
         self.o_proj = nn.Linear(width, d_model, bias=bias)
 
-    def project(self, x, conv_state, doc_pos=None):
+    def project(self, x, conv_state, docs=None):
         B, T, _ = x.shape
         qkv = self.qkv_proj(x)
         if self.conv is not None:
-            qkv, conv_state = self.conv(qkv, conv_state, doc_pos=doc_pos)
+            qkv, conv_state = self.conv(qkv, conv_state, docs)
         q, k, v = qkv.view(B, T, 3, self.num_heads, self.head_dim).unbind(2)
         u = self.u_proj(k.flatten(2)).view_as(k) if self.u_map == "full" else self.u_proj(k)
         return [q, k, v, u], None, conv_state
@@ -101,3 +104,8 @@ class VariationalLinearAttention(MixerLayer):
         """Recurrent-state elements per sequence: S [H, K, V], A [H, K, K], n [H, K] (conv buffers not counted)."""
         H, D = self.num_heads, self.head_dim
         return H * (2 * D * D + D)
+
+
+MIXER_SPECS = (MixerSpec("vla", VariationalLinearAttention,
+                         lambda layer: (layer.num_heads, layer.head_dim, layer.head_dim),
+                         {"heads": "num_heads", "head_dim": "head_dim"}, headline=True),)

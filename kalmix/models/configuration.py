@@ -45,9 +45,8 @@ class KalmixConfig(PretrainedConfig):
 
     Args:
         vocab_size, hidden_size, num_hidden_layers: sizes.
-        mixers: the mixer of each layer, names of ``kalmix.layers.ALL_MIXERS`` ("attention", "gdn", "kaczmarz",
-            "gka", "vla", "kalman", the pure-PyTorch baselines "linear_attention", "gla" and "mamba2", and fla's
-            "deltanet", CUDA only); default: ``mixer`` in every layer, with
+        mixers: the mixer of each layer, names of the mixer registry ``kalmix.layers.MIXER_SPECS`` (e.g. "attention",
+            "kaczmarz", "gka", "vla", "kalman"; fla's "deltanet" CUDA only); default: ``mixer`` in every layer, with
             softmax attention placed by ``attention_every`` / ``attention_layers`` (see ``layer_pattern``). Saved
             resolved.
         mixer_kwargs: per mixer name, keyword arguments of its layer class (e.g. ``{"gka": {"num_heads": 8}}``);
@@ -74,8 +73,8 @@ class KalmixConfig(PretrainedConfig):
             width (a fixed 0.02, GPT-2's, leaves a width-64 MQAR model's attention near uniform for hundreds of
             steps; 1/√fan_in left a width-32 Kaczmarz model at 60% where this reaches 99.8%).
         tie_word_embeddings: share the embedding with the LM head.
-        impl: the ops' backend for every kalmix mixer (None: triton on CUDA, torch otherwise; the baselines
-            "linear_attention", "gla" and "mamba2" have no Triton impl and refuse "triton").
+        impl: the ops' backend for every kalmix mixer (None: triton on CUDA, torch otherwise; a mixer whose op has
+            no Triton impl, such as the baselines on ``gated_linear_attention``, refuses "triton").
         mc_samples: S > 0 turns on KLA+, the Kalman paper's probabilistic decoding (App. A, Eq. 24–25):
             ``KalmixForCausalLM`` runs the batch S times, each Kalman layer reading out one posterior sample
             o + √var · ε instead of its mean o, and returns as logits the log of the Monte-Carlo marginal,

@@ -166,7 +166,9 @@ class KalmixModel(KalmixPreTrainedModel):
         ``cu_seqlens`` [N + 1], document offsets into the flattened B·T tokens with every row start among them
         (fla's keyword; B = 1 is its packed layout), or ``position_ids`` [B, T], each token's position in its
         document with 0 starting one (transformers' padding-free convention). No recurrent state, convolution
-        input or attention crosses a document boundary, and attention's rotary positions restart at each.
+        input or attention crosses a document boundary, and attention's rotary positions restart at each. Either is
+        checked once per forward, with one host read on any device, into the ``Documents`` every layer shares (the
+        rule: ``kalmix.ops.common.varlen``; equal offsets are an empty document, which holds no token).
 
         ``sample_readout``: every Kalman layer reads out one sample of its posterior instead of the mean (KLA+;
         see ``KalmanAttention`` and ``KalmixConfig.mc_samples``).
@@ -329,18 +331,17 @@ class KalmixModel(KalmixPreTrainedModel):
             raise ValueError("KalmixModel: packed documents (`position_ids`, `cu_seqlens`) are for forward passes "
                              "without a cache or padding mask (use_cache=False)")
         if self.context_split is not None:         # this rank's piece of rows split across ranks
-            return self.context_split.documents(tuple(x.shape[:2]), position_ids, cu_seqlens, documents)
+            return self.context_split.documents(tuple(x.shape[:2]), x.device, position_ids, cu_seqlens, documents)
         if documents is not None:
             if (documents.B, documents.T) != tuple(x.shape[:2]):
                 raise ValueError(f"KalmixModel: `documents` are of a [{documents.B}, {documents.T}] batch, the "
                                  f"input is {list(x.shape[:2])}")
             return documents
-        for arg, t in (("cu_seqlens", cu_seqlens), ("position_ids", position_ids)):
-            if isinstance(t, torch.Tensor) and t.device != x.device:
-                raise ValueError(f"KalmixModel: `{arg}` is on {t.device} but the input is on {x.device}; pass both "
-                                 f"on one device")
-        if cu_seqlens is not None:
-            return Documents("KalmixModel", cu_seqlens, *x.shape[:2])
+        if cu_seqlens is not None:                  # checked here, once per forward: the layers and ops trust it
+            return Documents("KalmixModel", cu_seqlens, *x.shape[:2], x.device)
+        if isinstance(position_ids, torch.Tensor) and position_ids.device != x.device:
+            raise ValueError(f"KalmixModel: `position_ids` is on {position_ids.device} but the input is on "
+                             f"{x.device}; pass both on one device")
         if isinstance(position_ids, torch.Tensor) and position_ids.shape != x.shape[:2]:
             raise ValueError(f"KalmixModel: `position_ids` must be [B, T] = {list(x.shape[:2])}, got "
                              f"{list(position_ids.shape)}")

@@ -31,7 +31,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from kalmix.layers import ALL_MIXERS
+from kalmix.layers import ALL_MIXERS, MIXER_SPECS
 from kalmix.train.data import DataConfig, Float, StrictConfig
 
 PRESETS_DIR = Path(__file__).parent / "presets"
@@ -50,8 +50,7 @@ def _known_mixer(name: str, where: str) -> None:
 class ModelSection(StrictConfig):
     """The ``KalmixConfig`` of the model trained (vocab_size comes from the tokenizer)."""
 
-    mixer: str = Field("gka", description="mixer of every layer (attention, gdn, kaczmarz, gka, vla, kalman, "
-                                          "deltanet)")
+    mixer: str = Field("gka", description=f"mixer of every layer ({', '.join(ALL_MIXERS)})")
     mixers: list[str] | None = Field(None, description="one mixer per layer (instead of mixer + attention_*)")
     attention_every: int | None = Field(None, ge=1, description="softmax attention in every k-th layer")
     attention_layers: list[int] = Field([], description="softmax attention in these layers (negative: from the end)")
@@ -210,10 +209,12 @@ class TrainConfig(StrictConfig):
             if t.activation_checkpointing:
                 raise ValueError(f"train.activation_checkpointing does not compose with {cp}: its recomputation "
                                  f"would repeat the ranks' messages; turn one off")
-            split = [m for m in self.model.kalmix_config(self.model.vocab_size or 64).mixers if m == "deltanet"]
+            mixers = self.model.kalmix_config(self.model.vocab_size or 64).mixers
+            split = [m for m in dict.fromkeys(mixers) if not MIXER_SPECS[m].context_parallel]
             if split:
-                raise ValueError(f"{cp}: fla's deltanet mixer cannot run on a row split across processes; the "
-                                 f"kalmix mixers (gdn, kaczmarz, gka, vla, kalman), the baselines and attention can")
+                able = [name for name, spec in MIXER_SPECS.items() if spec.context_parallel]
+                raise ValueError(f"{cp}: the {', '.join(split)} mixer cannot run on a row split across processes; "
+                                 f"these can: {', '.join(able)}")
         return self
 
     def accumulation(self, world_size: int) -> int:

@@ -1,45 +1,15 @@
-"""`kalmix speed` on CPU with tiny shapes, and the byte/FLOP models on shapes counted by hand."""
+"""`kalmix speed` on CPU with tiny shapes."""
 import csv
+import dataclasses
 import functools
 
 import pytest
 import torch
 
 from kalmix import ops
-from kalmix.bench.models import Shape, io_bytes, op_bytes, op_flops
 from kalmix.bench.speed import SpeedConfig, targets
 from kalmix.cli import main
-
-
-def test_io_bytes_counts_each_tensor_once_per_pass():
-    assert io_bytes(100, 10, "fwd") == 110
-    # forward (100 + 10), backward: inputs again (100), output grad (10), one grad per input (100)
-    assert io_bytes(100, 10, "fwdbwd") == 320
-    with pytest.raises(ValueError):
-        io_bytes(1, 1, "decode")
-
-
-def test_op_bytes_by_hand():
-    s = Shape(B=2, T=3, H=1, K=4, V=5)
-    # delta rule in bf16: q, k [2,3,1,4], v [2,3,1,5], beta [2,3,1] read; o [2,3,1,5] written
-    assert op_bytes("delta", s, 2, "fwd") == 2 * (24 + 24 + 30 + 6) + 2 * 30
-    # Kalman in fp32: q, k, v, precision, plus fp32 decay and noise [1,4,5]; o written
-    assert op_bytes("kalman", s, 4, "fwd") == 4 * (24 + 24 + 30 + 30) + 4 * 2 * 20 + 4 * 30
-    # GKA reads three gates (g, beta, alpha) per token and head
-    assert op_bytes("gka", s, 2, "fwd") - op_bytes("kaczmarz", s, 2, "fwd") == 2 * 6
-
-
-def test_op_flops_by_hand():
-    s = Shape(B=1, T=2, H=1, K=2, V=3)
-    # Kalman: 9 (forward) and 39 (forward+backward) fp32 slots per lane-token, as 2 FLOPs each
-    assert op_flops("kalman", s, "fwd") == 2 * 9 * 2 * 2 * 3
-    assert op_flops("kalman", s, "fwdbwd") == 2 * 39 * 2 * 2 * 3
-    assert op_flops("sdpa", s, "fwd") == 2 * 1 * 1 * 2 * 2 * 2
-    assert op_flops("sdpa", s, "fwdbwd") == 3.5 * op_flops("sdpa", s, "fwd")
-    # gated linear attention: 2·BHT·(2KV + C(K + V)), C = 64
-    assert op_flops("simple_gla", s, "fwd") == 2 * 2 * (2 * 6 + 64 * 5)
-    assert op_flops("gka", s, "fwd", num_iters=0) == op_flops("simple_gla", s, "fwd") + 2 * 2 * 64 * 2
-    assert op_flops("kaczmarz", s, "fwdbwd") == 3 * op_flops("kaczmarz", s, "fwd")
+from kalmix.ops.common.cost import Shape
 
 
 def test_cli_on_cpu_writes_csv_and_plots(tmp_path, capsys):
@@ -86,7 +56,7 @@ def test_ops_run_their_value_checks_only_when_asked(monkeypatch, check):
     def spy(*a, **kw):
         seen.update(kw)
         return real(*a, **kw)
-    monkeypatch.setattr(ops, "kaczmarz_attention", spy)
+    monkeypatch.setitem(ops.SPECS, "kaczmarz", dataclasses.replace(ops.SPECS["kaczmarz"], fn=spy))
     cpu = torch.device("cpu")
     ts = {t.name: t for t in targets(("kaczmarz", "variational"), ("torch",), 16, 2, 8, 4, cpu, check)}
     for name in ("kaczmarz_attention", "variational_linear_attention"):
@@ -113,10 +83,11 @@ def test_gka_rows_per_num_iters(monkeypatch):
     seen = []
     real = ops.gated_kalmanet
 
+    @functools.wraps(real)
     def spy(*a, **kw):
         seen.append(kw["num_iters"])
         return real(*a, **kw)
-    monkeypatch.setattr(ops, "gated_kalmanet", spy)
+    monkeypatch.setitem(ops.SPECS, "gka", dataclasses.replace(ops.SPECS["gka"], fn=spy))
     cpu = torch.device("cpu")
     ts = targets(("gated_kalmanet",), ("torch",), 16, 2, 8, 4, cpu, gka_iters=(0, GKA_ITERS))
     assert [t.name for t in ts] == ["gated_kalmanet[num_iters=0]", "gated_kalmanet"]
@@ -127,4 +98,5 @@ def test_gka_rows_per_num_iters(monkeypatch):
     assert seen == [0, GKA_ITERS]
     ceil = {"copy_GBps": 1.0, "matmul_TFLOPs": 1.0, "fp32_TFLOPs": 1.0}
     rows = [_row(t, "fwd", "fp32", s, (1.0, 1.0, 1.0, 0.0, "ok"), ceil, {}, 4) for t in ts]
-    assert [r["TFLOPs"] for r in rows] == [op_flops("gka", s, "fwd", num_iters=n) / 1e9 for n in (0, GKA_ITERS)]
+    assert [r["TFLOPs"] for r in rows] == [ops.SPECS["gka"].cost.flops(s, "fwd", num_iters=n) / 1e9
+                                           for n in (0, GKA_ITERS)]

@@ -17,8 +17,11 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kalmix.distributed import context_parallel_loss, context_parallel_model
+from kalmix.distributed.model import PieceDocuments
+from kalmix.layers.documents import Documents, cu_seqlens_from_positions
 from kalmix.models import KalmixConfig, KalmixForCausalLM
 from tests.distributed.gloo import run_cases
+from tests.host_reads import HostReads
 
 B, T, VOCAB = 2, 13, 32
 LENGTHS = {2: [5, 8], 4: [3, 4, 1, 5]}      # unequal pieces of T tokens; on 4 ranks one shorter than kernel − 1
@@ -66,7 +69,8 @@ def _case(rank: int, world: int, name: str, mode: str = "relay", varlen: bool = 
     """One model on this rank, its mixers' states passed in ``mode``; on rank 0 returns "ok" or what differs from
     the single process. ``varlen``: attention's pieces go through the varlen flash path, its kernel played by the
     CPU stand-in of tests/layers/test_attention_varlen.py. ``docs``: the rows pack ``DOCS``, given to the split
-    model as "cu_seqlens" (the whole batch's) or "position_ids" (the piece's)."""
+    model as "cu_seqlens" (the whole batch's), "empty" (the same with empty documents added) or "position_ids"
+    (the piece's)."""
     if varlen:
         import kalmix.layers.attention as attention
         from tests.layers.test_attention_varlen import varlen_stand_in
@@ -80,12 +84,14 @@ def _case(rank: int, world: int, name: str, mode: str = "relay", varlen: bool = 
     params = [p for p in model.parameters() if p.requires_grad]
     ids, labels = _batch(world)
     cu, pos = _documents()
+    if docs == "empty":                             # at a row start, at a piece boundary (3, on 4 ranks), at the end
+        cu = torch.sort(torch.cat([cu, torch.tensor([T, T + 3, B * T], dtype=cu.dtype)])).values
     ref = model(input_ids=ids, labels=labels, use_cache=False, **({"cu_seqlens": cu} if docs else {}))
     ref_grads = torch.autograd.grad(ref.loss, params)
 
     start, length = sum(LENGTHS[world][:rank]), LENGTHS[world][rank]
     cut = slice(start, start + length)
-    packed = {"cu_seqlens": {"cu_seqlens": cu}, "position_ids": {"position_ids": pos[:, cut]}, None: {}}[docs]
+    packed = {"position_ids": {"position_ids": pos[:, cut]}, None: {}}.get(docs, {"cu_seqlens": cu})
     with context_parallel_model(model, mode=mode):  # use_cache defaults to False here, though the model is in eval
         out = model(input_ids=ids[:, cut], labels=labels[:, cut], **packed)
         if docs:                                    # the loss on its own, documents given by their positions
@@ -170,6 +176,7 @@ def _cases() -> dict:
             **{f"{name}-combine-docs": functools.partial(_case, name=name, mode="combine", docs="cu_seqlens")
                for name in COMBINE},
             "hybrid-positions": functools.partial(_case, name="hybrid", docs="position_ids"),
+            "hybrid-empty-docs": functools.partial(_case, name="hybrid", docs="empty"),
             "hybrid-varlen": functools.partial(_case, name="hybrid", varlen=True),
             "hybrid-varlen-docs": functools.partial(_case, name="hybrid", varlen=True, docs="cu_seqlens"),
             "ddp": _ddp, "refusals": _refusals}
@@ -222,6 +229,12 @@ def test_packed_documents_by_position_ids(world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+def test_empty_documents(world):
+    """The hybrid with empty documents (equal offsets) among its packed ones: the same as one process."""
+    assert _results(world)["hybrid-empty-docs"] == "ok"
+
+
+@pytest.mark.parametrize("world", [2, 4])
 def test_attention_varlen_documents_match_single_process(world):
     """The hybrid's attention over packed documents through the varlen path (CPU stand-in): each document
     segment's queries are the last of its document's keys up to the piece's end."""
@@ -253,3 +266,27 @@ def test_rejects_other_modules():
     with pytest.raises(NotImplementedError, match="cannot run on a sequence split"):
         with context_parallel_model(model):
             pass
+
+
+@pytest.mark.parametrize("start, length", [(0, 5), (3, 4), (7, 1), (8, 5), (5, 8)])
+def test_piece_documents_come_from_the_host(start, length):
+    """A piece's documents are built from the whole batch's host offsets without reading anything back, and equal
+    what the device computes from the positions: the segments (cut at every document and row start), each row's
+    offsets, and the varlen keys (each segment's document from its start to the piece's end). The whole batch
+    holds empty documents (equal offsets) too."""
+    flat = [b * T + x for b, row in enumerate(DOCS) for x in row[:-1]] + [B * T]      # DOCS' rows end to end
+    cu = torch.tensor(sorted(flat + [T, T + 5, B * T]))     # empty documents at a row start, in a row, at the end
+    whole = Documents("t", cu, B, T)
+    with HostReads() as reads:
+        piece = PieceDocuments(whole, start, length)
+        keys, cu_keys, max_keys = piece.keys, piece.cu_keys, piece.max_keys
+    assert reads.count == 0, reads.where
+    assert piece.cu_seqlens.tolist() == cu_seqlens_from_positions(piece.doc_pos).tolist()
+    end = start + length
+    assert torch.equal(keys, (piece.key_doc >= piece.key_doc[:, start:start + 1]).flatten().nonzero()[:, 0])
+    want = piece.cu_seqlens.diff() + piece.doc_pos.flatten()[piece.cu_seqlens[:-1]]
+    assert cu_keys.tolist() == [0, *want.cumsum(0).tolist()] and max_keys == int(want.max())
+    assert [r.tensor.tolist() for r in piece.rows] == [[x - b * T for x in cu.tolist() if b * T <= x <= (b + 1) * T]
+                                                       for b in range(B)]
+    assert piece.row_starts == max(int((piece.doc_pos[b] == 0).sum() + (piece.doc_pos[b, 0] != 0)) for b in range(B))
+    assert keys.numel() == sum(end - max(x for x in r.bounds if x <= start) for r in piece.rows)

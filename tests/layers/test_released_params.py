@@ -24,7 +24,8 @@ from kalmix import ops
 from kalmix.layers import (GatedDeltaNet, GatedKalmaNet, KaczmarzAttention, KalmanAttention, LinearAttention, Mamba2,
                            VariationalLinearAttention)
 from kalmix.layers.fused import P_MIN, ou_dynamics
-from kalmix.ops.common.testing import CASES, assert_close, outputs_and_grads, random_functional_grads, rel_err
+from kalmix.ops import SPECS
+from kalmix.ops.common.testing import assert_close, outputs_and_grads, random_functional_grads, rel_err
 
 TOL = 1e-12
 
@@ -86,9 +87,9 @@ def test_vla_op_write_key_every_impl():
     """The op's write_key="feature" on every impl: outputs against the released loop from the default state, and
     outputs and gradients of torch and triton against naive from a random state."""
     gen = torch.Generator().manual_seed(1)
-    case = CASES["vla"]
+    case = SPECS["vla"]
     args = case.inputs(2, 19, 2, 20, 12, torch.float64, gen)
-    state = case.state(2, 2, 20, 12, torch.float64, gen)
+    state = case.random_state(2, 2, 20, 12, torch.float64, gen)
     q, k, v, u = args
     ref = vla_released(q, k, v, u)
     for impl in ("naive", "torch", "triton"):

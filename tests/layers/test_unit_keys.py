@@ -71,8 +71,8 @@ def test_op_default_eps_is_gdn_to_one_part_in_a_million(impl):
 class UnitKeyKaczmarz(KaczmarzAttention):
     """The Kaczmarz layer with its projected keys L2-normalised (the one line GatedDeltaNet adds)."""
 
-    def project(self, x, conv_state, doc_pos=None):
-        inputs, gate, conv_state = super().project(x, conv_state, doc_pos)
+    def project(self, x, conv_state, docs=None):
+        inputs, gate, conv_state = super().project(x, conv_state, docs)
         inputs[1] = F.normalize(inputs[1], dim=-1, eps=1e-6)
         return inputs, gate, conv_state
 

@@ -7,6 +7,7 @@ import kalmix  # noqa: F401
 from kalmix.layers import MIXERS
 from kalmix.layers.documents import Documents
 from kalmix.models import KalmixConfig, KalmixForCausalLM
+from tests.host_reads import HostReads
 
 KW = {"attention": {"num_heads": 2}, "gdn": {"num_heads": 2}, "kaczmarz": {"num_heads": 2}, "gka": {"num_heads": 2},
       "vla": {"num_heads": 2}, "kalman": {"d_state": 4, "expand": 1}, "linear_attention": {"num_heads": 2},
@@ -83,21 +84,77 @@ def test_layer_takes_fla_packed_layout():
     layer = KaczmarzAttention(16, num_heads=2).double()
     x = torch.randn(1, 30, 16, dtype=torch.double)
     cu = torch.tensor([0, 7, 8, 30])
-    o, _, _ = layer(x, cu_seqlens=cu)
+    with HostReads() as reads:
+        o, _, _ = layer(x, cu_seqlens=cu)
+    assert reads.count == 1, reads.where                  # the layer's own check of its offsets
     ref = torch.cat([layer(x[:, a:b])[0] for a, b in [(0, 7), (7, 8), (8, 30)]], dim=1)
     torch.testing.assert_close(o, ref, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("cu, match", [
-    ([0, 5, 38], "row start"),
-    ([0, 19, 19, 38], "strictly increasing"),
-    ([0, 19, 30], "end at B·T"),
-    ([1, 19, 38], "start at 0"),
+    ([0, 5, 38], r"must contain every row start of the \[2, 19\] batch .*; missing \[19\] in \[0, 5, 38\]"),
+    ([0, 19, 10, 38], r"must be non-decreasing .*, got cu_seqlens\[2\] = 10 after 19 in \[0, 19, 10, 38\]"),
+    ([0, 19, 30], r"must start at 0 and end at B·T = 38 \(the flattened batch\), got \[0, 19, 30\]"),
+    ([0, 19, 38, 40], r"end at B·T = 38 \(the flattened batch\), got \[0, 19, 38, 40\]"),
+    ([1, 19, 38], r"start at 0 .*, got \[1, 19, 38\]"),
+    ([], r"must start at 0 and end at B·T = 38 \(the flattened batch\), got \[\] \(N \+ 1 >= 2 offsets"),
+    ([0], r"must start at 0 .*, got \[0\] \(N \+ 1 >= 2 offsets for N sequences\)"),
+    (torch.tensor([0.0, 19, 38]), r"must be a 1-D integer tensor \(int32 or int64\) .*, got a torch.float32 tensor"),
+    (torch.tensor([0, 19, 38], dtype=torch.int16), r"must be a 1-D integer tensor .*, got a torch.int16 tensor"),
 ])
 def test_bad_cu_seqlens(cu, match):
+    """Each breach of the rule (kalmix/ops/common/varlen.py), named with the offsets given."""
     model = _model(["gdn"])
-    with pytest.raises(ValueError, match=match):
-        model(torch.zeros(2, 19, dtype=torch.long), cu_seqlens=torch.tensor(cu))
+    cu = cu if isinstance(cu, torch.Tensor) else torch.tensor(cu, dtype=torch.long)
+    with pytest.raises(ValueError, match=f"^KalmixModel: `cu_seqlens` (.* )?{match}"):
+        model(torch.zeros(2, 19, dtype=torch.long), cu_seqlens=cu)
+
+
+def test_empty_documents_hold_no_tokens():
+    """Equal offsets are an empty document: the rows hold exactly what they hold without it (logits bit for bit,
+    and the loss), wherever it falls: first, at a row start, last."""
+    ids, cu, B, T = _packed_case(seed=4)
+    model = _model(list(MIXERS))
+    ref = model(ids, cu_seqlens=cu, labels=ids)
+    bounds = cu.tolist()
+    for extra in ([0], [T], [bounds[-1]], [bounds[2], bounds[2]]):
+        out = model(ids, cu_seqlens=torch.tensor(sorted(bounds + extra)), labels=ids)
+        assert torch.equal(out.logits, ref.logits) and torch.equal(out.loss, ref.loss), extra
+
+
+def test_one_host_read_per_packed_forward():
+    """Packed documents cost one host read per forward, whichever way they come (``cu_seqlens``, ``position_ids``)
+    and however many layers take them: the model checks them once (``Documents``) and every layer, short
+    convolution and op below reads nothing back (the op's loop, chunk tables and length buckets come from the
+    host offsets; every op and impl is counted alone in tests/ops/common/test_varlen.py); the backward reads
+    nothing. Counted against the same forward without documents, which reads the ids once on the CPU."""
+    model = _model(list(MIXERS))
+    ids, cu, B, T = _packed_case(seed=5)
+    pos = torch.cat([torch.arange(b - a) for _, a, b in _split(cu, B, T)]).view(B, T)
+    counts = {}
+    for name, kw in (("plain", {}), ("cu_seqlens", {"cu_seqlens": cu}), ("position_ids", {"position_ids": pos})):
+        with HostReads() as reads:
+            loss = model(ids, labels=ids, **kw).loss
+        with HostReads() as backward:
+            loss.backward()
+        counts[name] = reads.count
+        assert backward.count == 0, (name, backward.where)
+    assert counts["cu_seqlens"] == counts["position_ids"] == counts["plain"] + 1, counts
+
+
+def test_one_host_read_per_klaplus_forward():
+    """KLA+ (mc_samples > 0) repeats the documents for its samples on the host: still one read."""
+    torch.manual_seed(0)
+    cfg = KalmixConfig(vocab_size=48, hidden_size=16, num_hidden_layers=2, mixers=["kalman", "attention"],
+                       mixer_kwargs={m: KW[m] for m in ("kalman", "attention")}, intermediate_size=32,
+                       mc_samples=3)
+    model = KalmixForCausalLM(cfg)
+    ids, cu, B, T = _packed_case(seed=6)
+    with HostReads() as plain:
+        model(ids, labels=ids)
+    with HostReads() as packed:
+        model(ids, labels=ids, cu_seqlens=cu)
+    assert packed.count == plain.count + 1, packed.where
 
 
 def test_packed_documents_refuse_cache_and_padding():

@@ -4,17 +4,17 @@ modules."""
 import pytest
 import torch
 
-from kalmix.ops.common.testing import CASES
+from kalmix.ops import SPECS
 
 
 @pytest.fixture
 def draw():
     """``draw(name, B, T, H, K, V, n_state=None, seed=0, dtype=torch.float64) -> (args, state)``: random positional
-    inputs of the op ``CASES[name]`` (K, V are N, D for Kalman) and an initial state for ``n_state`` sequences
+    inputs of the op ``SPECS[name]`` (K, V are N, D for Kalman) and an initial state for ``n_state`` sequences
     (default B), from one generator seeded with ``seed``."""
     def draw(name, B, T, H, K, V, n_state=None, seed=0, dtype=torch.float64):
-        case = CASES[name]
+        case = SPECS[name]
         gen = torch.Generator().manual_seed(seed)
         args = case.inputs(B, T, H, K, V, dtype, gen)
-        return args, case.state(B if n_state is None else n_state, H, K, V, dtype, gen)
+        return args, case.random_state(B if n_state is None else n_state, H, K, V, dtype, gen)
     return draw

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from kalmix import ops
+from kalmix.ops import SPECS
 from kalmix.ops.common.checks import resolve_impl
-from kalmix.ops.common.testing import CASES
 
 
 @pytest.fixture
@@ -13,10 +13,10 @@ def small(draw):
     return lambda name, B=2, dtype=torch.float32: draw(name, B, 8, 2, 4, 3, dtype=dtype)[0]
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(SPECS))
 def test_unknown_impl(name, small):
     with pytest.raises(ValueError, match=r"unknown impl='fast'"):
-        CASES[name].fn(*small(name), impl="fast")
+        SPECS[name].fn(*small(name), impl="fast")
 
 
 def test_impl_an_op_lacks_is_an_error_not_a_fallback():
@@ -24,52 +24,52 @@ def test_impl_an_op_lacks_is_an_error_not_a_fallback():
         resolve_impl("some_op", "triton", torch.device("cpu"), {"torch": lambda: None})
 
 
-@pytest.mark.parametrize("name", [n for n in CASES if "triton" in ops.AVAILABLE_IMPLS[CASES[n].fn.__name__]])
+@pytest.mark.parametrize("name", [n for n, spec in SPECS.items() if "triton" in spec.impls])
 def test_triton_impl_on_cpu_without_the_interpreter_is_an_error_not_a_fallback(monkeypatch, name, small):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match=r"impl='triton' needs CUDA tensors \(or TRITON_INTERPRET=1\)"):
-        CASES[name].fn(*small(name), impl="triton")
+        SPECS[name].fn(*small(name), impl="triton")
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(SPECS))
 def test_wrong_rank_and_size(name, small):
     args = small(name)
     with pytest.raises(ValueError, match=r"`q` must have shape"):
-        CASES[name].fn(args[0][0], *args[1:])
+        SPECS[name].fn(args[0][0], *args[1:])
     bad = list(args)
     bad[2] = bad[2][:, :5]
     with pytest.raises(ValueError, match=r"`v` must have shape .*got \[2, 5, 2, 3\]"):
-        CASES[name].fn(*bad)
+        SPECS[name].fn(*bad)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(SPECS))
 def test_mismatched_dtype_and_device(name, small):
     args = small(name)
     bad = list(args)
     bad[1] = bad[1].double()
     with pytest.raises(ValueError, match=r"`k` has dtype torch.float64"):
-        CASES[name].fn(*bad)
+        SPECS[name].fn(*bad)
     bad = list(args)
     bad[2] = torch.empty(bad[2].shape, device="meta")
     with pytest.raises(ValueError, match=r"`v` is on meta"):
-        CASES[name].fn(*bad)
+        SPECS[name].fn(*bad)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(SPECS))
 def test_cu_seqlens_must_end_at_T(name, small):
     args = small(name, B=1)
     with pytest.raises(ValueError, match=r"`cu_seqlens` must .*end at T = 8, got \[0, 3, 7\]"):
-        CASES[name].fn(*args, cu_seqlens=torch.tensor([0, 3, 7]))
+        SPECS[name].fn(*args, cu_seqlens=torch.tensor([0, 3, 7]))
     with pytest.raises(ValueError, match=r"batch size 1, got B = 2"):
-        CASES[name].fn(*small(name), cu_seqlens=torch.tensor([0, 3, 8]))
+        SPECS[name].fn(*small(name), cu_seqlens=torch.tensor([0, 3, 8]))
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(SPECS))
 def test_initial_state_shape(name, small):
     args = small(name)
-    state = CASES[name].state(3, 2, 4, 3, torch.float32, torch.Generator().manual_seed(0))
+    state = SPECS[name].random_state(3, 2, 4, 3, torch.float32, torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match=r"initial_state.*must have shape"):
-        CASES[name].fn(*args, initial_state=state)
+        SPECS[name].fn(*args, initial_state=state)
 
 
 def test_kalman_ranges(small):
@@ -124,11 +124,11 @@ def test_check_values_false_skips_only_the_value_checks(small):
     ops.gated_kalmanet(q, k, v, g + 1.0, beta, alpha, check_values=False)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(SPECS))
 def test_empty_sequence_is_rejected(name, small):
     args = [a[:, :0] if a.dim() >= 3 else a for a in small(name)]
     with pytest.raises(ValueError, match=r"must not be empty"):
-        CASES[name].fn(*args)
+        SPECS[name].fn(*args)
 
 
 def test_gates_may_be_fp32_beside_bf16_activations(small):

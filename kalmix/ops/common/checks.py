@@ -167,22 +167,6 @@ def check_head_sizes(op: str, limits: Mapping[str, tuple[int, str]], **sizes: in
                      f"{name}")
 
 
-def check_cu_seqlens(op: str, cu_seqlens, batch: int, seq_len: int, device: torch.device) -> int:
-    """Validate packed-sequence offsets; returns the number of sequences."""
-    if cu_seqlens is None:
-        return batch
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
-        fail(op, f"`cu_seqlens` must be a 1-D integer tensor [N + 1], got {cu_seqlens!r:.80}")
-    if batch != 1:
-        fail(op, f"`cu_seqlens` requires packed inputs with batch size 1, got B = {batch}")
-    if cu_seqlens.device != device:
-        fail(op, f"`cu_seqlens` is on {cu_seqlens.device} but the inputs are on {device}")
-    cs = cu_seqlens.tolist()
-    if len(cs) < 2 or cs[0] != 0 or cs[-1] != seq_len or any(b < a for a, b in zip(cs, cs[1:])):
-        fail(op, f"`cu_seqlens` must be non-decreasing, start at 0 and end at T = {seq_len}, got {cs}")
-    return len(cs) - 1
-
-
 def resolve_impl(op: str, impl: str | None, device: torch.device, available: Mapping[str, Callable]) -> Callable:
     """Map ``impl`` (None = "triton" on CUDA, "torch" otherwise) to the function that runs it.
 

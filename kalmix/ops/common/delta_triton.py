@@ -45,7 +45,7 @@ from kalmix.ops.common.triton_utils import (add_extrema, chunk_at, chunk_rows, c
                                             load_rows, load_state, no_extrema, operand_dtype, raw_cols, raw_rows,
                                             raw_state, raw_state_t, seq_range, store_extrema, store_rows,
                                             store_state, to_acc)
-from kalmix.ops.common.varlen import batch_offsets
+from kalmix.ops.common.varlen import Offsets, batch_offsets
 
 CHUNK = 64
 # per operand width (16-bit activations, or fp32/fp64): the V block, the pipeline depth and each kernel's warps
@@ -426,11 +426,12 @@ def _output(q, w, U, Gc, h, chunks, scale):
 
 class ChunkDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, w, e, v, g, beta, s0, cu, packed, scale, step_eps, check):
+    def forward(ctx, q, w, e, v, g, beta, s0, offsets, scale, step_eps, check):
         B, T, H, K = q.shape
         V = v.shape[-1]
         flat = [x.reshape(B * T, *x.shape[2:]).contiguous() for x in (q, w, e, v, g, beta)]
-        coff, chunks = chunk_table(cu if packed else None, B, T, CHUNK, q.device)
+        cu = batch_offsets(B, T, q.device) if offsets is None else offsets.tensor
+        coff, chunks = chunk_table(offsets, B, T, CHUNK, q.device)
         s0 = None if s0 is None else s0.contiguous()
         Gc, Tm, wt, ut, step, ext = _prep(*flat[1:], chunks, step_eps, check)
         if step is not None:                    # beta was η; the backward takes the step η/(‖k‖² + eps)
@@ -476,11 +477,11 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
                                   0. if ctx.step_eps is None else ctx.step_eps, H, K, V, STEP=step, **kw["grads_wy"])
         shape = lambda x: x.view(B, T, *x.shape[1:])  # noqa: E731
         return (shape(dq), shape(dw), None if step else shape(de), shape(dv), shape(dg), shape(dbeta),
-                ds0, None, None, None, None, None)
+                ds0, None, None, None, None)
 
 
 def chunk_delta_rule_triton(q, w, e, v, g, beta, *, scale: float, state: torch.Tensor | None,
-                            cu_seqlens: torch.Tensor | None = None, step_eps: float | None = None,
+                            cu_seqlens: Offsets | None = None, step_eps: float | None = None,
                             check: bool = False):
     """The rule of the module docstring on GPU tensors (or under TRITON_INTERPRET).
 
@@ -488,7 +489,7 @@ def chunk_delta_rule_triton(q, w, e, v, g, beta, *, scale: float, state: torch.T
         q, w, e: [B, T, H, K]; v: [B, T, H, V], all of one dtype (bf16/fp16/fp32; fp64 runs in fp64);
         g (log γ <= 0), beta: [B, T, H], any float dtype (their gradients come in it).
         state: [N, H, K, V] initial states (N = B, or the number of packed sequences), or None (zeros).
-        cu_seqlens: [N + 1] offsets of packed sequences (B = 1).
+        cu_seqlens: the checked offsets of packed sequences (B = 1).
         step_eps: the Kaczmarz rule: w and e are one tensor k, ``beta`` is η and the step is
             η/(‖k‖² + step_eps) (0 where that denominator is 0), computed by the first kernel from the keys it
             loads anyway; gradients reach k (on w) and η.
@@ -502,11 +503,8 @@ def chunk_delta_rule_triton(q, w, e, v, g, beta, *, scale: float, state: torch.T
         raise ValueError("chunk_delta_rule_triton: step_eps needs the write and erase keys to be one tensor")
     if check and step_eps is None:
         raise ValueError("chunk_delta_rule_triton: check reads the extremes of g and η, which need step_eps")
-    B, T = q.shape[:2]
-    cu = batch_offsets(B, T, q.device) if cu_seqlens is None else cu_seqlens.to(torch.int32)
     acc = compute_dtype(q)
     # the kernels read the gates in fp32 whatever they are stored in; fp64 runs are converted to keep fp64
     g, beta = (x if acc == torch.float32 else x.to(acc) for x in (g, beta))
     state = None if state is None else state.to(acc)
-    return ChunkDeltaRuleFunction.apply(q, w, e, v, g, beta, state, cu, cu_seqlens is not None, scale, step_eps,
-                                        check)
+    return ChunkDeltaRuleFunction.apply(q, w, e, v, g, beta, state, cu_seqlens, scale, step_eps, check)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kalmix.ops.common.varlen import batch_offsets
+from kalmix.ops.common.varlen import Offsets, batch_offsets
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DOT_FP32 = tl.constexpr("ieee" if INTERPRET else "tf32x3")   # fp32 inputs: products accurate to ~fp32
@@ -35,29 +35,30 @@ def _chunk_counts(cu_seqlens: torch.Tensor, C: int) -> torch.Tensor:
     return (cu_seqlens[1:] - cu_seqlens[:-1] + C - 1) // C
 
 
-def chunk_starts(cu_seqlens: torch.Tensor | None, B: int, T: int, C: int,
+def chunk_starts(cu_seqlens: Offsets | None, B: int, T: int, C: int,
                  device: torch.device) -> tuple[torch.Tensor, int]:
     """Each sequence's first chunk [N] (int32) and the number of chunks, for chunks of C tokens: of B sequences of T
-    tokens (``cu_seqlens`` None: kept per shape, no kernel) or of the packed ``cu_seqlens`` [N + 1] (one host
-    read)."""
+    tokens (``cu_seqlens`` None: kept per shape, no kernel) or of the packed ``cu_seqlens`` (checked ``Offsets``:
+    the number from their host offsets, nothing read back)."""
     if cu_seqlens is None:
         n = triton.cdiv(T, C)
         return batch_offsets(B, n, device)[:-1], B * n      # the starts of B runs of n chunks
-    n = _chunk_counts(cu_seqlens, C)
-    return (torch.cumsum(n, 0) - n).to(torch.int32), int(n.sum())
+    n = _chunk_counts(cu_seqlens.tensor, C)
+    return (torch.cumsum(n, 0) - n).to(torch.int32), sum(triton.cdiv(L, C) for L in cu_seqlens.lengths)
 
 
-def chunk_table(cu_seqlens: torch.Tensor | None, B: int, T: int, C: int,
+def chunk_table(cu_seqlens: Offsets | None, B: int, T: int, C: int,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``chunk_starts``' first chunks [N] and every chunk's token range [bos, eos) [NC, 2], both int32: the tables
     the per-chunk kernels read (``chunk_rows``). A batch's (``cu_seqlens`` None) is kept per shape."""
     if cu_seqlens is None:
         return _batch_table(B, T, C, device)
     first, n_total = chunk_starts(cu_seqlens, B, T, C, device)
-    n = _chunk_counts(cu_seqlens, C)
+    cu = cu_seqlens.tensor
+    n = _chunk_counts(cu, C)
     seq = torch.repeat_interleave(torch.arange(len(n), device=device), n, output_size=n_total)
-    start = cu_seqlens[seq] + (torch.arange(n_total, device=device) - first[seq]) * C
-    end = torch.minimum(start + C, cu_seqlens[seq + 1])
+    start = cu[seq] + (torch.arange(n_total, device=device) - first[seq]) * C
+    end = torch.minimum(start + C, cu[seq + 1])
     return first, torch.stack([start, end], 1).to(torch.int32).contiguous()
 
 

@@ -442,19 +442,19 @@ def _forward(q, k, v, g, beta, alpha, h0, u0, cu, coff, chunks, scale, ridge, n_
     return o, hT, uT, x, hn
 
 
-def _flatten(q, k, v, g, beta, alpha, cu, packed):
-    """[B·T, H, *] contiguous views and the chunk table."""
+def _flatten(q, k, v, g, beta, alpha, offsets):
+    """[B·T, H, *] contiguous views and the chunk table (of the packed sequences' ``Offsets``, or of the batch)."""
     B, T = q.shape[:2]
     flat = [x.reshape(B * T, *x.shape[2:]).contiguous() for x in (q, k, v, g, beta, alpha)]
-    return flat, chunk_table(cu if packed else None, B, T, _config(q.dtype)["C"], q.device)
+    return flat, chunk_table(offsets, B, T, _config(q.dtype)["C"], q.device)
 
 
 class GKAFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, alpha, h0, u0, cu, packed, scale, ridge, n_iters):
+    def forward(ctx, q, k, v, g, beta, alpha, h0, u0, cu, offsets, scale, ridge, n_iters):
         B, T, H, K = q.shape
         V = v.shape[-1]
-        flat, (coff, chunks) = _flatten(q, k, v, g, beta, alpha, cu, packed)
+        flat, (coff, chunks) = _flatten(q, k, v, g, beta, alpha, offsets)
         o, hT, uT, x, hn = _forward(*flat, h0, u0, cu, coff, chunks, scale, ridge, n_iters, store=True)
         ctx.save_for_backward(*flat, h0, u0, cu, coff, chunks, x, hn)
         ctx.args, ctx.shape = (scale, ridge, n_iters), (B, T, H, K, V)
@@ -513,7 +513,8 @@ def max_head_sizes(dtype: torch.dtype, device: torch.device) -> dict[str, tuple[
 
 
 def gka_fused(q, k, v, g, beta, alpha, *, state, scale, ridge, num_iters, cu_seqlens=None):
-    """The op on GPU tensors (or under TRITON_INTERPRET), sequences packed by ``cu_seqlens`` in the kernels.
+    """The op on GPU tensors (or under TRITON_INTERPRET), sequences packed by ``cu_seqlens`` (checked ``Offsets``)
+    in the kernels.
 
     Args:
         q, k: [B, T, H, K] (K <= MAX_K, which the op checks); v: [B, T, H, V], one dtype (bf16/fp16/fp32; fp64
@@ -525,19 +526,19 @@ def gka_fused(q, k, v, g, beta, alpha, *, state, scale, ridge, num_iters, cu_seq
     B, T, H, K = q.shape
     if num_iters is None:
         fail(_OP, "num_iters=None (the exact solve, a reference) runs with impl='torch' or 'naive' only")
-    cu = batch_offsets(B, T, q.device) if cu_seqlens is None else cu_seqlens.to(device=q.device, dtype=torch.int32)
+    cu = batch_offsets(B, T, q.device) if cu_seqlens is None else cu_seqlens.tensor
     acc = compute_dtype(q)
     h0, u0 = (s.to(acc).contiguous() for s in state)
     g, beta, alpha = (x.to(acc) for x in (g, beta, alpha))
     packed, ridge, num_iters = cu_seqlens is not None, float(ridge), int(num_iters)
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta, alpha, h0, u0)):
-        o, hT, uT = GKAFunction.apply(q, k, v, g, beta, alpha, h0, u0, cu, packed, scale, ridge, num_iters)
+        o, hT, uT = GKAFunction.apply(q, k, v, g, beta, alpha, h0, u0, cu, cu_seqlens, scale, ridge, num_iters)
     elif T == 1 and not packed:                             # decoding: one launch (step.py)
         o, hT, uT = gka_step_fused(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], alpha[:, 0], h0, u0,
                                    scale=scale, ridge=ridge, num_iters=num_iters)
         o = o[:, None]
     else:                                                   # inference: nothing kept for a backward
-        flat, (coff, chunks) = _flatten(q, k, v, g, beta, alpha, cu, packed)
+        flat, (coff, chunks) = _flatten(q, k, v, g, beta, alpha, cu_seqlens)
         o, hT, uT, _, _ = _forward(*flat, h0, u0, cu, coff, chunks, scale, ridge, num_iters, store=False)
         o = o.view(v.shape)
     return o, (hT, uT)

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import torch
 
-from kalmix.ops.common.checks import (Range, TritonImpl, check_cu_seqlens, check_gates, check_head_sizes, check_ranges,
+from kalmix.ops.common.checks import (Range, TritonImpl, check_gates, check_head_sizes, check_ranges,
                                       check_same, check_tensor, compute_dtype, fail, no_check, reset_range,
                                       resolve_impl)
 from kalmix.ops.common.precision import no_autocast
-from kalmix.ops.common.varlen import run_packed
+from kalmix.ops.common.varlen import Offsets, check_packed, run_packed
 from kalmix.ops.gka.chunk import gka_chunk
 from kalmix.ops.gka.naive import gka_naive
 
@@ -23,7 +23,8 @@ def gated_kalmanet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                    beta: torch.Tensor | None = None, alpha: torch.Tensor | None = None, *,
                    scale: float | None = None, ridge: float = 0.02, num_iters: int | None = 30,
                    initial_state: tuple[torch.Tensor, torch.Tensor] | None = None, output_final_state: bool = False,
-                   cu_seqlens: torch.Tensor | None = None, impl: str | None = None, check_values: bool = True):
+                   cu_seqlens: torch.Tensor | Offsets | None = None, impl: str | None = None,
+                   check_values: bool = True):
     """Test-time ridge regression over the decayed history, read out through an α-connected query.
 
     H_t = γ_t H_{t-1} + β_t k kᵀ, U_t = γ_t U_{t-1} + β_t k vᵀ, x_t ≈ (H_t + ridge·‖H_t‖_F I)^{-1} q_t,
@@ -41,7 +42,8 @@ def gated_kalmanet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         initial_state: (H [B, H, K, K] symmetric positive semi-definite, U [B, H, K, V]); default zeros.
             ``check_values`` rejects an H with ‖H − Hᵀ‖_F or −λ_min((H + Hᵀ)/2) above max(PSD_TOL, eps of H's
             dtype) · ‖H‖_F.
-        cu_seqlens: [N + 1] offsets of packed sequences (B must be 1).
+        cu_seqlens: [N + 1] offsets of packed sequences (B must be 1): a tensor, checked here (one host read;
+            the rule: ``kalmix.ops.common.varlen``), or ``Offsets`` checked before (no read).
         impl: "naive" | "torch" | "triton" | None (triton on CUDA, torch otherwise). "triton" takes K <= 128 and
             num_iters >= 0, and differentiates the solve implicitly (the exact solve's gradient, evaluated with
             the same Chebyshev solver) where "torch" and "naive" differentiate through the iterations.
@@ -65,7 +67,7 @@ def gated_kalmanet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         fail(_OP, f"`ridge` must be > 0, got {ridge}")
     if num_iters is not None and (not isinstance(num_iters, int) or isinstance(num_iters, bool) or num_iters < 0):
         fail(_OP, f"`num_iters` must be None (exact solve) or an int >= 0, got {num_iters!r}")
-    n_seq = check_cu_seqlens(_OP, cu_seqlens, B, T, q.device)
+    cu_seqlens, n_seq = check_packed(_OP, cu_seqlens, B, T, q.device)
     fn = resolve_impl(_OP, impl, q.device, _IMPLS)
     if fn is gka_fused:
         check_head_sizes(_OP, gka_fused.module.max_head_sizes(q.dtype, q.device), K=K)

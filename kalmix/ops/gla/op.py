@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from kalmix.ops.common.checks import (Range, check_cu_seqlens, check_gates, check_ranges, check_same, check_tensor,
+from kalmix.ops.common.checks import (Range, check_gates, check_ranges, check_same, check_tensor,
                                       compute_dtype, fail, no_check, resolve_impl)
 from kalmix.ops.common.precision import no_autocast
-from kalmix.ops.common.varlen import run_packed
+from kalmix.ops.common.varlen import Offsets, check_packed, run_packed
 from kalmix.ops.gla.chunk import gla_chunk
 from kalmix.ops.gla.naive import gla_naive
 
@@ -17,7 +17,7 @@ _IMPLS = {"naive": gla_naive, "torch": gla_chunk}
 @no_autocast
 def gated_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None = None, *,
                            scale: float | None = None, initial_state: torch.Tensor | None = None,
-                           output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
+                           output_final_state: bool = False, cu_seqlens: torch.Tensor | Offsets | None = None,
                            impl: str | None = None, check_values: bool = True):
     """S_t = diag(exp(g_t)) S_{t−1} + k_t v_tᵀ, o_t = scale · S_tᵀ q_t.
 
@@ -30,8 +30,9 @@ def gated_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
             q's dtype or fp32.
         scale: readout scale, default K ** -0.5.
         initial_state: [B, H, K, V] (B = number of sequences with ``cu_seqlens``); default zeros.
-        cu_seqlens: [N + 1] offsets of packed sequences (B must be 1); "torch" runs them one by one (one host
-            read of the offsets and one chunked pass per sequence).
+        cu_seqlens: [N + 1] offsets of packed sequences (B must be 1): a tensor, checked here (one host read; the
+            rule: ``kalmix.ops.common.varlen``), or ``Offsets`` checked before (no read); "torch" runs them one by
+            one (one chunked pass per sequence).
         impl: "naive" (token loop) | "torch" (chunked) | None (= "torch" on every device: there is no Triton
             kernel, and "triton" is a ValueError).
         check_values: reject NaN/Inf in q, k, v and the state and g outside (−inf, 0] (one host synchronisation);
@@ -48,7 +49,7 @@ def gated_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         check_tensor(_OP, "g", g, (B, T, H) if g.dim() == 3 else (B, T, H, K), "[B, T, H] or [B, T, H, K]")
     check_same(_OP, "q", q, {"k": k, "v": v})
     check_gates(_OP, q, {"g": g})
-    n_seq = check_cu_seqlens(_OP, cu_seqlens, B, T, q.device)
+    cu_seqlens, n_seq = check_packed(_OP, cu_seqlens, B, T, q.device)
     if impl == "triton":
         fail(_OP, "has no Triton kernel; use impl='torch' (chunked, CPU and CUDA) or 'naive' (the token loop)")
     fn = resolve_impl(_OP, impl or "torch", q.device, _IMPLS)

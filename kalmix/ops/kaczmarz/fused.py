@@ -69,7 +69,7 @@ def _fla_gdn(q, k, v, g, beta, *, scale, state, cu_seqlens, final_state):
     ``final_state``: fla zero-fills it)."""
     from fla.ops import chunk_gated_delta_rule
     return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=state, output_final_state=final_state,
-                                  cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())
+                                  cu_seqlens=None if cu_seqlens is None else cu_seqlens.tensor.long())
 
 
 def announce(dtype: torch.dtype) -> None:
@@ -87,10 +87,10 @@ def kaczmarz_fused(q, k, v, g, eta, *, state, eps, scale, cu_seqlens=None, check
                    finite: Mapping[str, torch.Tensor | None] | None = None, final_state: bool = True):
     """Kaczmarz attention on fla's or kalmix's chunk kernels (module docstring). q, k [B, T, H, K],
     v [B, T, H, V] of one dtype; g, eta [B, T, H]; ``state`` [N, H, K, V] fp32 (fp64 for fp64 inputs) or None
-    (zeros); packed sequences are handed to the kernels. ``check``: the op's ranges of g and eta, checked by
-    the pass that computes the step; ``finite`` (given with ``check``): name -> tensor that must have no NaN or
-    Inf, read back with them. Returns o [B, T, H, V] (q's dtype), the final state [N, H, K, V] and the check's
-    ``finish()`` (checks.defer_check), to call before the outputs are used."""
+    (zeros); packed sequences (checked ``Offsets``) are handed to the kernels. ``check``: the op's ranges of g and
+    eta, checked by the pass that computes the step; ``finite`` (given with ``check``): name -> tensor that must
+    have no NaN or Inf, read back with them. Returns o [B, T, H, V] (q's dtype), the final state [N, H, K, V] and
+    the check's ``finish()`` (checks.defer_check), to call before the outputs are used."""
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, eta, state))
     if q.shape[1] == 1 and cu_seqlens is None and not check and not grad:     # decoding: one launch (step.py)
         S = state if state is not None else q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3],

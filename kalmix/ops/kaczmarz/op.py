@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from kalmix.ops.common.checks import (Range, TritonImpl, check_cu_seqlens, check_gates, check_head_sizes, check_ranges,
+from kalmix.ops.common.checks import (Range, TritonImpl, check_gates, check_head_sizes, check_ranges,
                                       check_same, check_tensor, compute_dtype, reset_range, resolve_impl)
 from kalmix.ops.common.precision import no_autocast
-from kalmix.ops.common.varlen import run_packed
+from kalmix.ops.common.varlen import Offsets, check_packed, run_packed
 from kalmix.ops.kaczmarz.chunk import kaczmarz_chunk
 from kalmix.ops.kaczmarz.naive import kaczmarz_naive
 
@@ -19,7 +19,7 @@ _IMPLS = {"naive": kaczmarz_naive, "torch": kaczmarz_chunk, "triton": kaczmarz_f
 @no_autocast
 def kaczmarz_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, eta: torch.Tensor, *,
                        eps: float = 1e-6, scale: float | None = None, initial_state: torch.Tensor | None = None,
-                       output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
+                       output_final_state: bool = False, cu_seqlens: torch.Tensor | Offsets | None = None,
                        impl: str | None = None, check_values: bool = True):
     """Gated delta rule whose step is the Kaczmarz projection coefficient η / (‖k‖² + eps).
 
@@ -29,7 +29,8 @@ def kaczmarz_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
             "torch"; "triton" rejects it); eta: [B, T, H] relaxation in (0, 1]; both in q's dtype or fp32.
         eps: stabiliser of the step for small ‖k‖; scale: readout scale, default K ** -0.5.
         initial_state: [B, H, K, V] (B = number of sequences with ``cu_seqlens``); default zeros.
-        cu_seqlens: [N + 1] offsets of packed sequences (B must be 1).
+        cu_seqlens: [N + 1] offsets of packed sequences (B must be 1): a tensor, checked here (one host read;
+            the rule: ``kalmix.ops.common.varlen``), or ``Offsets`` checked before (no read).
         impl: "naive" | "torch" | "triton" | None (triton on CUDA, torch otherwise). "triton" runs fla's
             chunk_gated_delta_rule, or kalmix's own chunk kernels where fla cannot (fused.py says where), and
             takes K <= 128 with 16-bit activations, 256 in fp32, 64 in fp64 (fla's: 256); a larger K is an error.
@@ -50,7 +51,7 @@ def kaczmarz_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     check_gates(_OP, q, {"g": g, "eta": eta})
     if not eps >= 0:
         raise ValueError(f"{_OP}: `eps` must be >= 0, got {eps}")
-    n_seq = check_cu_seqlens(_OP, cu_seqlens, B, T, q.device)
+    cu_seqlens, n_seq = check_packed(_OP, cu_seqlens, B, T, q.device)
     fn = resolve_impl(_OP, impl, q.device, _IMPLS)
     if fn is kaczmarz_fused:
         check_head_sizes(_OP, kaczmarz_fused.module.max_head_sizes(q.dtype, q.device), K=K)

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from kalmix.ops.common.precision import no_autocast
 from kalmix.ops.common.triton_utils import INTERPRET, chunk_starts
-from kalmix.ops.common.varlen import batch_offsets
+from kalmix.ops.common.varlen import Offsets, batch_offsets
 
 # `python benchmarks/kalman_fused.py --configs CHUNK,FWD_BD,FWD_WARPS,BWD_BD1,BWD_BD2,BWD_WARPS` times other values
 # of the constants below on a GPU; `python benchmarks/kernel_report.py --ops kalman` prints registers and spills.
@@ -354,10 +354,10 @@ def _pow2(n: int) -> int:
     return triton.next_power_of_2(n)
 
 
-def _offsets(cu_seqlens: torch.Tensor | None, B: int, T: int, device: torch.device):
+def _offsets(cu_seqlens: Offsets | None, B: int, T: int, device: torch.device):
     """Sequence starts ``cu`` [S + 1], each sequence's first checkpoint [S] and the number of checkpoints (one per
     chunk of CHUNK tokens)."""
-    cu = batch_offsets(B, T, device) if cu_seqlens is None else cu_seqlens
+    cu = batch_offsets(B, T, device) if cu_seqlens is None else cu_seqlens.tensor
     return cu, *chunk_starts(cu_seqlens, B, T, CHUNK, device)
 
 
@@ -427,8 +427,9 @@ def _acc(x: torch.Tensor):
 
 
 def kalman_fused(q, k, v, w, decay, process_noise, *, state, output_variance, cu_seqlens=None):
-    """Fused Triton filter (packed sequences handled in the kernels); ``state`` = (precision, mean) [S, H, N, D]
-    in the state dtype (fp32, fp64 for fp64 inputs). Activations keep their dtype; the math is in fp32/fp64."""
+    """Fused Triton filter (packed sequences, checked ``Offsets``, handled in the kernels); ``state`` = (precision,
+    mean) [S, H, N, D] in the state dtype (fp32, fp64 for fp64 inputs). Activations keep their dtype; the math is in
+    fp32/fp64."""
     o, var, lam, mu = KalmanFusedFunction.apply(q, k, v, w, decay, process_noise, state[0], state[1], cu_seqlens,
                                                 output_variance, torch.is_grad_enabled())
     return (o, var), (lam, mu)

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from kalmix.ops.common.checks import (Range, TritonImpl, check_cu_seqlens, check_ranges, check_same, check_tensor,
+from kalmix.ops.common.checks import (Range, TritonImpl, check_ranges, check_same, check_tensor,
                                       compute_dtype, fail, no_check, resolve_impl)
 from kalmix.ops.common.precision import no_autocast
-from kalmix.ops.common.varlen import run_packed
+from kalmix.ops.common.varlen import Offsets, check_packed, run_packed
 from kalmix.ops.kalman.chunk import kalman_chunk
 from kalmix.ops.kalman.naive import kalman_naive
 
@@ -21,7 +21,7 @@ def kalman_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_precis
                      decay: torch.Tensor, process_noise: torch.Tensor, *,
                      initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
                      output_final_state: bool = False, output_variance: bool = False,
-                     cu_seqlens: torch.Tensor | None = None, impl: str | None = None,
+                     cu_seqlens: torch.Tensor | Offsets | None = None, impl: str | None = None,
                      check_values: bool = True):
     """Exact diagonal Kalman filter read out by ``q``: one scalar filter per (head, state slot n, channel d).
 
@@ -33,7 +33,8 @@ def kalman_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_precis
             With ``cu_seqlens`` the leading dimension is the number of sequences.
         output_final_state: also return the final (precision, mean), in fp32 (fp64 for fp64 inputs).
         output_variance: also return the posterior variance of the readout, Σ_n q_n² / λ_n.
-        cu_seqlens: [N + 1] offsets of packed sequences (B must be 1).
+        cu_seqlens: [N + 1] offsets of packed sequences (B must be 1): a tensor, checked here (one host read;
+            the rule: ``kalmix.ops.common.varlen``), or ``Offsets`` checked before (no read).
         impl: "naive" | "torch" | "triton" | None (triton on CUDA, torch otherwise).
         check_values: check the values (no NaN or Inf in q, k, v and the mean; no NaN elsewhere; the ranges
             above), raising a ValueError naming the argument; False skips that check and its one host
@@ -53,7 +54,7 @@ def kalman_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_precis
     check_same(_OP, "q", q, {"decay": decay, "process_noise": process_noise}, dtype=False)
     ranges = [Range("v_precision", v_precision, 0.0, None, lo_open=True), Range("decay", decay, 0.0, 1.0, lo_open=True),
               Range("process_noise", process_noise, 0.0, None)]
-    n_seq = check_cu_seqlens(_OP, cu_seqlens, B, T, q.device)
+    cu_seqlens, n_seq = check_packed(_OP, cu_seqlens, B, T, q.device)
     fn = resolve_impl(_OP, impl, q.device, _IMPLS)
     dt = compute_dtype(q)
     if initial_state is None:

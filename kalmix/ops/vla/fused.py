@@ -31,9 +31,9 @@ def max_head_sizes(dtype: torch.dtype, device: torch.device) -> dict[str, tuple[
 
 
 def vla_fused(q, k, v, u, *, state, eps, feature_key=False, cu_seqlens=None):
-    """The op on a batch (chunk.vla_chunk's signature) or, with ``cu_seqlens`` [N + 1], on packed sequences
-    ([1, T, ...] activations, states [N, ...]); activations keep their dtype, the A path and the normaliser run in
-    the state's dtype."""
+    """The op on a batch (chunk.vla_chunk's signature) or, with ``cu_seqlens`` (checked ``Offsets``), on packed
+    sequences ([1, T, ...] activations, states [N, ...]); activations keep their dtype, the A path and the
+    normaliser run in the state's dtype."""
     S, A, n = state
     buckets = None if cu_seqlens is None else LengthBuckets(cu_seqlens, MIN_BITS)
     kh32, uh32, fq, kh = prologue(q, k, u, feature_key)

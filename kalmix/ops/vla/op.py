@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from kalmix.ops.common.checks import (Range, TritonImpl, check_cu_seqlens, check_head_sizes, check_ranges, check_same,
+from kalmix.ops.common.checks import (Range, TritonImpl, check_head_sizes, check_ranges, check_same,
                                       check_tensor, compute_dtype, fail, no_check, resolve_impl)
 from kalmix.ops.common.precision import no_autocast
-from kalmix.ops.common.varlen import run_packed
+from kalmix.ops.common.varlen import Offsets, check_packed, run_packed
 from kalmix.ops.vla.chunk import vla_chunk
 from kalmix.ops.vla.naive import vla_naive
 
@@ -22,7 +22,7 @@ WRITE_KEYS = ("raw", "feature")
 def variational_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, u: torch.Tensor, *,
                                  lambda0: float = 0.1, eps: float = 1e-4, write_key: str = "raw",
                                  initial_state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                                 output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
+                                 output_final_state: bool = False, cu_seqlens: torch.Tensor | Offsets | None = None,
                                  impl: str | None = None, check_values: bool = True):
     """Recursive least squares with a Sherman–Morrison-maintained inverse penalty A.
 
@@ -34,7 +34,9 @@ def variational_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             either way.
         initial_state: (S [B, H, K, V], A [B, H, K, K] symmetric positive definite, n [B, H, K]);
             default (0, I / lambda0, 0). The op reads A as (A + Aᵀ)/2, so A's gradient is symmetric.
-        cu_seqlens: [N + 1] offsets of packed sequences (B must be 1; the states' leading dimension is then N).
+        cu_seqlens: [N + 1] offsets of packed sequences (B must be 1; the states' leading dimension is then N): a
+            tensor, checked here (one host read; the rule: ``kalmix.ops.common.varlen``), or ``Offsets`` checked
+            before (no read).
             "naive" and "torch" run them one at a time, "triton" in a bounded number of kernel calls (README.md).
         impl: "naive" | "torch" | "triton" | None (triton on CUDA, torch otherwise). "triton" takes K <= 128
             (64 with fp64 activations); a larger K is an error.
@@ -59,7 +61,7 @@ def variational_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         fail(_OP, f"`eps` must be > 0, got {eps}")
     if write_key not in WRITE_KEYS:
         fail(_OP, f"`write_key` must be one of {WRITE_KEYS}, got {write_key!r}")
-    n_seq = check_cu_seqlens(_OP, cu_seqlens, B, T, q.device)
+    cu_seqlens, n_seq = check_packed(_OP, cu_seqlens, B, T, q.device)
     fn = resolve_impl(_OP, impl, q.device, _IMPLS)
     if fn is vla_fused:
         check_head_sizes(_OP, vla_fused.module.max_head_sizes(q.dtype, q.device), K=K)

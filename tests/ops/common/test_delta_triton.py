@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from kalmix.ops.common import delta_triton as dt
 from kalmix.ops.common.delta import chunk_delta_rule
 from kalmix.ops.common.testing import assert_close, random_functional_grads
-from kalmix.ops.common.varlen import run_packed
+from kalmix.ops.common.varlen import check_offsets, run_packed
 
 
 def _inputs(B, T, H, K, V, n_seq, seed, similar_keys=False):
@@ -60,8 +60,8 @@ def test_partial_chunks_several_v_blocks_odd_head_size():
 def test_packed_sequences_around_the_chunk_length():
     C = dt.CHUNK
     lens = [C, 1, 0, C + 1, 2 * C - 3]
-    cu = torch.tensor([0] + lens).cumsum(0)
-    _compare(_inputs(1, int(cu[-1]), 1, 16, 16, len(lens), seed=1), torch.float64, 1e-12, cu=cu)
+    cu = check_offsets("test", torch.tensor([0] + lens).cumsum(0), None)
+    _compare(_inputs(1, cu.bounds[-1], 1, 16, 16, len(lens), seed=1), torch.float64, 1e-12, cu=cu)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
@@ -69,8 +69,8 @@ def test_strong_decays_in_partial_chunks(dtype, tol):
     """Decays of trained layers reach g ~ −5 per token: |G| within a chunk then exceeds exp's fp32 range (88), and
     the rows past a partial chunk's end must not overflow (they once gave inf · 0 = NaN in every gradient)."""
     lens = [5, 70, 33]
-    cu = torch.tensor([0] + lens).cumsum(0)
-    xs = _inputs(1, int(cu[-1]), 2, 16, 16, len(lens), seed=4)
+    cu = check_offsets("test", torch.tensor([0] + lens).cumsum(0), None)
+    xs = _inputs(1, cu.bounds[-1], 2, 16, 16, len(lens), seed=4)
     xs[4] = xs[4] * 20                                   # g in (−10, 0]
     _compare(xs, dtype, tol, cu=cu)
 
@@ -94,8 +94,8 @@ def test_kaczmarz_step_mode_with_key_norms_spread_over_two_decades(dtype, tol):
     formula on the fp64 torch path, packed sequences included."""
     gen = torch.Generator().manual_seed(4)
     lens = [dt.CHUNK + 5, 0, 70]
-    cu = torch.tensor([0] + lens).cumsum(0)
-    T, H, K, V, eps = int(cu[-1]), 2, 16, 24, 1e-3
+    cu = check_offsets("test", torch.tensor([0] + lens).cumsum(0), None)
+    T, H, K, V, eps = cu.bounds[-1], 2, 16, 24, 1e-3
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
     k = F.normalize(r(1, T, H, K), dim=-1) * 10 ** (2 * torch.rand(1, T, H, 1, generator=gen, dtype=torch.float64) - 1)
     k[0, 3, 1] = 0.0

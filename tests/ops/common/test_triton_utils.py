@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kalmix.ops.common.triton_utils import chunk_starts, chunk_table
-from kalmix.ops.common.varlen import batch_offsets
+from kalmix.ops.common.varlen import batch_offsets, check_offsets
 
 C = 64
 
@@ -13,7 +13,8 @@ def test_batch_table_is_the_packed_table_of_equal_lengths():
     """The cached table of an unpacked batch equals the one built from its cu_seqlens (a partial last chunk)."""
     B, T = 3, 2 * C + 5
     cu = torch.arange(0, (B + 1) * T, T)
-    for got, want in zip(chunk_table(None, B, T, C, cu.device), chunk_table(cu, B, T, C, cu.device)):
+    packed = check_offsets("test", cu, B * T)
+    for got, want in zip(chunk_table(None, B, T, C, cu.device), chunk_table(packed, B, T, C, cu.device)):
         assert got.dtype == want.dtype == torch.int32 and torch.equal(got, want)
     assert torch.equal(batch_offsets(B, T, cu.device), cu.to(torch.int32))
 
@@ -28,8 +29,9 @@ def test_packed_tables_against_a_loop(C):
     for bos, n in zip(cu[:-1].tolist(), lens):
         first.append(len(ranges))
         ranges += [[t, min(t + C, bos + n)] for t in range(bos, bos + n, C)]
-    starts, n_chunks = chunk_starts(cu, 1, int(cu[-1]), C, cu.device)
-    table_first, table = chunk_table(cu, 1, int(cu[-1]), C, cu.device)
+    packed = check_offsets("test", cu, None)
+    starts, n_chunks = chunk_starts(packed, 1, int(cu[-1]), C, cu.device)
+    table_first, table = chunk_table(packed, 1, int(cu[-1]), C, cu.device)
     assert n_chunks == len(ranges) == table.shape[0]
     for got in (starts, table_first):
         assert got.dtype == torch.int32 and got.tolist() == first

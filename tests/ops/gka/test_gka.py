@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from kalmix import ops
+from kalmix.ops import SPECS
 from kalmix.ops.common.chebyshev import chebyshev_solve
-from kalmix.ops.common.testing import CASES, assert_close
+from kalmix.ops.common.testing import assert_close
 
 
 def explicit_reference(q, k, v, g, beta, alpha, H0, U0, ridge, scale):
@@ -29,8 +30,8 @@ def explicit_reference(q, k, v, g, beta, alpha, H0, U0, ridge, scale):
 
 def draw(T=70, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    args = CASES["gka"].inputs(2, T, 2, 5, 3, torch.float64, gen)
-    state = CASES["gka"].state(2, 2, 5, 3, torch.float64, gen)
+    args = SPECS["gka"].inputs(2, T, 2, 5, 3, torch.float64, gen)
+    state = SPECS["gka"].random_state(2, 2, 5, 3, torch.float64, gen)
     return args, state
 
 
@@ -81,6 +82,6 @@ def test_zero_iterations_is_gated_linear_attention(impl):
 
 def test_bf16_inputs_long_sequence_finite():
     gen = torch.Generator().manual_seed(0)
-    args = [x.to(torch.bfloat16) for x in CASES["gka"].inputs(1, 2048, 2, 16, 16, torch.float32, gen)]
+    args = [x.to(torch.bfloat16) for x in SPECS["gka"].inputs(1, 2048, 2, 16, 16, torch.float32, gen)]
     o, (H, U) = ops.gated_kalmanet(*args, output_final_state=True)
     assert torch.isfinite(o).all() and torch.isfinite(H).all() and torch.isfinite(U).all()

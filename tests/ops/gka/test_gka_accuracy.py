@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kalmix import ops
-from kalmix.ops.common.testing import gka_layer_inputs, random_functional_grads, rel_err
+from kalmix.ops.common.testing import random_functional_grads, rel_err
+from kalmix.ops.gka.spec import layer_inputs as gka_layer_inputs
 
 NAMES = "o H U dq dk dv dg dbeta dalpha dH0 dU0".split()
 GRADS = NAMES[3:]
@@ -29,7 +30,7 @@ def _run(impl, args, state, num_iters):
 
 @pytest.fixture(scope="module")
 def runs():
-    if "triton" not in ops.runnable_impls("gated_kalmanet", torch.device("cpu")):
+    if "triton" not in ops.SPECS["gka"].runnable_impls(torch.device("cpu")):
         pytest.skip("impl='triton' needs TRITON_INTERPRET=1 on CPU")
     args, state = gka_layer_inputs(1, 128, 2, 32, 32, seed=0)
     return {"implicit": _run("triton", args, state, 30), "through": _run("torch", args, state, 30),

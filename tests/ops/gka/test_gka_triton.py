@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from kalmix import ops
-from kalmix.ops.common.testing import CASES, assert_close, launch_args, random_functional_grads, rel_err
-from kalmix.ops.common.testing import gka_layer_inputs as layer_inputs
+from kalmix.ops import SPECS
+from kalmix.ops.common.testing import assert_close, launch_args, random_functional_grads, rel_err
 from kalmix.ops.gka import fused
+from kalmix.ops.gka.spec import layer_inputs
 
 NAMES = "o H U dq dk dv dg dbeta dalpha dH0 dU0".split()
 
@@ -82,12 +83,12 @@ def test_head_dim_beyond_registers_and_exact_solve_are_refused(monkeypatch):
     """K above H_c's register tile is a ValueError naming the limit and K, raised before any kernel is launched."""
     launched = launch_args(monkeypatch, fused._states_kernel, "BD")
     gen = torch.Generator().manual_seed(0)
-    args = CASES["gka"].inputs(1, 4, 1, fused.MAX_K + 1, 4, torch.float32, gen)
+    args = SPECS["gka"].inputs(1, 4, 1, fused.MAX_K + 1, 4, torch.float32, gen)
     with pytest.raises(ValueError, match=r"gated_kalmanet: impl='triton' takes K <= 128 \(the kernels hold H_c "
                                          r"\[K, K\] in one register tile\), got K = 129; impl='torch' takes any K"):
         ops.gated_kalmanet(*args, impl="triton")
     assert launched == []
-    args = CASES["gka"].inputs(1, 4, 1, 8, 4, torch.float32, gen)
+    args = SPECS["gka"].inputs(1, 4, 1, 8, 4, torch.float32, gen)
     with pytest.raises(ValueError, match="num_iters=None"):
         ops.gated_kalmanet(*args, num_iters=None, impl="triton")
 

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from kalmix import ops
-from kalmix.ops.common.testing import CASES, assert_close
+from kalmix.ops import SPECS
+from kalmix.ops.common.testing import assert_close
 
 
 def gdn_loop(q, k, v, g, beta, S, scale):
@@ -21,8 +22,8 @@ def gdn_loop(q, k, v, g, beta, S, scale):
 @pytest.mark.parametrize("eps", [0.0, 1e-6, 0.3])
 def test_equals_gdn_on_normalised_keys(impl, eps):
     gen = torch.Generator().manual_seed(1)
-    q, k, v, g, eta = CASES["kaczmarz"].inputs(2, 80, 2, 6, 5, torch.float64, gen)
-    S0 = CASES["kaczmarz"].state(2, 2, 6, 5, torch.float64, gen)
+    q, k, v, g, eta = SPECS["kaczmarz"].inputs(2, 80, 2, 6, 5, torch.float64, gen)
+    S0 = SPECS["kaczmarz"].random_state(2, 2, 6, 5, torch.float64, gen)
     o, S = ops.kaczmarz_attention(q, k, v, g, eta, eps=eps, initial_state=S0, output_final_state=True, impl=impl)
     kn = (k * k).sum(-1, keepdim=True)
     ro, rS = gdn_loop(q, k / kn.sqrt(), v / kn.sqrt(), g, eta * kn[..., 0] / (kn[..., 0] + eps), S0, 6 ** -0.5)
@@ -34,7 +35,7 @@ def test_equals_gdn_on_normalised_keys(impl, eps):
 def test_unit_step_projects_onto_the_constraint(impl):
     """η = 1, eps = 0: every new state satisfies Sᵀk_t = v_t exactly."""
     gen = torch.Generator().manual_seed(2)
-    q, k, v, g, _ = CASES["kaczmarz"].inputs(1, 12, 2, 4, 3, torch.float64, gen)
+    q, k, v, g, _ = SPECS["kaczmarz"].inputs(1, 12, 2, 4, 3, torch.float64, gen)
     S = torch.randn(1, 2, 4, 3, generator=gen, dtype=torch.float64)
     for t in range(12):
         sl = slice(t, t + 1)
@@ -49,7 +50,7 @@ def test_zero_key_with_no_eps_writes_nothing(impl):
     fla do, instead of 0/0: outputs and state equal a GDN loop with β = 0 there, every gradient finite and equal
     to the fp64 token loop's."""
     gen = torch.Generator().manual_seed(3)
-    q, k, v, g, eta = CASES["kaczmarz"].inputs(1, 9, 2, 4, 3, torch.float64, gen)
+    q, k, v, g, eta = SPECS["kaczmarz"].inputs(1, 9, 2, 4, 3, torch.float64, gen)
     k = k.clone()
     k[:, 2] = 0
     kn = (k * k).sum(-1)

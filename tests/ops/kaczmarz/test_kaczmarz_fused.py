@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from kalmix import ops
+from kalmix.ops import SPECS
 from kalmix.ops.common import delta_triton
 from kalmix.ops.common.delta import chunk_delta_rule
-from kalmix.ops.common.testing import CASES, assert_close, launch_args, random_functional_grads
-from kalmix.ops.common.varlen import run_packed
+from kalmix.ops.common.testing import assert_close, launch_args, random_functional_grads
+from kalmix.ops.common.varlen import check_offsets, run_packed
 from kalmix.ops.kaczmarz import beta_triton, fused
 
 
@@ -22,7 +23,7 @@ def _gdn_stand_in(q, k, v, g, beta, *, scale, state, cu_seqlens, final_state):
         o, S = chunk_delta_rule(q, k, k, v, g, beta, scale=scale, state=state[0], chunk_size=8)
         return (o,), (S,)
     if state is None:
-        n = q.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
+        n = q.shape[0] if cu_seqlens is None else cu_seqlens.n
         state = q.new_zeros(n, q.shape[2], q.shape[3], v.shape[3])
     (o,), (S,) = run_packed(core, cu_seqlens, [q, k, v, g, beta.to(q.dtype)], (state.to(q.dtype),))
     return o, (S if final_state else None)
@@ -31,9 +32,9 @@ def _gdn_stand_in(q, k, v, g, beta, *, scale, state, cu_seqlens, final_state):
 def _draw(T, seed, n_seq=2, B=None):
     gen = torch.Generator().manual_seed(seed)
     B = n_seq if B is None else B
-    args = CASES["kaczmarz"].inputs(B, T, 2, 5, 7, torch.float64, gen)
+    args = SPECS["kaczmarz"].inputs(B, T, 2, 5, 7, torch.float64, gen)
     args[1][0, 3] = 0.0                                  # a zero key: its gradient is η/eps · …
-    state = CASES["kaczmarz"].state(n_seq, 2, 5, 7, torch.float64, gen)
+    state = SPECS["kaczmarz"].random_state(n_seq, 2, 5, 7, torch.float64, gen)
     return args, state
 
 
@@ -53,7 +54,7 @@ def test_both_engines_match_the_loop(monkeypatch, engine, packed):
         return _gdn_stand_in(*a, **kw)
     monkeypatch.setattr(fused, "_fla_gdn", stand_in)
     monkeypatch.setattr(fused, "engine", lambda device, dtype: engine)
-    cu = torch.tensor([0, 9, 9, 70]) if packed else None
+    cu = check_offsets("test", torch.tensor([0, 9, 9, 70]), 70) if packed else None
     args, state = _draw(70, seed=4, n_seq=3 if packed else 2, B=1 if packed else None)
     eps, scale = 1e-3, 0.4
 

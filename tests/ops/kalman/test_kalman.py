@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from kalmix import ops
-from kalmix.ops.common.testing import CASES, assert_close, rel_err
-from kalmix.ops.common.testing import kalman_realistic_inputs as realistic_inputs
+from kalmix.ops import SPECS
+from kalmix.ops.common.testing import assert_close, rel_err
+from kalmix.ops.kalman.spec import realistic_inputs
 
 
 def covariance_filter(q, k, v, w, a, p, P0, m0):
@@ -30,8 +31,8 @@ def covariance_filter(q, k, v, w, a, p, P0, m0):
 @pytest.mark.parametrize("impl", ["naive", "torch"])
 def test_matches_covariance_form_filter(impl):
     gen = torch.Generator().manual_seed(3)
-    args = CASES["kalman"].inputs(2, 50, 3, 5, 6, torch.float64, gen)
-    lam0, mu0 = CASES["kalman"].state(2, 3, 5, 6, torch.float64, gen)
+    args = SPECS["kalman"].inputs(2, 50, 3, 5, 6, torch.float64, gen)
+    lam0, mu0 = SPECS["kalman"].random_state(2, 3, 5, 6, torch.float64, gen)
     o, var, (lam, mu) = ops.kalman_attention(*args, initial_state=(lam0, mu0), output_final_state=True,
                                              output_variance=True, impl=impl)
     ro, rv, rlam, rmu = covariance_filter(*args, 1.0 / lam0, mu0)

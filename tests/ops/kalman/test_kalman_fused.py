@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from kalmix import ops
-from kalmix.ops.common.testing import CASES, assert_close, kalman_realistic_inputs, launch_args, outputs_and_grads
+from kalmix.ops import SPECS
+from kalmix.ops.common.testing import assert_close, launch_args, outputs_and_grads
+from kalmix.ops.kalman.spec import realistic_inputs as kalman_realistic_inputs
 
 
 @pytest.mark.parametrize("min_programs", [None, 1])
@@ -14,10 +16,10 @@ def test_several_channel_blocks_and_odd_sizes(min_programs, monkeypatch):
     from kalmix.ops.kalman import fused
     if min_programs is not None:
         monkeypatch.setattr(fused, "FWD_MIN_PROGRAMS", min_programs)
-    case = CASES["kalman"]
+    case = SPECS["kalman"]
     gen = torch.Generator().manual_seed(0)
     args = case.inputs(2, 23, 1, 3, 37, torch.float64, gen)
-    state = case.state(2, 1, 3, 37, torch.float64, gen)
+    state = case.random_state(2, 1, 3, 37, torch.float64, gen)
     ref_out, ref_grad = outputs_and_grads(case, args, state, "naive")
     out, grad = outputs_and_grads(case, args, state, "triton")
     for i, (x, r) in enumerate(zip(out + grad, ref_out + ref_grad)):
@@ -29,13 +31,13 @@ def test_unmasked_lanes_and_packed_sequences():
     empty one and lengths around the chunk exercise the one-chunk-ahead loads at every sequence end."""
     from kalmix.ops.kalman import fused
     assert fused._even(4, 32, fused.FWD_CONFIG[0]) and fused._even(4, 32, fused.BWD_CONFIG[0] * fused.BWD_CONFIG[1])
-    case = CASES["kalman"]
+    case = SPECS["kalman"]
     gen = torch.Generator().manual_seed(3)
     C = fused.CHUNK
     lens = [3 * C + 1, 0, C, 1, 2 * C - 1]
     cu = torch.tensor([0] + lens).cumsum(0)
     args = case.inputs(1, int(cu[-1]), 1, 4, 32, torch.float64, gen)
-    state = case.state(len(lens), 1, 4, 32, torch.float64, gen)
+    state = case.random_state(len(lens), 1, 4, 32, torch.float64, gen)
     ref_out, ref_grad = outputs_and_grads(case, args, state, "naive", cu_seqlens=cu)
     out, grad = outputs_and_grads(case, args, state, "triton", cu_seqlens=cu)
     for i, (x, r) in enumerate(zip(out + grad, ref_out + ref_grad)):
@@ -45,7 +47,7 @@ def test_unmasked_lanes_and_packed_sequences():
 @pytest.mark.parametrize("variance,final", [(False, False), (False, True), (True, False)])
 def test_without_variance_or_final_state_gradients(variance, final):
     gen = torch.Generator().manual_seed(1)
-    args = CASES["kalman"].inputs(1, 13, 2, 4, 5, torch.float64, gen)
+    args = SPECS["kalman"].inputs(1, 13, 2, 4, 5, torch.float64, gen)
     grads = {}
     for impl in ("naive", "triton"):
         xs = [a.detach().requires_grad_() for a in args]
@@ -79,7 +81,7 @@ def test_no_checkpoints_without_grad_mode(monkeypatch):
     from kalmix.ops.kalman import fused
     saves = launch_args(monkeypatch, fused._kalman_fwd_kernel, "SAVE")
     gen = torch.Generator().manual_seed(4)
-    args = [a.requires_grad_() for a in CASES["kalman"].inputs(1, 9, 1, 4, 8, torch.float64, gen)]
+    args = [a.requires_grad_() for a in SPECS["kalman"].inputs(1, 9, 1, 4, 8, torch.float64, gen)]
     with torch.no_grad():
         o_eval = ops.kalman_attention(*args, impl="triton")[0]
     o_train = ops.kalman_attention(*args, impl="triton")[0]

@@ -4,7 +4,8 @@ import torch
 import torch.nn.functional as F
 
 from kalmix import ops
-from kalmix.ops.common.testing import CASES, assert_close
+from kalmix.ops import SPECS
+from kalmix.ops.common.testing import assert_close
 
 
 def inverse_reference(q, k, v, u, lambda0, eps):
@@ -28,7 +29,7 @@ def inverse_reference(q, k, v, u, lambda0, eps):
 @pytest.mark.parametrize("lambda0", [0.1, 2.0])
 def test_matches_explicit_inverse(impl, lambda0):
     gen = torch.Generator().manual_seed(0)
-    args = CASES["vla"].inputs(2, 150, 2, 6, 4, torch.float64, gen)
+    args = SPECS["vla"].inputs(2, 150, 2, 6, 4, torch.float64, gen)
     o, (S, A, n) = ops.variational_linear_attention(*args, lambda0=lambda0, output_final_state=True, impl=impl)
     assert_close("o", o, inverse_reference(*args, lambda0, 1e-4), 1e-9)
     uh = F.normalize(args[3], dim=-1)
@@ -38,7 +39,7 @@ def test_matches_explicit_inverse(impl, lambda0):
 
 def test_fp32_long_sequence_matches_fp64():
     gen = torch.Generator().manual_seed(0)
-    args = CASES["vla"].inputs(1, 2048, 2, 16, 16, torch.float64, gen)
+    args = SPECS["vla"].inputs(1, 2048, 2, 16, 16, torch.float64, gen)
     ref, _ = ops.variational_linear_attention(*args, impl="torch")
     o, _ = ops.variational_linear_attention(*[a.float() for a in args], impl="torch")
     assert_close("o", o, ref, 1e-3)

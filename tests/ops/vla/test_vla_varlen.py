@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kalmix.ops.common.testing import assert_close, launch_args, random_functional_grads
-from kalmix.ops.common.varlen import LengthBuckets
+from kalmix.ops.common.varlen import LengthBuckets, check_offsets
 from kalmix.ops.vla import apath_triton, io_triton
 from kalmix.ops.vla.apath_triton import write_directions_triton
 from kalmix.ops.vla.fused import MIN_BITS
@@ -84,7 +84,7 @@ def test_buckets_pad_and_restore():
     """Lengths below 2^MIN_BITS share the first bucket, the others go by their bit length; each bucket is padded
     to its longest sequence, and unpad/finals invert pad/states."""
     cu = torch.tensor([0, 5, 5, 75, 76, 106, 146])            # lengths 5, 0, 70, 1, 30, 40
-    b = LengthBuckets(cu, MIN_BITS)
+    b = LengthBuckets(check_offsets("test", cu, 146), MIN_BITS)
     assert b.shapes == [(3, 30), (1, 40), (1, 70)]
     assert b.seqs.tolist() == [0, 3, 4, 5, 2]
     x = torch.arange(146.).view(1, 146, 1)
