@@ -32,6 +32,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from kalmix.layers import ALL_MIXERS, MIXER_SPECS
+from kalmix.models.configuration import MLP_ACTS, NORMS, POSITIONS
 from kalmix.train.data import DataConfig, Float, StrictConfig
 
 PRESETS_DIR = Path(__file__).parent / "presets"
@@ -56,7 +57,17 @@ class ModelSection(StrictConfig):
     attention_layers: list[int] = Field([], description="softmax attention in these layers (negative: from the end)")
     hidden_size: int = Field(256, ge=8, description="model width")
     num_hidden_layers: int = Field(4, ge=1, description="number of blocks")
-    intermediate_size: int | None = Field(None, ge=1, description="SwiGLU width (default 8/3 · hidden_size)")
+    intermediate_size: int | None = Field(None, ge=1, description="MLP hidden width (default 8/3 · hidden_size)")
+    mlp_act: Literal[MLP_ACTS] = Field("swiglu", description="swiglu, or gelu: a 2-layer GELU MLP with biases "
+                                                            "(GPT-2's)")
+    norm: Literal[NORMS] = Field("rmsnorm", description="the pre-norms and final norm: rmsnorm or layernorm")
+    position: Literal[POSITIONS] = Field("none", description="none, or learned: absolute position embeddings "
+                                                             "added to the tokens (attention still rotates q, k "
+                                                             "unless its mixer_kwargs say rope: false)")
+    max_position_embeddings: int | None = Field(None, ge=1, description="rows of the learned position embedding "
+                                                                       "(position: learned; >= train.seq_len)")
+    residual_init_scale: bool = Field(True, description="init std of the residual-out projections / "
+                                                        "sqrt(2 · num_hidden_layers) (GPT-2's)")
     mixer_kwargs: dict[str, dict[str, Any]] = Field({}, description="per mixer, its layer's keyword arguments")
     tie_word_embeddings: bool = Field(True, description="share the embedding and the LM head")
     vocab_size: int | None = Field(None, ge=1, description="embedding rows (default: the tokenizer's vocabulary "
@@ -95,7 +106,9 @@ class ModelSection(StrictConfig):
         from kalmix.models import KalmixConfig
         kw = dict(vocab_size=vocab_size, hidden_size=self.hidden_size, num_hidden_layers=self.num_hidden_layers,
                   mixer_kwargs=self.mixer_kwargs, intermediate_size=self.intermediate_size,
-                  tie_word_embeddings=self.tie_word_embeddings, impl=self.impl)
+                  tie_word_embeddings=self.tie_word_embeddings, impl=self.impl, mlp_act=self.mlp_act,
+                  norm=self.norm, position=self.position, max_position_embeddings=self.max_position_embeddings,
+                  residual_init_scale=self.residual_init_scale)
         if self.mixers is not None:
             kw["mixers"] = self.mixers
         else:
@@ -202,6 +215,10 @@ class TrainConfig(StrictConfig):
         if t.global_batch_size % t.micro_batch_size:
             raise ValueError(f"train.global_batch_size = {t.global_batch_size} must be a multiple of "
                              f"train.micro_batch_size = {t.micro_batch_size}")
+        m = self.model
+        if m.position == "learned" and m.max_position_embeddings is not None and m.max_position_embeddings < t.seq_len:
+            raise ValueError(f"model.max_position_embeddings = {m.max_position_embeddings} rows of learned positions "
+                             f"cannot cover rows of train.seq_len = {t.seq_len} tokens; give at least {t.seq_len}")
         if t.context_parallel > 1:
             cp = f"train.context_parallel = {t.context_parallel}"
             if t.seq_len % t.context_parallel:

@@ -125,12 +125,44 @@ def test_a_yaml_file_that_does_not_parse_names_file_line_and_column(tmp_path, ca
     ({"model.mixer_kwargs": "{gka: {num_head: 2}}"}, r"model: .*unknown argument\(s\) \['num_head'\]"),
     ({"model.mixers": ["gka", "gka"]}, r"model: .*`mixers` has 2 entries for num_hidden_layers = 4"),
     ({"train.stepz": 3}, r"train\.stepz: unknown key \(known: steps, seq_len, "),
+    ({"model.norm": "batchnorm"}, r"model\.norm: Input should be 'rmsnorm' or 'layernorm' \(got 'batchnorm'\)"),
+    ({"model.mlp_act": "relu"}, r"model\.mlp_act: Input should be 'swiglu' or 'gelu' \(got 'relu'\)"),
+    ({"model.position": "learned"}, r"model: KalmixConfig: position='learned' needs `max_position_embeddings`"),
+    ({"model.position": "learned", "model.max_position_embeddings": 100},
+     r"model\.max_position_embeddings = 100 rows of learned positions cannot cover rows of train\.seq_len = 512 "
+     r"tokens; give at least 512"),
 ])
 def test_config_values_keep_their_types_and_names_are_checked_at_load(over, match):
     with pytest.raises(ValueError, match=match) as e:
         load_config(None, over)
     if "unknown mixer" in match:
         assert all(name in str(e.value) for name in ALL_MIXERS)      # the models package's registry
+
+
+def test_backbone_options_reach_the_model(capsys):
+    """The model section's backbone options (flags generated from the config) build the VLA notebook's backbone:
+    LayerNorm, a GELU MLP, learned positions, no residual init scale; the defaults keep kalmix's."""
+    import torch.nn as nn
+    from kalmix.models import KalmixForCausalLM
+    from kalmix.models.modeling import GeluMLP, SwiGLU
+    assert cli(["train", "cpu-tiny", "--print-config", "--model.norm", "layernorm", "--model.mlp_act", "gelu",
+                "--model.position", "learned", "--model.max_position_embeddings", "4096",
+                "--model.residual_init_scale", "false"]) == 0
+    out = capsys.readouterr().out
+    assert all(line in out for line in ("norm: layernorm", "mlp_act: gelu", "position: learned",
+                                        "max_position_embeddings: 4096", "residual_init_scale: false"))
+    over = {"model.hidden_size": 16, "model.num_hidden_layers": 1, "model.mixer": "notebook_deltanet",
+            "model.mixer_kwargs": {"notebook_deltanet": {"num_heads": 2}}, "train.seq_len": 8}
+    notebook = {"model.norm": "layernorm", "model.mlp_act": "gelu", "model.position": "learned",
+                "model.max_position_embeddings": 8, "model.residual_init_scale": False}
+    for extra, norm, mlp in (({}, nn.RMSNorm, SwiGLU), (notebook, nn.LayerNorm, GeluMLP)):
+        cfg = load_config(None, {**over, **extra}).model.kalmix_config(64)
+        model = KalmixForCausalLM(cfg)
+        block = model.model.layers[0]
+        assert type(block.mixer_norm) is norm and type(model.model.norm) is norm and type(block.mlp) is mlp
+        assert hasattr(model.model, "embed_positions") == bool(extra)
+        assert cfg.residual_init_scale is not bool(extra)
+    assert model.model.embed_positions.weight.shape == (8, 16)
 
 
 def test_config_floats_take_ints_and_number_strings(tmp_path):

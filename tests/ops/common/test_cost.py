@@ -35,3 +35,16 @@ def test_op_flops_by_hand():
     assert SIMPLE_GLA.flops(s, "fwd") == 2 * 2 * (2 * 6 + 64 * 5)
     assert gka.flops(s, "fwd", num_iters=0) == SIMPLE_GLA.flops(s, "fwd") + 2 * 2 * 64 * 2
     assert kaczmarz.flops(s, "fwdbwd") == 3 * kaczmarz.flops(s, "fwd")
+
+
+def test_value_delta_cost_by_hand():
+    """The value-gated delta rule: 2·BHT·(3KV + C(2K + V + KV/2)) at its own chunk C = min(32, T); it reads q, k
+    [K] and v, g [V] per token and head."""
+    cost = SPECS["value_delta"].cost
+    # T = 2: one chunk of C = 2
+    assert cost.flops(Shape(B=1, T=2, H=1, K=2, V=3), "fwd") == 2 * 2 * (3 * 6 + 2 * (4 + 3 + 3))
+    # T = 64: chunks of C = 32
+    assert cost.flops(Shape(B=1, T=64, H=1, K=2, V=3), "fwd") == 2 * 64 * (3 * 6 + 32 * (4 + 3 + 3))
+    assert cost.flops(Shape(B=1, T=64, H=1, K=2, V=3), "fwdbwd") == 3 * 2 * 64 * (3 * 6 + 32 * 10)
+    s = Shape(B=2, T=3, H=1, K=4, V=5)
+    assert cost.bytes(s, 2, "fwd") == 2 * (24 + 24 + 30 + 30) + 2 * 30
