@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from kalmix.models import KalmixConfig, KalmixForCausalLM
 from kalmix.models.modeling import GeluMLP, SwiGLU
 from kalmix.ops.common.testing import assert_close, random_functional_grads
+from tests.host_reads import HostReads
 from tests.layers.test_notebook_baselines import deltanet_notebook, deltanet_weights, softmax_notebook
 
 NOTEBOOK = dict(norm="layernorm", mlp_act="gelu", position="learned", max_position_embeddings=64,
@@ -131,6 +132,25 @@ def test_learned_positions_follow_documents_padding_and_decoding():
         out = m(ids[:, t:t + 1], cache=cache, use_cache=True)
         steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("mixer", ["notebook_deltanet", "attention"])
+def test_learned_positions_read_nothing_back(mixer):
+    """Learned positions add no host read: a plain forward reads what the default backbone's reads, a packed one
+    one more (the documents' check, whose host offsets bound the positions), the backward none."""
+    ids, cu = torch.randint(0, 37, (2, 30)), torch.tensor([0, 9, 30, 41, 60])
+    counts = {}
+    for name, options in (("default", {}), ("notebook", NOTEBOOK)):
+        m = lm(mixer, **options)
+        for kw in ({}, {"cu_seqlens": cu}):
+            with HostReads() as reads:
+                loss = m(ids, labels=ids, **kw).loss
+            with HostReads() as backward:
+                loss.backward()
+            counts[name, bool(kw)] = reads.count
+            assert backward.count == 0, (name, kw, backward.where)
+    assert counts["notebook", False] == counts["default", False], counts
+    assert counts["notebook", True] == counts["default", True] == counts["default", False] + 1, counts
 
 
 def test_learned_positions_refuse_longer_sequences():
