@@ -25,6 +25,7 @@ from kalmix.layers.common import check_mask, check_mask_values, describe, is_int
 from kalmix.layers.documents import Documents
 from kalmix.models.configuration import KalmixConfig
 from kalmix.models.decoding import check_sampling
+from kalmix.models.loss import linear_cross_entropy
 
 _RESIDUAL_OUT = ("o_proj", "out_proj", "down")
 _MEAN_DECODING = "set config.mc_samples = 0 to decode with the posterior-mean readout"
@@ -343,7 +344,9 @@ class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
         position t's logits against labels[t + 1]; ``logits_to_keep`` = n > 0 projects only the last n positions
         onto the vocabulary (a 1-D tensor: those positions); 0 keeps all. With packed documents (``cu_seqlens`` or
         ``position_ids``) the prediction of each document's first token from the previous document is not
-        scored.
+        scored. In training mode with labels and ``config.fuse_cross_entropy`` (the default) the loss is computed
+        without the logits (``kalmix.models.loss.linear_cross_entropy``) and ``logits`` is None; in evaluation mode,
+        without labels or with ``fuse_cross_entropy=False`` the logits are returned.
 
         With ``config.mc_samples`` = S > 0 (KLA+) the batch runs S times (rows s·B … (s + 1)·B − 1 are sample s,
         also in ``hidden_states``), every Kalman layer reading out a posterior sample, and the logits [B, T, V] are
@@ -386,12 +389,15 @@ class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
             h = h[:, -logits_to_keep:] if logits_to_keep > 0 else h
         else:
             h = h[:, logits_to_keep]
-        logits = self.lm_head(h)
-        if S:
+        fused = labels is not None and self.training and self.config.fuse_cross_entropy
+        logits = None if fused else self.lm_head(h)
+        if S and not fused:
             logits = mc_marginal(logits, S)
         loss = None
         if labels is not None:
-            if self.context_split is not None:
+            if fused:
+                loss = self._fused_loss(h, labels, docs)
+            elif self.context_split is not None:
                 loss = self.context_split.loss(logits, labels, None if docs is None else docs.doc_pos == 0)
             else:
                 targets = labels[:, 1:]
@@ -402,6 +408,19 @@ class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
             return tuple(v for v in (loss, logits, getattr(out, _CACHE_FIELD), out.hidden_states) if v is not None)
         return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states,
                                       **{_CACHE_FIELD: getattr(out, _CACHE_FIELD)})
+
+    def _fused_loss(self, h: torch.Tensor, labels: torch.Tensor, docs: Documents | None) -> torch.Tensor:
+        """The loss of ``config.fuse_cross_entropy``: ``linear_cross_entropy`` of the last hidden states h
+        [S·B, T, d] (no logits), with the plain loss's targets, mean and context-parallel share."""
+        S = max(self.config.mc_samples, 1)
+        starts = None if docs is None else docs.doc_pos == 0    # a document's first token is not predicted across
+        if self.context_split is not None:
+            targets, count = self.context_split.targets(labels, starts)
+            return linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten(), S, "sum") / count
+        targets = F.pad(labels[:, 1:], (0, 1), value=-100)              # the last position predicts nothing
+        if starts is not None:
+            targets = targets.masked_fill(F.pad(starts[:, 1:], (0, 1)), -100)
+        return linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten(), S)
 
     @staticmethod
     def _check_logits_to_keep(logits_to_keep, T: int) -> None:
