@@ -26,9 +26,11 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
     """The cross-entropy of the logits ``h @ weight.T`` against ``targets``, without materialising the logits.
 
     Args:
-        h: [S·N, d] hidden states, sample-major when ``samples`` = S > 1 (rows s·N … (s + 1)·N − 1 are sample s).
+        h: [S·B, ..., d] hidden states, sample-major when ``samples`` = S > 1 (rows s·B … (s + 1)·B − 1 are
+            sample s), e.g. [N, d] or [B, T, d].
         weight: [V, d] the LM head's weight (the embedding, when tied).
-        targets: [N] int64 token ids in [0, V), or ``ignore_index`` (not scored).
+        targets: [B, ...] (h's leading dims, the first over S) int64 token ids in [0, V), or ``ignore_index`` (not
+            scored).
         samples: S >= 1. With S > 1 each token's loss is that of the Monte-Carlo marginal of its S samples,
             −log (1/S) Σ_s softmax(h_s Wᵀ)[target] (KLA+'s Eq. 25; ``kalmix.models.modeling.mc_marginal``).
         reduction: "mean" over the scored tokens (as ``F.cross_entropy``: NaN, with zero gradients, when none is
@@ -43,18 +45,20 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
     only where gradients are enabled and h or weight requires one; the backward multiplies them by the loss's
     gradient (it cannot be differentiated twice)."""
     name = "linear_cross_entropy"
-    if not isinstance(h, torch.Tensor) or h.dim() != 2 or not h.is_floating_point():
-        raise ValueError(f"{name}: `h` must be a floating-point tensor [S·N, d], got {describe(h)}")
-    if (not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != h.shape[1]
+    if not isinstance(h, torch.Tensor) or h.dim() < 2 or not h.is_floating_point():
+        raise ValueError(f"{name}: `h` must be a floating-point tensor [S·B, ..., d], got {describe(h)}")
+    if (not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != h.shape[-1]
             or not weight.is_floating_point()):
-        raise ValueError(f"{name}: `weight` must be a floating-point tensor [V, d] = [V, {h.shape[1]}], got "
+        raise ValueError(f"{name}: `weight` must be a floating-point tensor [V, d] = [V, {h.shape[-1]}], got "
                          f"{describe(weight)}")
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise ValueError(f"{name}: `samples` must be an int >= 1, got {samples!r}")
-    if (not isinstance(targets, torch.Tensor) or targets.dtype != torch.int64
-            or list(targets.shape) != [h.shape[0] // samples] or h.shape[0] % samples):
-        raise ValueError(f"{name}: `targets` must be an int64 tensor [N] with h [S·N, d] = [{samples}·N, "
-                         f"{h.shape[1]}], got {describe(targets)} and h {list(h.shape)}")
+    lead = [h.shape[0] // samples, *h.shape[1:-1]]
+    if (not isinstance(targets, torch.Tensor) or targets.dtype != torch.int64 or list(targets.shape) != lead
+            or h.shape[0] % samples):
+        raise ValueError(f"{name}: `targets` must be an int64 tensor of h's leading dims with the first over "
+                         f"samples = {samples}, [B, ...] for h [{samples}·B, ..., d]; got {describe(targets)} and h "
+                         f"{list(h.shape)}")
     if weight.device != h.device or targets.device != h.device:
         raise ValueError(f"{name}: `h`, `weight` and `targets` must be on one device, got {h.device}, "
                          f"{weight.device} and {targets.device}")
@@ -92,14 +96,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, samples, reduction, ignore_index, chunk, dtype, grads):
         acc = torch.promote_types(dtype, torch.float32)
-        S, N = samples, targets.shape[0]
-        hs = h.view(S, N, h.shape[1])
+        S, N, d = samples, targets.numel(), h.shape[-1]
+        hs = h.reshape(S, N, d)
+        targets = targets.flatten()
         keep = targets != ignore_index
         count = keep.sum()
         scale = 1 / count.clamp_min(1).to(acc) if reduction == "mean" else torch.ones((), dtype=acc,
                                                                                        device=h.device)
         need_h, need_w = grads and h.requires_grad, grads and weight.requires_grad
-        dh = torch.empty_like(h).view(S, N, h.shape[1]) if need_h else None
+        dh = torch.empty_like(h, memory_format=torch.contiguous_format) if need_h else None
         dw = torch.zeros(weight.shape, dtype=acc, device=h.device) if need_w else None
         total = torch.zeros((), dtype=acc, device=h.device)
         with torch.autocast(h.device.type, enabled=False):
@@ -121,10 +126,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 g.scatter_add_(-1, idx, torch.full_like(idx, -1, dtype=acc))
                 g = g.mul_(q.unsqueeze(-1)).to(dtype)                               # [S, c, V]
                 if need_h:
-                    dh[:, a:a + chunk] = g @ w
+                    dh.view(S, N, d)[:, a:a + chunk] = g @ w
                 if need_w:
                     dw += (g.flatten(0, 1).T @ hc.flatten(0, 1)).to(acc)
-        ctx.save_for_backward(None if dh is None else dh.view_as(h), dw)
+        ctx.save_for_backward(dh, dw)
         ctx.weight_dtype = weight.dtype
         return total / count.to(acc) if reduction == "mean" else total
 

@@ -416,11 +416,11 @@ class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
         starts = None if docs is None else docs.doc_pos == 0    # a document's first token is not predicted across
         if self.context_split is not None:
             targets, count = self.context_split.targets(labels, starts)
-            return linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten(), S, "sum") / count
+            return linear_cross_entropy(h, self.lm_head.weight, targets, S, "sum") / count
         targets = F.pad(labels[:, 1:], (0, 1), value=-100)              # the last position predicts nothing
         if starts is not None:
             targets = targets.masked_fill(F.pad(starts[:, 1:], (0, 1)), -100)
-        return linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten(), S)
+        return linear_cross_entropy(h, self.lm_head.weight, targets, S)
 
     @staticmethod
     def _check_logits_to_keep(logits_to_keep, T: int) -> None:

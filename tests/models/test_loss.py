@@ -41,6 +41,16 @@ def test_loss_and_gradients_equal_the_plain_cross_entropy_in_fp64(S, reduction, 
         torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-13)
 
 
+def test_batched_rows_equal_the_flattened_ones():
+    """h [S·B, T, d] with targets [B, T] is h [S·N, d] with targets [N]: the same loss and gradients."""
+    h, w, y = inputs(2, 3 * 7, 8, 13, seed=9)
+    flat = linear_cross_entropy(h, w, y, 2, chunk_size=4)
+    batched = linear_cross_entropy(h.view(6, 7, 8), w, y.view(3, 7), 2, chunk_size=4)
+    torch.testing.assert_close(batched, flat, rtol=0, atol=0)
+    for a, b in zip(torch.autograd.grad(batched, (h, w)), torch.autograd.grad(flat, (h, w))):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_ignored_rows_get_no_gradient_and_all_ignored_is_nan_with_zero_gradients():
     h, w, y = inputs(1, 40, 8, 17, seed=3, ignored=0.5)
     dh, = torch.autograd.grad(linear_cross_entropy(h, w, y, chunk_size=6), h)
@@ -53,9 +63,9 @@ def test_ignored_rows_get_no_gradient_and_all_ignored_is_nan_with_zero_gradients
 
 
 def test_bf16_autocast_computes_the_logits_in_bf16_as_the_plain_loss_does():
-    """Under autocast the logits are bf16 (upcast for the softmax), as ``F.linear``'s: the loss and h's gradient are
-    the plain loss's (up to the fp32 summation order of the loss; h's gradient bit for bit); W's gradient is summed in fp32 over the chunks where the plain one rounds the
-    whole sum to bf16, so it is at least as close to the fp64 gradient."""
+    """Under autocast the logits are bf16 (upcast for the softmax), as ``F.linear``'s: the loss is the plain loss's
+    up to the fp32 summation order, h's gradient bit for bit; W's gradient is summed in fp32 over the chunks where
+    the plain one rounds the whole sum to bf16, so it is at least as close to the fp64 gradient."""
     h, w, y = inputs(1, 300, 32, 64, seed=5, dtype=torch.float32)
     with torch.autocast("cpu", torch.bfloat16):
         got = linear_cross_entropy(h, w, y, chunk_size=7)
@@ -85,10 +95,13 @@ H, W, Y = inputs(1, 6, 4, 5, seed=0)
 
 
 @pytest.mark.parametrize("args, kw, match", [
-    ((H[0], W, Y), {}, r"`h` must be a floating-point tensor \[S·N, d\], got a torch.float64 tensor of shape \[4\]"),
+    ((H[0], W, Y), {}, r"`h` must be a floating-point tensor \[S·B, ..., d\], got a torch.float64 tensor of shape "
+                       r"\[4\]"),
     ((H, W[:, :3], Y), {}, r"`weight` must be a floating-point tensor \[V, d\] = \[V, 4\]"),
-    ((H, W, Y[:5]), {}, r"`targets` must be an int64 tensor \[N\] with h \[S·N, d\] = \[1·N, 4\]"),
-    ((H, W, Y), dict(samples=4), r"`targets` must be an int64 tensor \[N\] .* = \[4·N, 4\]"),
+    ((H, W, Y[:5]), {}, r"`targets` must be an int64 tensor of h's leading dims .* \[1·B, ..., d\]; got a "
+                        r"torch.int64 tensor of shape \[5\] on cpu and h \[6, 4\]"),
+    ((H, W, Y), dict(samples=4), r"with the first over samples = 4"),
+    ((H.view(2, 3, 4), W, Y), {}, r"got a torch.int64 tensor of shape \[6\] on cpu and h \[2, 3, 4\]"),
     ((H, W, Y.int()), {}, r"`targets` must be an int64 tensor"),
     ((H, W, Y), dict(samples=0), r"`samples` must be an int >= 1, got 0"),
     ((H, W, Y), dict(reduction="none"), r"`reduction` must be 'mean' or 'sum', got 'none'"),
