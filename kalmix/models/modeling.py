@@ -21,7 +21,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from kalmix.layers import ALL_MIXERS as MIXERS
 from kalmix.layers.cache import KalmixCache
-from kalmix.layers.common import check_mask, check_mask_values, describe, is_integer, require, upcast
+from kalmix.layers.common import check_mask, check_mask_values, describe, is_integer, recompute, require, upcast
 from kalmix.layers.documents import Documents
 from kalmix.models.configuration import KalmixConfig
 from kalmix.models.decoding import check_sampling
@@ -40,7 +40,8 @@ _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__
 
 
 class SwiGLU(nn.Module):
-    """``down(silu(gate(x)) · up(x))``, gate and up as one [d, 2·hidden] projection."""
+    """``down(silu(gate(x)) · up(x))``, gate and up as one [d, 2·hidden] projection; silu(gate) is recomputed in the
+    backward rather than saved (``recompute``)."""
 
     def __init__(self, d_model: int, hidden: int):
         super().__init__()
@@ -49,7 +50,11 @@ class SwiGLU(nn.Module):
 
     def forward(self, x):
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(recompute(_silu_mul, gate, up))
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
 
 class KalmixBlock(nn.Module):

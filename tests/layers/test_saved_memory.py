@@ -1,0 +1,89 @@
+"""What the layers save for the backward: ``recompute`` keeps a function's inputs instead of its intermediates, and
+the gated RMSNorm and the SwiGLU MLP that use it give the outputs and gradients of their plain composites bit for
+bit while saving less."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kalmix.bench.memory import saved_tensors
+from kalmix.layers.common import GatedRMSNorm, recompute, upcast
+from kalmix.models.modeling import SwiGLU
+
+
+def plain_gated_norm(norm: GatedRMSNorm, x, z=None):
+    """The gated RMSNorm as a chain of autograd ops (what it ran before ``recompute``)."""
+    xf = upcast(x)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps) * upcast(norm.weight)
+    return (y if z is None else y * F.silu(upcast(z))).to(x.dtype)
+
+
+def plain_swiglu(mlp: SwiGLU, x):
+    gate, up = mlp.gate_up(x).chunk(2, dim=-1)
+    return mlp.down(F.silu(gate) * up)
+
+
+def grads(out, leaves, seed=0):
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32).to(out.dtype)
+    return torch.autograd.grad(out, leaves, g)
+
+
+def assert_same(a, b):
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype and torch.equal(x, y)
+
+
+PRECISIONS = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None), "autocast": (torch.float32,
+                                                                                          torch.bfloat16)}
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+@pytest.mark.parametrize("gated", [True, False])
+def test_gated_rmsnorm_equals_its_plain_chain_bit_for_bit_and_saves_only_its_inputs(precision, gated):
+    dtype, autocast = PRECISIONS[precision]
+    torch.manual_seed(0)
+    norm = GatedRMSNorm(64).to(dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 37, 3, 64, dtype=dtype if autocast is None else torch.bfloat16, requires_grad=True)
+    wide = torch.randn(2, 37, 3 * 64 + 7, dtype=x.dtype, requires_grad=True)   # z: a view of a wider projection
+    z = wide[..., 5:5 + 3 * 64].view(2, 37, 3, 64) if gated else None
+    leaves = [x, norm.weight] + ([wide] if gated else [])
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast is not None):
+        got, want = norm(x, z), plain_gated_norm(norm, x, z)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    assert_same(grads(got, leaves), grads(want, leaves))
+    rows = saved_tensors(norm, lambda: norm(x, z))
+    saved = sum(r["bytes"] for r in rows)
+    assert saved == x.numel() * x.element_size() * (2 if gated else 1)     # x and z's own copy; the weight is free
+    before = sum(r["bytes"] for r in saved_tensors(norm, lambda: plain_gated_norm(norm, x, z)))
+    assert saved < before / 2
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_swiglu_equals_its_plain_chain_bit_for_bit_and_saves_no_silu_output(precision):
+    dtype, autocast = PRECISIONS[precision]
+    torch.manual_seed(1)
+    mlp = SwiGLU(32, 96).to(dtype)
+    x = torch.randn(3, 11, 32, dtype=dtype, requires_grad=True)
+    leaves = [x, *mlp.parameters()]
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast is not None):
+        got, want = mlp(x), plain_swiglu(mlp, x)
+        saved = sum(r["bytes"] for r in saved_tensors(mlp, lambda: mlp(x)))
+        before = sum(r["bytes"] for r in saved_tensors(mlp, lambda: plain_swiglu(mlp, x)))
+    assert torch.equal(got, want)
+    assert_same(grads(got, leaves), grads(want, leaves))
+    act = 2 if autocast is not None or dtype == torch.bfloat16 else 4
+    assert before - saved == 3 * 11 * 96 * act                  # silu(gate) [B, T, hidden]
+
+
+def test_recompute_gives_the_functions_gradients_and_refuses_nothing_plain_autograd_takes():
+    w = torch.randn(5, requires_grad=True)
+    x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    c = torch.randn(4, 5)                                       # no gradient wanted
+    fn = lambda x, w, c: (x.exp() * w.double() + c).sin()       # noqa: E731
+    out = recompute(fn, x, w, c)
+    assert_same(grads(out, [x, w]), grads(fn(x, w, c), [x, w]))
+    (recompute(fn, x, w, c) * 2).sum().backward()               # .backward() as well as autograd.grad
+    assert x.grad is not None and w.grad is not None
+    with torch.no_grad():
+        assert not recompute(fn, x, w, c).requires_grad
