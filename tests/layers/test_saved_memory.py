@@ -1,11 +1,12 @@
 """What the layers save for the backward: ``recompute`` keeps a function's inputs instead of its intermediates, and
 the gated RMSNorm and the SwiGLU MLP that use it give the outputs and gradients of their plain composites bit for
-bit while saving less."""
+bit while saving less; so does VLA's Triton path with contiguous q, k, v against the views it split before."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kalmix.bench.memory import saved_tensors
+from kalmix.layers import VariationalLinearAttention
 from kalmix.layers.common import GatedRMSNorm, recompute, upcast
 from kalmix.models.modeling import SwiGLU
 
@@ -87,3 +88,59 @@ def test_recompute_gives_the_functions_gradients_and_refuses_nothing_plain_autog
     assert x.grad is not None and w.grad is not None
     with torch.no_grad():
         assert not recompute(fn, x, w, c).requires_grad
+
+
+class ViewsVLA(VariationalLinearAttention):
+    """The VLA layer as it split its convolved q, k, v before: views of one [B, T, 3·H·K] tensor."""
+
+    def project(self, x, conv_state, doc_pos=None):
+        B, T, _ = x.shape
+        qkv, conv_state = self.conv(self.qkv_proj(x), conv_state, doc_pos=doc_pos)
+        q, k, v = qkv.view(B, T, 3, self.num_heads, self.head_dim).unbind(2)
+        return [q, k, v, self.u_proj(k.flatten(2)).view_as(k)], None, conv_state
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_vla_u_proj_saves_a_copy_of_k_not_the_whole_convolution_output(autocast, impl):
+    """u_proj takes a contiguous copy of the convolved k: the view it took (one row: B = 1, where the view folds into
+    a matrix without a copy) kept the whole convolution output [B, T, 3·H·K] for the backward. Under autocast (how
+    models train) that saves two of q, k, v in both impls; output and gradients are the same bit for bit."""
+    layers = []
+    for cls in (VariationalLinearAttention, ViewsVLA):
+        torch.manual_seed(0)
+        layers.append(cls(64, num_heads=2, impl=impl))
+    x = torch.randn(1, 40, 64, requires_grad=True)
+    outs, saved, gs = [], [], []
+    for layer in layers:
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            outs.append(layer(x)[0])
+            saved.append(sum(r["bytes"] for r in saved_tensors(layer, lambda: layer(x)[0])))
+        gs.append(grads(outs[-1], [x, *layer.parameters()]))
+    assert torch.equal(outs[0], outs[1])
+    assert_same(*gs)
+    width = 40 * 64 * (2 if autocast else 4)                         # the bytes of one of q, k, v
+    # fp32 on the torch path: its op keeps views of the convolution output itself, so the copy costs one more
+    assert saved[1] - saved[0] == (-1 if impl == "torch" and not autocast else 2) * width
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vla_triton_copies_views_once(dtype):
+    """The Triton path makes q, k, v, u contiguous once (its prologue, delta rule and readout each copied the views
+    they were given): on views of one [B, T, 4, H, K] tensor it saves what it saves on contiguous copies of them
+    (the copies), with the same output and gradients bit for bit."""
+    from kalmix.ops import variational_linear_attention
+    g = torch.Generator().manual_seed(3)
+    qkvu = torch.randn(2, 40, 4, 2, 32, generator=g).to(dtype).requires_grad_()
+    views = qkvu.unbind(2)
+    copies = [x.detach().contiguous().requires_grad_() for x in views]
+
+    def run(*xs):
+        return variational_linear_attention(*xs, lambda0=3.2, write_key="feature", impl="triton")[0]
+
+    outs = [run(*views), run(*copies)]
+    assert torch.equal(outs[0], outs[1])
+    assert_same(grads(outs[0], [qkvu])[0].unbind(2), grads(outs[1], copies))
+    root = torch.nn.Module()
+    on_views, on_copies = (sum(r["bytes"] for r in saved_tensors(root, lambda: run(*xs))) for xs in (views, copies))
+    assert on_views == on_copies
