@@ -1,13 +1,13 @@
 """What the layers save for the backward: ``recompute`` keeps a function's inputs instead of its intermediates, and
 the gated RMSNorm and the SwiGLU MLP that use it give the outputs and gradients of their plain composites bit for
-bit while saving less; so does VLA's Triton path with contiguous q, k, v against the views it split before."""
+bit while saving less; so do VLA and the Kalman layer with contiguous copies of the views they kept before."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kalmix.bench.memory import saved_tensors
-from kalmix.layers import VariationalLinearAttention
-from kalmix.layers.common import GatedRMSNorm, recompute, upcast
+from kalmix.layers import KalmanAttention, VariationalLinearAttention
+from kalmix.layers.common import GatedRMSNorm, fused_kernels, recompute, upcast
 from kalmix.models.modeling import SwiGLU
 
 
@@ -144,3 +144,42 @@ def test_vla_triton_copies_views_once(dtype):
     root = torch.nn.Module()
     on_views, on_copies = (sum(r["bytes"] for r in saved_tensors(root, lambda: run(*xs))) for xs in (views, copies))
     assert on_views == on_copies
+
+
+class ViewsKalman(KalmanAttention):
+    """The Kalman layer as it kept its gate before: a view of the input projection's [B, T, 2·d_inner] output."""
+
+    def project(self, x, conv_state, doc_pos=None):
+        B, T, _ = x.shape
+        H, N, D = self.num_heads, self.d_state, self.head_dim
+        z, gate = self.in_proj(x).chunk(2, dim=-1)
+        z, conv_state = self.conv(z, conv_state, doc_pos=doc_pos)
+        if self.fused(x.device):
+            v, w, k, q = fused_kernels().sensor_split(self.sensor_proj(z), H, N)
+            return [q, k, v.view(B, T, H, D), w.view(B, T, H, D)], (z, gate), conv_state
+        v, s, k, q = self.sensor_proj(z).split([self.d_inner, self.d_inner, H * N, H * N], dim=-1)
+        k, q = F.normalize(k.view(B, T, H, N), dim=-1), F.normalize(q.view(B, T, H, N), dim=-1)
+        w = 1.0 / (F.softplus(upcast(s)) + 1e-4)
+        return [q, k, v.view(B, T, H, D), w.view(B, T, H, D).to(v.dtype)], (z, gate), conv_state
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_kalman_saves_a_contiguous_gate_not_the_whole_input_projection(autocast, impl):
+    """The Kalman layer's readout keeps a contiguous gate: the view it kept held the whole input projection
+    [B, T, 2·d_inner], z's half included, which the convolution has consumed. Output and gradients are the same bit
+    for bit, in both impls (the torch chain and the fused kernels)."""
+    layers = []
+    for cls in (KalmanAttention, ViewsKalman):
+        torch.manual_seed(0)
+        layers.append(cls(32, d_state=4, num_heads=1, impl=impl))
+    x = torch.randn(1, 16, 32, requires_grad=True)
+    outs, saved, gs = [], [], []
+    for layer in layers:
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            outs.append(layer(x)[0])
+            saved.append(sum(r["bytes"] for r in saved_tensors(layer, lambda: layer(x)[0])))
+        gs.append(grads(outs[-1], [x, *layer.parameters()]))
+    assert torch.equal(outs[0], outs[1])
+    assert_same(*gs)
+    assert saved[1] - saved[0] == 16 * layers[0].d_inner * (2 if autocast else 4)     # the gate's size
