@@ -17,6 +17,7 @@ for, the Triton one on CPU under ``TRITON_INTERPRET=1``.
 """
 from __future__ import annotations
 
+import csv
 import os
 import re
 from collections import defaultdict
@@ -194,8 +195,10 @@ def run(cfg) -> int:
             lines += [f"{head}: error: {type(err).__name__}: {str(err).strip()[:160]}", ""]
             continue
         rows += [{"model": name, "layers": spec.layers(shape), "impl": cfg.impl or "default", "packing": packing,
-                  "T": T, "B": B, **r, "device": device.type, "git": meta["git"], "torch": meta["torch"]}
-                 for r in saved]
+                  "T": T, "B": B, "d_model": shape.d_model, "num_heads": shape.num_heads,
+                  "attention_heads": shape.attention_heads, "vocab_size": shape.vocab_size, **r,
+                  "device": device.type, "device_name": meta["device_name"], "git": meta["git"],
+                  "torch": meta["torch"]} for r in saved]
         lines += [head, format_parts(by_part(saved)), ""]
         del model
     if rows:
@@ -214,3 +217,50 @@ def format_parts(parts: dict[str, dict[str, float]]) -> str:
         out.append(f"  {name:{width}s} {sum(per.values()):>10,.1f} B/token ({by or '-'})"
                    + (f", fixed {d.get('fixed', 0) / 2 ** 20:,.2f} MiB" if abs(d.get("fixed", 0)) >= 1024 else ""))
     return "\n".join(out) if out else "  (nothing saved)"
+
+
+_TABLE_COLUMNS = ("model", "impl", "packing", "T", "B", "d_model", "num_heads", "module", "dtype", "bytes_per_token",
+                  "fixed_bytes", "device", "git", "torch")
+_MIXER_PARTS = ("mixer", "self_attn", "attn")          # kalmix's, Llama's and fla's name for a layer's mixer
+
+
+def markdown_table(*csv_paths: str) -> str:
+    """The markdown table of ``kalmix bench lm --memory`` CSVs: one line per model, impl, packing and T; bytes per
+    token of one layer's mixer (by dtype), MLP and norms, the layer in all, and what the model saves outside its
+    layers (loss, final norm, embedding); headed by the shapes, device, torch version and commits."""
+    rows = []
+    for path in csv_paths:
+        with open(path, newline="") as f:
+            part_rows = list(csv.DictReader(f))
+        if not part_rows:
+            raise ValueError(f"bench lm --memory --table: {path} holds no rows")
+        missing = [c for c in _TABLE_COLUMNS if c not in part_rows[0]]
+        if missing:
+            raise ValueError(f"bench lm --memory --table: {path} is not a `kalmix bench lm --memory` CSV; it lacks "
+                             f"the column(s) {missing}")
+        rows += part_rows
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[(r["model"], r["impl"], r["packing"], int(r["T"]), int(r["B"]), int(r["d_model"]),
+                int(r["num_heads"]))].append(
+            {**r, "bytes_per_token": float(r["bytes_per_token"]), "fixed_bytes": float(r["fixed_bytes"])})
+    r0 = rows[0]
+    shapes = sorted({(k[5], k[6], k[3], k[4]) for k in groups})
+    out = [f"`kalmix bench lm --memory` on {r0['device']} (torch {r0['torch']}), commit "
+           f"{', '.join(dict.fromkeys(r['git'] for r in rows))}: bytes saved for the backward per token of a "
+           f"training forward under bf16 autocast with labels, at "
+           + "; ".join(f"d_model = {d} ({h} heads of {d // h}), B × T = {B} × {T} and {B} × {2 * T}"
+                       for d, h, T, B in shapes) + ".", "",
+           "| model | impl | rows | mixer (per layer) | MLP | norms | one layer | loss, final norm, embedding |",
+           "|---|---|---|---:|---:|---:|---:|---:|"]
+    for (model, impl, packing, *_), group in groups.items():
+        parts = by_part(group)
+        per = {name: sum(v for k, v in d.items() if k != "fixed") for name, d in parts.items()}
+        inside = {part(r["module"])[0] for r in group if part(r["module"])[1] is not None}
+        mixer = {k: v for name in _MIXER_PARTS for k, v in parts.get(name, {}).items() if k != "fixed"}
+        by = ", ".join(f"{dt} {v:,.0f}" for dt, v in sorted(mixer.items(), key=lambda kv: -kv[1]) if v >= 0.5)
+        norms = sum(v for name, v in per.items() if name in inside and "norm" in name)
+        out.append(f"| {model} | {impl} | {packing} | {sum(mixer.values()):,.0f} ({by}) | {per.get('mlp', 0):,.0f} | "
+                   f"{norms:,.0f} | {sum(v for name, v in per.items() if name in inside):,.0f} | "
+                   f"{sum(v for name, v in per.items() if name not in inside):,.0f} |")
+    return "\n".join(out)

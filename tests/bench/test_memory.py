@@ -134,3 +134,32 @@ def test_cli_memory_run_writes_rows_and_prints_parts(tmp_path):
     assert {"model.layers.0.mixer", "model.layers.1.mixer.in_proj"} <= mixers
     assert all(float(r["bytes_per_token"]) >= 0 for r in rows) and {r["impl"] for r in rows} == {"torch"}
     assert sum(float(r["bytes_per_token"]) for r in gdn if part(r["module"])[0] == "loss") == pytest.approx(4 * 64)
+
+
+def test_memory_table_from_csv(tmp_path, capsys):
+    rc = main(["bench", "lm", "--memory", "--device", "cpu", "--layers", "2", "--d-model", "64", "--vocab-size", "256",
+               "--num-heads", "2", "--attention-heads", "2", "--tokens", "32", "--seq-lens", "32", "--packing",
+               "plain", "--tolerance", "0.1", "--models", "gdn", "llama", "--out", str(tmp_path)])
+    assert rc == 0
+    capsys.readouterr()
+    assert main(["bench", "lm", "--memory", "--table", str(tmp_path / "memory.csv")]) == 0
+    text = capsys.readouterr().out
+    assert "`kalmix bench lm --memory` on cpu" in text
+    assert "d_model = 64 (2 heads of 32), B × T = 1 × 32 and 1 × 64" in text
+    with open(tmp_path / "memory.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["model"] == "gdn"]
+    parts = by_part([{**r, "bytes_per_token": float(r["bytes_per_token"]), "fixed_bytes": float(r["fixed_bytes"])}
+                     for r in rows])
+    line = next(x for x in text.splitlines() if x.startswith("| gdn | default | plain | "))
+    cells = [c.strip() for c in line.split("|")[1:-1]]
+    per = {p: sum(v for k, v in d.items() if k != "fixed") for p, d in parts.items()}
+    assert cells[3].startswith(f"{per['mixer']:,.0f} (")
+    assert cells[4] == f"{per['mlp']:,.0f}" and cells[5] == f"{per['mixer_norm'] + per['mlp_norm']:,.0f}"
+    assert cells[7] == f"{per['loss'] + per['model.norm'] + per['model.embed_tokens']:,.0f}"
+    assert any(x.startswith("| llama | default | plain | ") for x in text.splitlines())
+    bad = tmp_path / "bad.csv"
+    bad.write_text("model,impl\nx,y\n")
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "lm", "--memory", "--table", str(bad)])
+    assert e.value.code == 2
+    assert "is not a `kalmix bench lm --memory` CSV; it lacks the column(s) ['packing'" in capsys.readouterr().err
