@@ -97,6 +97,10 @@ class LMBenchConfig(BaseModel):
     device: str = Field("cuda", description="torch device (cuda; cpu runs tiny models)")
     peak_tflops: float | None = Field(None, gt=0, description="peak TFLOP/s for MFU (none: the bf16 dense peak of "
                                       "a known GPU; none on CPU)")
+    impl: Literal["torch", "triton"] | None = Field(None, description="the kalmix mixers' op backend (none: triton on "
+                                                   "CUDA, torch elsewhere; triton on CPU needs TRITON_INTERPRET=1)")
+    memory: bool = Field(False, description="instead of timing, account what one training forward saves for the "
+                         "backward, per module and dtype in bytes per token (memory.csv; any device)")
     out: str = Field("runs/bench_lm", description="output folder: lm.csv and lm_<mode>.png")
     plots: bool = Field(True, description="draw the PNG plot")
 
@@ -179,15 +183,15 @@ def specs(shape: LMShape, names=MODELS) -> dict[str, Spec]:
     return out
 
 
-def build(spec: Spec, shape: LMShape, max_len: int = 65536) -> nn.Module:
+def build(spec: Spec, shape: LMShape, max_len: int = 65536, impl: str | None = None) -> nn.Module:
     """The model of ``spec`` (fp32 weights on torch's current default device; ``with torch.device("meta")`` to
-    count it)."""
+    count it); ``impl``: the kalmix mixers' op backend (None: by device)."""
     if spec.source == "kalmix":
         from kalmix.train.config import TrainConfig
         from kalmix.train.loop import build_model
         model = dict(mixer=spec.mixer, attention_every=spec.attention_every, hidden_size=shape.d_model,
                      num_hidden_layers=shape.layers, intermediate_size=spec.intermediate_size,
-                     mixer_kwargs=spec.mixer_kwargs)
+                     mixer_kwargs=spec.mixer_kwargs, impl=impl)
         return build_model(TrainConfig(model=model), shape.vocab_size)
     if spec.source == "fla":
         from fla.models import DeltaNetConfig, DeltaNetForCausalLM
@@ -340,7 +344,7 @@ def measure(spec: Spec, shape: LMShape, mode: str, B: int, T: int, cu_seqlens: t
         torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(0)
     with torch.device(device):
-        model = build(spec, shape, max(cfg.seq_lens))
+        model = build(spec, shape, max(cfg.seq_lens), cfg.impl)
     ids = torch.randint(0, shape.vocab_size, (B, T), device=device)
     kw = _inputs(spec, ids, None if cu_seqlens is None else cu_seqlens.to(device))
     if mode == "train":
@@ -566,7 +570,11 @@ def markdown_table(*csv_paths: str) -> str:
 
 
 def main(cfg: LMBenchConfig) -> int:
-    """``kalmix bench lm``: 1 if a row failed with an error, else 0."""
+    """``kalmix bench lm``: 1 if a row failed with an error, else 0. With ``cfg.memory`` the saved-tensor account
+    of ``kalmix.bench.memory`` instead of timing."""
+    if cfg.memory:
+        from kalmix.bench.memory import run as account
+        return account(cfg)
     rows = run(cfg)
     failed = [r for r in rows if r["status"].startswith("error")]
     if failed:

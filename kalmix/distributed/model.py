@@ -171,9 +171,10 @@ class ContextSplit:
             dist.recv(buf, src, group=self.group, tag=tag)
         return buf
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
-        """This rank's share of the LM loss: see ``context_parallel_loss``; ``starts`` [B, T] (bool): the tokens
-        that start a document, whose labels are not predicted from the token before."""
+    def targets(self, labels: torch.Tensor, starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(targets [B, T]: the label each position of this piece predicts, −100 where none; the number of targets
+        on all ranks): see ``context_parallel_loss``; ``starts`` [B, T] (bool): the tokens that start a document,
+        whose labels are not predicted from the token before. Collective."""
         if starts is not None:
             labels = labels.masked_fill(starts, -100)   # (a row's first label is never a target)
         sent = (dist.isend(labels[:, :1].contiguous(), self.prev, group=self.group, tag=_TAG_LABEL)
@@ -185,6 +186,12 @@ class ContextSplit:
         targets = torch.cat([labels[:, 1:], first], 1)
         count = (targets != -100).sum()
         dist.all_reduce(count, group=self.group)
+        return targets, count
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's share of the LM loss of ``logits`` [B, T, V]: see ``context_parallel_loss`` and
+        ``targets``."""
+        targets, count = self.targets(labels, starts)
         return F.cross_entropy(upcast(logits).flatten(0, 1), targets.flatten(), ignore_index=-100,
                                reduction="sum") / count
 

@@ -188,9 +188,49 @@ def gated_norm_out(o: torch.Tensor, gate: torch.Tensor, norm: nn.Module, o_proj:
     return o_proj(norm(o, gate.view(B, T, H, V)).reshape(B, T, H * V))
 
 
+class _Recompute(torch.autograd.Function):
+    """``fn(*tensors)`` saving only ``tensors``; the backward reruns fn under the forward's autocast state and
+    differentiates that graph."""
+
+    @staticmethod
+    def forward(ctx, fn, *tensors):
+        device = tensors[0].device.type
+        ctx.fn = fn
+        ctx.autocast = device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+        ctx.save_for_backward(*tensors)
+        return fn(*tensors)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        device, enabled, dtype = ctx.autocast
+        tensors = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+            out = ctx.fn(*tensors)
+        wanted = [t for t in tensors if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad))
+        return None, *[next(grads) if t.requires_grad else None for t in tensors]
+
+
+def recompute(fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
+    """``fn(*tensors)`` (one tensor out) whose backward keeps only ``tensors`` and reruns fn on them (under the
+    forward's autocast state) to differentiate it: the same output and gradients, bit for bit, for the saved
+    memory of the inputs rather than of fn's intermediates. fn must be deterministic and take every tensor it is
+    differentiated by (parameters included) as an argument. Without gradients, plainly ``fn(*tensors)``.
+
+    ``torch.utils.checkpoint`` recomputes the same way, but its non-reentrant form keeps the inputs outside
+    autograd's saved tensors (``kalmix.bench.memory`` would not see them) and its reentrant form refuses
+    ``torch.autograd.grad``."""
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+        return fn(*tensors)
+    return _Recompute.apply(fn, *tensors)
+
+
 class GatedRMSNorm(nn.Module):
     """RMSNorm over the last dimension times a SiLU gate: ``norm(x) * weight * silu(z)`` (``norm(x) * weight``
-    for z = None)."""
+    for z = None), computed in fp32 (at least). For the backward it keeps x and z, not their fp32 intermediates
+    (``recompute``); a z that is a view of a wider tensor (a split of an input projection) is copied first, so that
+    it does not keep the wider tensor alive."""
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -198,8 +238,13 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+        if z is None:
+            return recompute(self._norm, x, self.weight)
+        return recompute(self._norm, x, self.weight, z.contiguous())
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
         xf = upcast(x)
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * upcast(self.weight)
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * upcast(weight)
         return (y if z is None else y * F.silu(upcast(z))).to(x.dtype)
 
 

@@ -102,6 +102,7 @@ class KalmanAttention(MixerLayer):
         B, T, _ = x.shape
         H, N, D = self.num_heads, self.d_state, self.head_dim
         z, gate = self.in_proj(x).chunk(2, dim=-1)
+        gate = gate.contiguous()    # what the readout saves for the backward, rather than a view keeping z's half too
         z, conv_state = self.conv(z, conv_state, docs)
         if self.fused(x.device):
             v, w, k, q = fused_kernels().sensor_split(self.sensor_proj(z), H, N)

@@ -86,7 +86,8 @@ class VariationalLinearAttention(MixerLayer):
         if self.conv is not None:
             qkv, conv_state = self.conv(qkv, conv_state, docs)
         q, k, v = qkv.view(B, T, 3, self.num_heads, self.head_dim).unbind(2)
-        u = self.u_proj(k.flatten(2)).view_as(k) if self.u_map == "full" else self.u_proj(k)
+        kc = k.contiguous()         # what u_proj saves for the backward, rather than a view keeping all of qkv
+        u = self.u_proj(kc.flatten(2)).view_as(k) if self.u_map == "full" else self.u_proj(kc)
         return [q, k, v, u], None, conv_state
 
     def mix(self, inputs, initial_state, output_final_state, cu_seqlens, impl, **kwargs):

@@ -82,6 +82,11 @@ class KalmixConfig(PretrainedConfig):
             the negative log marginal likelihood of Eq. 25. Costs S× the compute and activations of the layers
             and the LM head; needs a Kalman layer; no cached decoding or ``generate`` (0, the default: the
             posterior mean, ordinary cross-entropy training and decoding).
+        fuse_cross_entropy: in training mode with ``labels``, ``KalmixForCausalLM`` computes the loss chunk by
+            chunk from the last hidden states (``kalmix.models.loss.linear_cross_entropy``) without materialising
+            the logits, and returns ``logits=None`` (fla's flag of the same name; the same loss and gradients, the
+            summation order of the LM head's gradient aside). False: the logits are returned and the loss computed
+            from them. Evaluation mode and calls without labels always return the logits.
     """
 
     model_type = "kalmix"
@@ -93,7 +98,7 @@ class KalmixConfig(PretrainedConfig):
                  norm_eps: float = 1e-5, position: str = "none", max_position_embeddings: int | None = None,
                  residual_init_scale: bool = True, initializer_range: float | None = None,
                  tie_word_embeddings: bool = True, impl: str | None = None, use_cache: bool = True,
-                 mc_samples: int = 0, **kwargs):
+                 mc_samples: int = 0, fuse_cross_entropy: bool = True, **kwargs):
         vocab_size, hidden_size, num_hidden_layers = (check_int("KalmixConfig", arg, value) for arg, value in (
             ("vocab_size", vocab_size), ("hidden_size", hidden_size), ("num_hidden_layers", num_hidden_layers)))
         if mixers is None:
@@ -135,7 +140,7 @@ class KalmixConfig(PretrainedConfig):
             intermediate_size = -(-8 * hidden_size // 3 // 64) * 64
         intermediate_size = check_int("KalmixConfig", "intermediate_size", intermediate_size)
         for arg, value in (("mlp", mlp), ("tie_word_embeddings", tie_word_embeddings), ("use_cache", use_cache),
-                           ("residual_init_scale", residual_init_scale)):
+                           ("residual_init_scale", residual_init_scale), ("fuse_cross_entropy", fuse_cross_entropy)):
             if not isinstance(value, bool):
                 raise ValueError(f"KalmixConfig: `{arg}` must be True or False, got {value!r}")
         for arg, value, allowed in (("mlp_act", mlp_act, MLP_ACTS), ("norm", norm, NORMS),
@@ -169,6 +174,7 @@ class KalmixConfig(PretrainedConfig):
         self.impl = impl
         self.use_cache = use_cache
         self.mc_samples = mc_samples
+        self.fuse_cross_entropy = fuse_cross_entropy
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     def layer_kwargs(self, layer_idx: int) -> dict:

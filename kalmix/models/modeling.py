@@ -23,10 +23,11 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from kalmix.layers import ALL_MIXERS as MIXERS
 from kalmix.layers.cache import KalmixCache
-from kalmix.layers.common import check_mask, check_mask_values, describe, is_integer, require, upcast
+from kalmix.layers.common import check_mask, check_mask_values, describe, is_integer, recompute, require, upcast
 from kalmix.layers.documents import Documents
 from kalmix.models.configuration import KalmixConfig
 from kalmix.models.decoding import check_sampling
+from kalmix.models.loss import linear_cross_entropy
 
 _RESIDUAL_OUT = ("o_proj", "out_proj", "down")
 _MEAN_DECODING = "set config.mc_samples = 0 to decode with the posterior-mean readout"
@@ -41,7 +42,8 @@ _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__
 
 
 class SwiGLU(nn.Module):
-    """``down(silu(gate(x)) · up(x))``, gate and up as one [d, 2·hidden] projection."""
+    """``down(silu(gate(x)) · up(x))``, gate and up as one [d, 2·hidden] projection; silu(gate) is recomputed in the
+    backward rather than saved (``recompute``)."""
 
     def __init__(self, d_model: int, hidden: int):
         super().__init__()
@@ -50,7 +52,11 @@ class SwiGLU(nn.Module):
 
     def forward(self, x):
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(recompute(_silu_mul, gate, up))
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
 
 class GeluMLP(nn.Module):
@@ -399,7 +405,9 @@ class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
         position t's logits against labels[t + 1]; ``logits_to_keep`` = n > 0 projects only the last n positions
         onto the vocabulary (a 1-D tensor: those positions); 0 keeps all. With packed documents (``cu_seqlens`` or
         ``position_ids``) the prediction of each document's first token from the previous document is not
-        scored.
+        scored. In training mode with labels and ``config.fuse_cross_entropy`` (the default) the loss is computed
+        without the logits (``kalmix.models.loss.linear_cross_entropy``) and ``logits`` is None; in evaluation mode,
+        without labels or with ``fuse_cross_entropy=False`` the logits are returned.
 
         With ``config.mc_samples`` = S > 0 (KLA+) the batch runs S times (rows s·B … (s + 1)·B − 1 are sample s,
         also in ``hidden_states``), every Kalman layer reading out a posterior sample, and the logits [B, T, V] are
@@ -442,12 +450,15 @@ class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
             h = h[:, -logits_to_keep:] if logits_to_keep > 0 else h
         else:
             h = h[:, logits_to_keep]
-        logits = self.lm_head(h)
-        if S:
+        fused = labels is not None and self.training and self.config.fuse_cross_entropy
+        logits = None if fused else self.lm_head(h)
+        if S and not fused:
             logits = mc_marginal(logits, S)
         loss = None
         if labels is not None:
-            if self.context_split is not None:
+            if fused:
+                loss = self._fused_loss(h, labels, docs)
+            elif self.context_split is not None:
                 loss = self.context_split.loss(logits, labels, None if docs is None else docs.doc_pos == 0)
             else:
                 targets = labels[:, 1:]
@@ -458,6 +469,19 @@ class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
             return tuple(v for v in (loss, logits, getattr(out, _CACHE_FIELD), out.hidden_states) if v is not None)
         return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states,
                                       **{_CACHE_FIELD: getattr(out, _CACHE_FIELD)})
+
+    def _fused_loss(self, h: torch.Tensor, labels: torch.Tensor, docs: Documents | None) -> torch.Tensor:
+        """The loss of ``config.fuse_cross_entropy``: ``linear_cross_entropy`` of the last hidden states h
+        [S·B, T, d] (no logits), with the plain loss's targets, mean and context-parallel share."""
+        S = max(self.config.mc_samples, 1)
+        starts = None if docs is None else docs.doc_pos == 0    # a document's first token is not predicted across
+        if self.context_split is not None:
+            targets, count = self.context_split.targets(labels, starts)
+            return linear_cross_entropy(h, self.lm_head.weight, targets, S, "sum") / count
+        targets = F.pad(labels[:, 1:], (0, 1), value=-100)              # the last position predicts nothing
+        if starts is not None:
+            targets = targets.masked_fill(F.pad(starts[:, 1:], (0, 1)), -100)
+        return linear_cross_entropy(h, self.lm_head.weight, targets, S)
 
     @staticmethod
     def _check_logits_to_keep(logits_to_keep, T: int) -> None:

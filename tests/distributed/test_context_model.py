@@ -65,12 +65,14 @@ def _documents() -> tuple[torch.Tensor, torch.Tensor]:
     return cu, pos
 
 
-def _case(rank: int, world: int, name: str, mode: str = "relay", varlen: bool = False, docs: str | None = None) -> str:
+def _case(rank: int, world: int, name: str, mode: str = "relay", varlen: bool = False, docs: str | None = None,
+          fused: bool = False) -> str:
     """One model on this rank, its mixers' states passed in ``mode``; on rank 0 returns "ok" or what differs from
     the single process. ``varlen``: attention's pieces go through the varlen flash path, its kernel played by the
     CPU stand-in of tests/layers/test_attention_varlen.py. ``docs``: the rows pack ``DOCS``, given to the split
     model as "cu_seqlens" (the whole batch's), "empty" (the same with empty documents added) or "position_ids"
-    (the piece's)."""
+    (the piece's). ``fused``: the split model in training mode, its loss from the hidden states without logits
+    (``fuse_cross_entropy``), against the single process's loss from its logits."""
     if varlen:
         import kalmix.layers.attention as attention
         from tests.layers.test_attention_varlen import varlen_stand_in
@@ -88,23 +90,25 @@ def _case(rank: int, world: int, name: str, mode: str = "relay", varlen: bool = 
         cu = torch.sort(torch.cat([cu, torch.tensor([T, T + 3, B * T], dtype=cu.dtype)])).values
     ref = model(input_ids=ids, labels=labels, use_cache=False, **({"cu_seqlens": cu} if docs else {}))
     ref_grads = torch.autograd.grad(ref.loss, params)
+    model.train(fused)
 
     start, length = sum(LENGTHS[world][:rank]), LENGTHS[world][rank]
     cut = slice(start, start + length)
     packed = {"position_ids": {"position_ids": pos[:, cut]}, None: {}}.get(docs, {"cu_seqlens": cu})
     with context_parallel_model(model, mode=mode):  # use_cache defaults to False here, though the model is in eval
         out = model(input_ids=ids[:, cut], labels=labels[:, cut], **packed)
-        if docs:                                    # the loss on its own, documents given by their positions
+        if docs and not fused:                      # the loss on its own, documents given by their positions
             alone = context_parallel_loss(out.logits, labels[:, cut], position_ids=pos[:, cut])
             torch.testing.assert_close(alone, out.loss, rtol=TOL, atol=TOL)
     grads = torch.autograd.grad(out.loss, params, allow_unused=True)    # a backward after the block
-    mine = {"logits": out.logits.detach(), "loss": out.loss.detach(),
+    assert (out.logits is None) == fused
+    mine = {"logits": None if fused else out.logits.detach(), "loss": out.loss.detach(),
             "grads": [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]}
     got = [None] * world if rank == 0 else None
     dist.gather_object(mine, got, dst=0)
     if rank != 0:
         return ""
-    pairs = {"logits": ([torch.cat([g["logits"] for g in got], 1)], [ref.logits]),
+    pairs = {"logits": ([] if fused else [torch.cat([g["logits"] for g in got], 1)], [ref.logits]),
              "loss": ([sum(g["loss"] for g in got)], [ref.loss]),
              "gradients": ([sum(gs) for gs in zip(*(g["grads"] for g in got))], ref_grads)}
     names = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -179,6 +183,8 @@ def _cases() -> dict:
             "hybrid-empty-docs": functools.partial(_case, name="hybrid", docs="empty"),
             "hybrid-varlen": functools.partial(_case, name="hybrid", varlen=True),
             "hybrid-varlen-docs": functools.partial(_case, name="hybrid", varlen=True, docs="cu_seqlens"),
+            "hybrid-fused": functools.partial(_case, name="hybrid", fused=True),
+            "kalman-fused-docs": functools.partial(_case, name="kalman", docs="cu_seqlens", fused=True),
             "ddp": _ddp, "refusals": _refusals}
 
 
@@ -239,6 +245,14 @@ def test_attention_varlen_documents_match_single_process(world):
     """The hybrid's attention over packed documents through the varlen path (CPU stand-in): each document
     segment's queries are the last of its document's keys up to the piece's end."""
     assert _results(world)["hybrid-varlen-docs"] == "ok"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", ["hybrid-fused", "kalman-fused-docs"])
+def test_fused_loss_matches_single_process(world, case):
+    """In training mode (``fuse_cross_entropy``: the loss without logits) the ranks' losses and gradients summed
+    equal one process's plain loss and gradients, the next piece's first label and document starts included."""
+    assert _results(world)[case] == "ok"
 
 
 @pytest.mark.parametrize("world", [2, 4])

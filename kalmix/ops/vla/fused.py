@@ -35,6 +35,7 @@ def vla_fused(q, k, v, u, *, state, eps, feature_key=False, cu_seqlens=None):
     sequences ([1, T, ...] activations, states [N, ...]); activations keep their dtype, the A path and the
     normaliser run in the state's dtype."""
     S, A, n = state
+    q, k, v, u = (x.contiguous() for x in (q, k, v, u))       # once: every stage below saves these, not its own copy
     buckets = None if cu_seqlens is None else LengthBuckets(cu_seqlens, MIN_BITS)
     kh32, uh32, fq, kh = prologue(q, k, u, feature_key)
     alpha, A = _per_bucket(write_directions_triton, buckets, (kh32, 0.0), (uh32, 0.0), state=A)
