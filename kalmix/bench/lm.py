@@ -23,6 +23,7 @@ weights (as ``kalmix train`` runs it: ``build_model``, ``kalmix.train.optim``) â
   runs out of memory is "oom"; the run goes on.
 
 ``--prefill`` adds rows timing the forward alone (no gradients; the last position's logits), as a prompt's prefill.
+``--memory`` accounts what a training forward saves for the backward instead of timing (``kalmix.bench.memory``).
 """
 from __future__ import annotations
 

@@ -208,7 +208,7 @@ class _Recompute(torch.autograd.Function):
         with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
             out = ctx.fn(*tensors)
         wanted = [t for t in tensors if t.requires_grad]
-        grads = iter(torch.autograd.grad(out, wanted, grad))
+        grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
         return None, *[next(grads) if t.requires_grad else None for t in tensors]
 
 

@@ -88,6 +88,9 @@ def test_recompute_gives_the_functions_gradients_and_refuses_nothing_plain_autog
     assert x.grad is not None and w.grad is not None
     with torch.no_grad():
         assert not recompute(fn, x, w, c).requires_grad
+    unused = torch.randn(3, requires_grad=True)                 # an input fn does not use gets no gradient
+    gx, gu = torch.autograd.grad(recompute(lambda x, u: x.exp(), x, unused).sum(), [x, unused], allow_unused=True)
+    assert gu is None and torch.equal(gx, x.exp())
 
 
 class ViewsVLA(VariationalLinearAttention):
