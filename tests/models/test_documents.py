@@ -115,11 +115,15 @@ def test_empty_documents_hold_no_tokens():
     and the loss), wherever it falls: first, at a row start, last."""
     ids, cu, B, T = _packed_case(seed=4)
     model = _model(list(MIXERS))
-    ref = model(ids, cu_seqlens=cu, labels=ids)
     bounds = cu.tolist()
-    for extra in ([0], [T], [bounds[-1]], [bounds[2], bounds[2]]):
-        out = model(ids, cu_seqlens=torch.tensor(sorted(bounds + extra)), labels=ids)
-        assert torch.equal(out.logits, ref.logits) and torch.equal(out.loss, ref.loss), extra
+    for training in (False, True):                  # the loss from the logits; the fused loss (no logits)
+        model.train(training)
+        ref = model(ids, cu_seqlens=cu, labels=ids)
+        assert (ref.logits is None) == training
+        for extra in ([0], [T], [bounds[-1]], [bounds[2], bounds[2]]):
+            out = model(ids, cu_seqlens=torch.tensor(sorted(bounds + extra)), labels=ids)
+            assert torch.equal(out.loss, ref.loss), (training, extra)
+            assert training or torch.equal(out.logits, ref.logits), extra
 
 
 def test_one_host_read_per_packed_forward():
