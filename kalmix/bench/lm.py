@@ -27,7 +27,6 @@ weights (as ``kalmix train`` runs it: ``build_model``, ``kalmix.train.optim``) �
 """
 from __future__ import annotations
 
-import csv
 import gc
 import importlib.util
 import math
@@ -43,7 +42,7 @@ import torch.nn as nn
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kalmix.bench.models import lm_flops_per_token
-from kalmix.bench.speed import versions, write_csv
+from kalmix.bench.speed import read_csvs, versions, write_csv
 from kalmix.layers import MIXER_SPECS
 from kalmix.ops.common.checks import check_device
 from kalmix.ops.common.cost import DELTA, SDPA, Shape
@@ -512,25 +511,16 @@ def _num(s: str) -> float:
 
 
 def markdown_table(*csv_paths: str) -> str:
-    """The markdown table of ``kalmix bench lm`` CSVs (one run, or several on the same GPU, commit and tokens per
-    step and versions: their rows are joined, the ratios recomputed across them and every commit named): per mode, one line per model, one column
-    per (T, packing); each cell tokens/s (× fla's DeltaNet, × Llama), MFU and peak memory, or the row's status;
-    headed by the GPU, commit and versions."""
-    rows = []
-    for csv_path in csv_paths:
-        with open(csv_path, newline="") as f:
-            part = list(csv.DictReader(f))
-        if not part:
-            raise ValueError(f"bench lm --table: {csv_path} holds no rows")
-        missing = [c for c in _TABLE_COLUMNS if c not in part[0]]
-        if missing:
-            raise ValueError(f"bench lm --table: {csv_path} is not a `kalmix bench lm` CSV; it lacks the column(s) "
-                             f"{missing}")
-        for key in ("device_name", "tokens", "torch", "triton", "fla"):
-            if rows and part[0][key] != rows[0][key]:
-                raise ValueError(f"bench lm --table: {csv_path} has {key} {part[0][key]!r} where {csv_paths[0]} has "
-                                 f"{rows[0][key]!r}; one table joins runs of one GPU kind and setup only")
-        rows += part
+    """The markdown table of ``kalmix bench lm`` CSVs (one run, or several of one GPU kind, tokens per step and
+    versions: their rows are joined, the ratios recomputed across them and every commit named): per mode, one line
+    per model, one column per (T, packing); each cell tokens/s (× fla's DeltaNet, × Llama), MFU and peak memory, or
+    the row's status; headed by the GPU, commits and versions."""
+    rows = read_csvs(csv_paths, _TABLE_COLUMNS, "bench lm --table", "`kalmix bench lm` CSV")
+    for key in ("device_name", "tokens", "torch", "triton", "fla"):
+        differ = [r for r in rows if r[key] != rows[0][key]]
+        if differ:
+            raise ValueError(f"bench lm --table: a row has {key} {differ[0][key]!r} where the first has "
+                             f"{rows[0][key]!r}; one table joins runs of one GPU kind and setup only")
     base = {(r["model"], r["mode"], r["T"], r["packing"]): _num(r["tokens_per_s"]) for r in rows if r["status"] == "ok"}
     for r in rows:
         for ref in REFERENCES:

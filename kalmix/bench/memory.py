@@ -17,7 +17,6 @@ for, the Triton one on CPU under ``TRITON_INTERPRET=1``.
 """
 from __future__ import annotations
 
-import csv
 import os
 import re
 from collections import defaultdict
@@ -25,6 +24,8 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+
+from kalmix.bench.speed import read_csvs
 
 _LAYER = re.compile(r"^(?:.*\.)?layers\.(\d+)(?:\.([^.]+))?")
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
@@ -228,17 +229,7 @@ def markdown_table(*csv_paths: str) -> str:
     """The markdown table of ``kalmix bench lm --memory`` CSVs: one line per model, impl, packing and T; bytes per
     token of one layer's mixer (by dtype), MLP and norms, the layer in all, and what the model saves outside its
     layers (loss, final norm, embedding); headed by the shapes, device, torch version and commits."""
-    rows = []
-    for path in csv_paths:
-        with open(path, newline="") as f:
-            part_rows = list(csv.DictReader(f))
-        if not part_rows:
-            raise ValueError(f"bench lm --memory --table: {path} holds no rows")
-        missing = [c for c in _TABLE_COLUMNS if c not in part_rows[0]]
-        if missing:
-            raise ValueError(f"bench lm --memory --table: {path} is not a `kalmix bench lm --memory` CSV; it lacks "
-                             f"the column(s) {missing}")
-        rows += part_rows
+    rows = read_csvs(csv_paths, _TABLE_COLUMNS, "bench lm --memory --table", "`kalmix bench lm --memory` CSV")
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         groups[(r["model"], r["impl"], r["packing"], int(r["T"]), int(r["B"]), int(r["d_model"]),

@@ -459,6 +459,22 @@ def write_csv(rows: list[dict], path: str) -> None:
     os.replace(path + ".tmp", path)
 
 
+def read_csvs(paths, columns, command: str, kind: str) -> list[dict]:
+    """The rows of the result CSVs ``paths`` joined; a file without rows or lacking one of ``columns`` is a
+    ValueError naming ``command`` and the file (``kind``: what the file should be, e.g. "`kalmix bench lm` CSV")."""
+    rows = []
+    for path in paths:
+        with open(path, newline="") as f:
+            part = list(csv.DictReader(f))
+        if not part:
+            raise ValueError(f"{command}: {path} holds no rows")
+        missing = [c for c in columns if c not in part[0]]
+        if missing:
+            raise ValueError(f"{command}: {path} is not a {kind}; it lacks the column(s) {missing}")
+        rows += part
+    return rows
+
+
 def format_table(rows: list[dict], ceil: dict, meta: dict, device: torch.device) -> str:
     lines = [f"{meta['device_name']}  torch {meta['torch']}  triton {meta['triton']}  fla {meta['fla']}  "
              f"git {meta['git']}  measured ceilings: copy {ceil['copy_GBps']:.0f} GB/s, "
