@@ -875,6 +875,16 @@ def plan(recipe: Recipe, out_path: str, device: str = "cpu", impl: str | None = 
     return [(*run, key) for key, run in runs.items() if key not in done]
 
 
+def _pinned(device: str) -> torch.device:
+    """``device`` with its index ("cuda" -> "cuda:N", N the current device), made current: the device whose
+    random state the checkpoints hold."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+        torch.cuda.set_device(dev)
+    return dev
+
+
 def run(recipe: Recipe, out_path: str, device: str = "cpu", impl: str | None = None,
         mixers: list[str] | None = None, progress: bool = True) -> list[dict]:
     """Every run of ``plan`` (checked before any work), appended to ``out_path`` (JSONL) one row per run as it
@@ -885,9 +895,7 @@ def run(recipe: Recipe, out_path: str, device: str = "cpu", impl: str | None = N
     a run cut by time is never recorded, and the next call resumes it."""
     todo = plan(recipe, out_path, device, impl, mixers)
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)          # the device whose random state the checkpoints hold
+    dev = _pinned(device)
     total = recipe.planned_runs(None if mixers is None else len(mixers))
     ckpt_dir = out_path + ".ckpt"
     os.makedirs(ckpt_dir, exist_ok=True)

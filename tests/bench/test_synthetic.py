@@ -504,3 +504,16 @@ def test_vla_released_mixers_are_the_notebooks_models(name, tmp_path):
     assert sorted(row["mixer"] for row in rows) == ["attention_released", "deltanet_released"]
     assert all(row["status"] == "ok" and row["steps_run"] == 2 for row in rows)
     assert "notebook_deltanet: kalmix torch (chunked PyTorch)" in {row["ran"] for row in rows}
+
+
+def test_a_cuda_device_without_index_is_pinned_to_the_current_one(monkeypatch):
+    """``bench run --device cuda`` (the default on a GPU machine) once failed in torch.cuda.set_device, which
+    refuses a CUDA device without an index."""
+    from kalmix.bench import synthetic
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(d))
+    assert synthetic._pinned("cuda") == torch.device("cuda", 2)
+    assert synthetic._pinned("cuda:1") == torch.device("cuda", 1)
+    assert calls == [torch.device("cuda", 2), torch.device("cuda", 1)]
+    assert synthetic._pinned("cpu") == torch.device("cpu") and len(calls) == 2
