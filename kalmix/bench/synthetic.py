@@ -140,7 +140,7 @@ class ModelSpec(BaseModel):
 
 class MixerSpec(BaseModel):
     """One compared model: a ``KalmixConfig`` mixer, its layer's keyword arguments and other config fields
-    (e.g. ``mc_samples`` for KLA+, or a backbone: ``norm``, ``mlp_act``, ``position``, ``residual_init_scale``;
+    (e.g. ``mc_samples`` for KLA+, or a backbone: ``norm``, ``mlp_act``, ``position``, ``residual_init_scale``, ``embedding_init_std``;
     ``position: learned`` gets ``max_position_embeddings`` = the task's longest test length unless given)."""
 
     model_config = ConfigDict(extra="forbid")

@@ -72,6 +72,8 @@ class KalmixConfig(PretrainedConfig):
             linear weight (torch's default scale) and 1/√hidden_size for the embedding, which trains at every
             width (a fixed 0.02, GPT-2's, leaves a width-64 MQAR model's attention near uniform for hundreds of
             steps; 1/√fan_in left a width-32 Kaczmarz model at 60% where this reaches 99.8%).
+        embedding_init_std: std of the token (and position) embeddings alone, overriding the rule above for them
+            (e.g. 0.02 with the fan-in linears: the Kaczmarz authors' MQAR models); None (default): as above.
         tie_word_embeddings: share the embedding with the LM head.
         impl: the ops' backend for every kalmix mixer (None: triton on CUDA, torch otherwise; a mixer whose op has
             no Triton impl, such as the baselines on ``gated_linear_attention``, refuses "triton").
@@ -97,7 +99,7 @@ class KalmixConfig(PretrainedConfig):
                  intermediate_size: int | None = None, mlp: bool = True, mlp_act: str = "swiglu", norm: str = "rmsnorm",
                  norm_eps: float = 1e-5, position: str = "none", max_position_embeddings: int | None = None,
                  residual_init_scale: bool = True, initializer_range: float | None = None,
-                 tie_word_embeddings: bool = True, impl: str | None = None, use_cache: bool = True,
+                 embedding_init_std: float | None = None, tie_word_embeddings: bool = True, impl: str | None = None, use_cache: bool = True,
                  mc_samples: int = 0, fuse_cross_entropy: bool = True, **kwargs):
         vocab_size, hidden_size, num_hidden_layers = (check_int("KalmixConfig", arg, value) for arg, value in (
             ("vocab_size", vocab_size), ("hidden_size", hidden_size), ("num_hidden_layers", num_hidden_layers)))
@@ -155,6 +157,9 @@ class KalmixConfig(PretrainedConfig):
         check_real("KalmixConfig", "norm_eps", norm_eps)
         if initializer_range is not None:
             check_real("KalmixConfig", "initializer_range", initializer_range, note=" (or None: by fan-in)")
+        if embedding_init_std is not None:
+            check_real("KalmixConfig", "embedding_init_std", embedding_init_std,
+                       note=" (or None: initializer_range's rule)")
         for name in dict.fromkeys([*mixers, *mixer_kwargs]):
             _check_layer(name, hidden_size, mixer_kwargs.get(name, {}), impl)
         self.vocab_size = vocab_size
@@ -171,6 +176,7 @@ class KalmixConfig(PretrainedConfig):
         self.max_position_embeddings = max_position_embeddings
         self.residual_init_scale = residual_init_scale
         self.initializer_range = initializer_range
+        self.embedding_init_std = embedding_init_std
         self.impl = impl
         self.use_cache = use_cache
         self.mc_samples = mc_samples

@@ -5,7 +5,7 @@ Blocks are pre-norm: ``x + mixer(RMSNorm(x))`` then ``x + SwiGLU(RMSNorm(x))`` (
 token embeddings. Initialisation: every linear
 weight ~ N(0, σ²) with σ = 1/√(3·fan_in), the variance of torch's default ``nn.Linear`` init (or σ =
 ``initializer_range`` when set), the token and position embeddings ~ N(0, 1/hidden_size)
-(or ``initializer_range``), biases zero, norm weights one; the projections that write into the residual stream
+(or ``initializer_range``, or ``embedding_init_std``), biases zero, norm weights one; the projections that write into the residual stream
 (each mixer's output projection and the MLP's down projection) have σ / √(2 · num_hidden_layers) (GPT-2's
 scaling, unless ``config.residual_init_scale`` is False); each mixer's own parameters (decays, Δ, process noise,
 short convolutions, skip, gate biases) keep the initialisation of its paper that the layer sets.
@@ -130,7 +130,10 @@ class KalmixPreTrainedModel(PreTrainedModel):
             if module.bias is not None:
                 init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
-            init.normal_(module.weight, mean=0.0, std=fixed if fixed is not None else module.embedding_dim ** -0.5)
+            std = self.config.embedding_init_std
+            if std is None:
+                std = fixed if fixed is not None else module.embedding_dim ** -0.5
+            init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, (nn.RMSNorm, nn.LayerNorm)) and module.weight is not None:
             init.ones_(module.weight)
             if getattr(module, "bias", None) is not None:

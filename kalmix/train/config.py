@@ -68,6 +68,8 @@ class ModelSection(StrictConfig):
                                                                        "(position: learned; >= train.seq_len)")
     residual_init_scale: bool = Field(True, description="init std of the residual-out projections / "
                                                         "sqrt(2 · num_hidden_layers) (GPT-2's)")
+    embedding_init_std: float | None = Field(None, gt=0, description="init std of the embeddings alone (default: "
+                                                                     "1/sqrt(hidden_size))")
     mixer_kwargs: dict[str, dict[str, Any]] = Field({}, description="per mixer, its layer's keyword arguments")
     tie_word_embeddings: bool = Field(True, description="share the embedding and the LM head")
     vocab_size: int | None = Field(None, ge=1, description="embedding rows (default: the tokenizer's vocabulary "
@@ -108,7 +110,7 @@ class ModelSection(StrictConfig):
                   mixer_kwargs=self.mixer_kwargs, intermediate_size=self.intermediate_size,
                   tie_word_embeddings=self.tie_word_embeddings, impl=self.impl, mlp_act=self.mlp_act,
                   norm=self.norm, position=self.position, max_position_embeddings=self.max_position_embeddings,
-                  residual_init_scale=self.residual_init_scale)
+                  residual_init_scale=self.residual_init_scale, embedding_init_std=self.embedding_init_std)
         if self.mixers is not None:
             kw["mixers"] = self.mixers
         else:

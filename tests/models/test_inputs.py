@@ -23,6 +23,7 @@ V = 37              # the vocabulary of tests.models.test_models.model
     (dict(intermediate_size=0), "`intermediate_size` must be an int >= 1, got 0"),
     (dict(norm_eps=0.0), "`norm_eps` must be a finite number > 0"),
     (dict(initializer_range=-0.02), "`initializer_range` must be a finite number > 0"),
+    (dict(embedding_init_std=0), "`embedding_init_std` must be a finite number > 0"),
     (dict(mlp="no"), "`mlp` must be True or False"),
     (dict(tie_word_embeddings=1), "`tie_word_embeddings` must be True or False"),
     (dict(mixer_kwargs="gka"), "`mixer_kwargs` must map mixer names to dicts"),

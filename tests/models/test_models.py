@@ -90,6 +90,15 @@ def test_initialisation_scheme(fixed):
     assert gate.A_log.exp().min() >= 1 and gate.A_log.exp().max() <= 16     # the layer's own (Mamba-2) init kept
 
 
+def test_embedding_init_std_sets_the_embeddings_alone():
+    m = KalmixForCausalLM(config(["gdn"] * 2, embedding_init_std=0.02, hidden_size=64, intermediate_size=256,
+                                 position="learned", max_position_embeddings=32))
+    std = lambda t: t.float().std().item()                                 # noqa: E731
+    assert abs(std(m.model.embed_tokens.weight) / 0.02 - 1) < 0.1
+    assert abs(std(m.model.embed_positions.weight) / 0.02 - 1) < 0.1
+    assert abs(std(m.model.layers[0].mixer.in_proj.weight) / (3 * 64) ** -0.5 - 1) < 0.1     # linears by fan-in
+
+
 def test_labels_give_the_shifted_cross_entropy_and_logits_to_keep_slices():
     m = model(HYBRID)
     x = torch.randint(0, 37, (3, 11))
