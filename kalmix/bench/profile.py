@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -49,7 +50,7 @@ RULES = (
     ("loss", "scope", r"cross_?entropy|nll_loss"),
     ("other", "scope", r"^aten::embedding"),                                   # the token embedding's gather
     ("copy_cast", "leaf", r"copy|memcpy|^aten::(to|_to_copy|contiguous|clone|cat|stack)$"),
-    ("elementwise", "leaf", r"^aten::|elementwise|reduce_kernel|^triton_|_kernel$"),
+    ("elementwise", "leaf", r"^aten::|elementwise|_kernel|^triton_"),
 )
 CATEGORIES = ("mixer_op", "gemm", "norm", "elementwise", "short_conv", "loss", "optimizer", "copy_cast", "other")
 _COMPILED = tuple((cat, where, re.compile(pattern, re.IGNORECASE)) for cat, where, pattern in RULES)
@@ -169,30 +170,23 @@ def breakdown(events, steps: int, device_type: str) -> Breakdown:
                      sum(categories.values()), idle, syncs)
 
 
-class module_ranges:
+@contextmanager
+def module_ranges(model: torch.nn.Module):
     """While open, each module's forward in ``model`` is a profiler range "module: <class> <qualified name>"
     (forward hooks, removed on exit)."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.model, self.handles, self.open = model, [], []
-
-    def __enter__(self):
-        for name, m in self.model.named_modules():
-            label = f"module: {type(m).__name__} {name}".rstrip()
-            self.handles.append(m.register_forward_pre_hook(lambda mod, args, label=label: self._enter(label)))
-            self.handles.append(m.register_forward_hook(lambda mod, args, out: self._exit(), always_call=True))
-        return self
-
-    def _enter(self, label: str) -> None:
-        self.open.append(record_function(label).__enter__())
-
-    def _exit(self) -> None:
-        self.open.pop().__exit__(None, None, None)
-
-    def __exit__(self, *exc):
-        for h in self.handles:
+    opened = []
+    handles = []
+    for name, m in model.named_modules():
+        label = f"module: {type(m).__name__} {name}".rstrip()
+        handles.append(m.register_forward_pre_hook(
+            lambda mod, args, label=label: opened.append(record_function(label).__enter__())))
+        handles.append(m.register_forward_hook(lambda mod, args, out: opened.pop().__exit__(None, None, None),
+                                               always_call=True))
+    try:
+        yield
+    finally:
+        for h in handles:
             h.remove()
-        self.handles.clear()
 
 
 def record(model: torch.nn.Module, step, device: torch.device, warmup: int, steps: int, trace: str) -> Breakdown:
@@ -238,11 +232,9 @@ def run(cfg) -> int:
             results[key] = "unavailable: needs CUDA (fla's Triton kernels)"
             continue
         cu = packed_cu_seqlens(B, T, cfg.doc_median) if packing == "packed" else None
-        try:
-            model, step = make_step(spec, shape, mode, B, T, cu, cfg, device)
-            results[key] = record(model, step, device, cfg.warmup, cfg.steps,
-                                  os.path.join(cfg.out, f"trace_{name}_T{T}_{packing}_{mode}.json.gz"))
-            del model, step
+        try:                                             # (no name holds the model past its row)
+            results[key] = record(*make_step(spec, shape, mode, B, T, cu, cfg, device), device, cfg.warmup,
+                                  cfg.steps, os.path.join(cfg.out, f"trace_{name}_T{T}_{packing}_{mode}.json.gz"))
         except torch.OutOfMemoryError:
             results[key] = "oom"
         except Exception as err:  # noqa: BLE001 (reported in the output and the exit status; the run goes on)
