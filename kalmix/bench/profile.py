@@ -274,9 +274,9 @@ def format_table(results: dict, tokens: int, device_type: str) -> str:
     """Per (T, packing, mode): one line per model of ms per step by category, the busy time, the step's wall and
     host time, the GPU's idle share and host syncs per step; under it ("- fla"), where fla's DeltaNet ran, the
     differences to its line."""
-    what = "GPU kernel time" if device_type == "cuda" else "CPU op self time (a CPU run says nothing of a GPU's)"
-    lines = [f"ms per step by category ({what}); busy = their sum, step = wall time, host = the host's time "
-             f"issuing the step; idle = share of the step with no kernel running"]
+    what = "GPU kernel time" if device_type == "cuda" else "CPU op self time; a CPU run says nothing of a GPU's"
+    lines = [f"ms per step by category ({what}): busy = their sum, step = wall time, host = the host's time "
+             f"issuing the step, idle = share of the step with no kernel running"]
     head = (f"{'model':13s}" + "".join(f"{_SHORT[c]:>10s}" for c in CATEGORIES)
             + f"{'busy':>10s}{'step':>10s}{'host':>10s}{'idle %':>8s}{'syncs':>7s}")
     for T, packing, mode in dict.fromkeys((k[1], k[2], k[3]) for k in results):

@@ -66,7 +66,7 @@ def test_every_category_of_every_model_adds_up_to_the_step(cpu_run):
 def test_tables_kernels_and_traces(cpu_run):
     by_model, out, printed = cpu_run
     assert "fla_deltanet  unavailable: needs CUDA (fla's Triton kernels)" in printed
-    assert "train, plain rows, T = 32 (B = 2)" in printed and "(a CPU run says nothing of a GPU's)" in printed
+    assert "train, plain rows, T = 32 (B = 2)" in printed and "CPU op self time; a CPU run says nothing of a GPU's" in printed
     line = next(s for s in printed.splitlines() if s.startswith("kaczmarz "))
     cats = by_model["kaczmarz"]
     assert line.split()[1:11] == [f"{float(cats[c]['ms_per_step']):.3f}" for c in prof.CATEGORIES] + [
