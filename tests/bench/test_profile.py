@@ -18,8 +18,7 @@ from torch.autograd.profiler_util import FunctionEvent
 
 from kalmix.bench import profile as prof
 from kalmix.cli import main
-from kalmix.layers import KaczmarzAttention
-from kalmix.layers import base
+from kalmix.layers import KaczmarzAttention, base
 
 TINY = ["--device", "cpu", "--layers", "2", "--d-model", "64", "--vocab-size", "256", "--num-heads", "2",
         "--attention-heads", "2", "--tokens", "64", "--seq-lens", "32", "--packing", "plain", "--warmup", "1",
