@@ -23,7 +23,8 @@ weights (as ``kalmix train`` runs it: ``build_model``, ``kalmix.train.optim``) �
   runs out of memory is "oom"; the run goes on.
 
 ``--prefill`` adds rows timing the forward alone (no gradients; the last position's logits), as a prompt's prefill.
-``--memory`` accounts what a training forward saves for the backward instead of timing (``kalmix.bench.memory``).
+``--memory`` accounts what a training forward saves for the backward instead of timing (``kalmix.bench.memory``);
+``--profile`` records steps with torch.profiler and splits their time into categories (``kalmix.bench.profile``).
 """
 from __future__ import annotations
 
@@ -101,11 +102,17 @@ class LMBenchConfig(BaseModel):
                                                    "CUDA, torch elsewhere; triton on CPU needs TRITON_INTERPRET=1)")
     memory: bool = Field(False, description="instead of timing, account what one training forward saves for the "
                          "backward, per module and dtype in bytes per token (memory.csv; any device)")
+    profile: bool = Field(False, description="instead of timing, record --steps steps (after --warmup) of each row "
+                          "with torch.profiler: GPU (CPU) time per category, the top kernels and a Chrome trace "
+                          "(profile.csv, kernels.txt, trace_*.json.gz; kalmix.bench.profile)")
     out: str = Field("runs/bench_lm", description="output folder: lm.csv and lm_<mode>.png")
     plots: bool = Field(True, description="draw the PNG plot")
 
     @model_validator(mode="after")
     def _check(self):
+        if self.memory and self.profile:
+            raise ValueError("bench lm: --memory (what a forward saves) and --profile (where a step's time goes) are "
+                             "two runs; pass one of them")
         unknown = [m for m in self.models if m not in MODELS]
         if unknown:
             raise ValueError(f"bench lm: unknown model(s) {unknown}; expected any of {', '.join(MODELS)}")
@@ -334,14 +341,13 @@ def time_steps(fn, device: torch.device, warmup: int, steps: int) -> list[float]
     return [start.elapsed_time(end) for start, end in events]
 
 
-def measure(spec: Spec, shape: LMShape, mode: str, B: int, T: int, cu_seqlens: torch.Tensor | None,
-            cfg: LMBenchConfig, device: torch.device) -> dict:
-    """Build the model, time ``cfg.steps`` steps of ``mode`` ("train" or "prefill") on B × T random tokens (packed
-    by ``cu_seqlens`` if given): -> {ms_median, tokens_per_s, flops_per_token, peak_GiB}."""
+def make_step(spec: Spec, shape: LMShape, mode: str, B: int, T: int, cu_seqlens: torch.Tensor | None,
+              cfg: LMBenchConfig, device: torch.device):
+    """Build the model and one step of ``mode`` on B × T random tokens (packed by ``cu_seqlens`` if given): "train"
+    (forward with labels under bf16 autocast, backward, AdamW step) or "prefill" (forward without gradients, the last
+    position's logits) -> (model, step: a function of no arguments)."""
     from kalmix.train.config import OptimSection
     from kalmix.train.optim import Optimization, autocast
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(0)
     with torch.device(device):
         model = build(spec, shape, max(cfg.seq_lens), cfg.impl)
@@ -364,6 +370,16 @@ def measure(spec: Spec, shape: LMShape, mode: str, B: int, T: int, cu_seqlens: t
         def step():
             with autocast(device.type, "bf16"):
                 model(**kw, logits_to_keep=1)
+    return model, step
+
+
+def measure(spec: Spec, shape: LMShape, mode: str, B: int, T: int, cu_seqlens: torch.Tensor | None,
+            cfg: LMBenchConfig, device: torch.device) -> dict:
+    """Build the model, time ``cfg.steps`` steps of ``mode`` ("train" or "prefill", ``make_step``) on B × T random
+    tokens (packed by ``cu_seqlens`` if given): -> {ms_median, tokens_per_s, flops_per_token, peak_GiB}."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    model, step = make_step(spec, shape, mode, B, T, cu_seqlens, cfg, device)
     ms = statistics.median(time_steps(step, device, cfg.warmup, cfg.steps))
     return {"ms_median": ms, "tokens_per_s": B * T / ms * 1e3,
             "flops_per_token": flops_per_token(model, spec, T) if mode == "train" else math.nan,
@@ -562,10 +578,13 @@ def markdown_table(*csv_paths: str) -> str:
 
 def main(cfg: LMBenchConfig) -> int:
     """``kalmix bench lm``: 1 if a row failed with an error, else 0. With ``cfg.memory`` the saved-tensor account
-    of ``kalmix.bench.memory`` instead of timing."""
+    of ``kalmix.bench.memory`` instead of timing, with ``cfg.profile`` the profile of ``kalmix.bench.profile``."""
     if cfg.memory:
         from kalmix.bench.memory import run as account
         return account(cfg)
+    if cfg.profile:
+        from kalmix.bench.profile import run as profile
+        return profile(cfg)
     rows = run(cfg)
     failed = [r for r in rows if r["status"].startswith("error")]
     if failed:

@@ -1,13 +1,18 @@
 """The plumbing every kalmix layer shares: fla's forward signature, padding masks, the recurrent cache."""
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn as nn
+from torch.profiler import record_function
 
 from kalmix.layers.cache import KalmixCache
 from kalmix.layers.common import Packer, activation_dtype, check_hidden, context_mask, keep_where
 from kalmix.layers.documents import Documents
 from kalmix.ops import OpSpec
+
+MIXER_OP_RANGE = "kalmix.mixer_op"      # the profiler range of a layer's op call
 
 
 class MixerLayer(nn.Module):
@@ -45,10 +50,12 @@ class MixerLayer(nn.Module):
     context_split = None        # a sequence split across ranks (kalmix.distributed.ContextSplit) or None
 
     def run_op(self, op, *args, **kwargs):
-        """``op(*args, **kwargs)``, or on this rank's piece through ``context_split`` when the sequence is split."""
-        if self.context_split is None:
-            return op(*args, **kwargs)
-        return self.context_split.run(op, *args, **kwargs)
+        """``op(*args, **kwargs)``, or on this rank's piece through ``context_split`` when the sequence is split.
+        While torch.profiler records, the call is a ``kalmix.mixer_op`` range (``kalmix bench lm --profile``)."""
+        with record_function(MIXER_OP_RANGE) if torch._C._autograd._profiler_enabled() else nullcontext():
+            if self.context_split is None:
+                return op(*args, **kwargs)
+            return self.context_split.run(op, *args, **kwargs)
 
     def step_impl(self, device: torch.device) -> str:
         """The impl of single-token (decoding) calls: the layer's impl (None: triton on CUDA, torch otherwise) where
