@@ -768,6 +768,8 @@ def _flags(cfg_over: dict) -> list[str]:
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_processes_follow_one_process_curve(corpus, tmp_path, parallel):
+    """Two processes training on the fused loss (no logits; under FSDP2 the LM head's weight gathered in the
+    model's forward) follow one process's losses and gradient norms from the logits, and resume exactly."""
     common = {"data_dir": str(corpus / "data"), "data.source": str(corpus / "docs.jsonl"), "data.text_field": "body",
               "data.val_fraction": 0.2, "tokenizer.vocab_size": 300, "model.mixer": "kaczmarz",
               "model.hidden_size": 32, "model.num_hidden_layers": 2,
@@ -776,13 +778,17 @@ def test_two_processes_follow_one_process_curve(corpus, tmp_path, parallel):
               "optim.warmup_steps": 1, "eval.every": 4, "eval.rows": 8, "checkpoint.every": 2, "log.every": 1,
               "log.progress": False, "checkpoint.keep": 3}
     one = tmp_path / "one"
-    train(load_config(None, {**common, "run_dir": str(one), "train.micro_batch_size": 4}))
+    train(load_config(None, {**common, "run_dir": str(one), "train.micro_batch_size": 4,
+                             "model.fuse_cross_entropy": False}))
     two = tmp_path / "two"
     _torchrun(2, _flags({**common, "run_dir": str(two), "train.micro_batch_size": 2, "train.parallel": parallel}))
     a, b = _losses(one), _losses(two)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
     for s in a:
         assert b[s] == pytest.approx(a[s], rel=2e-5, abs=1e-6), (s, a[s], b[s])
+    norms = [[r["grad_norm"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+              if r["kind"] == "train"] for run in (one, two)]
+    assert norms[1] == pytest.approx(norms[0], rel=1e-4)
     assert (two / "model" / "model.safetensors").is_file()
     if parallel == "fsdp":       # resume from FSDP2's sharded checkpoint of step 2: steps 3-4 again, the same
         import shutil
