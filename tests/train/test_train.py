@@ -321,9 +321,9 @@ def test_the_train_loss_and_every_gradient_equal_the_logits_path(corpus, tmp_pat
     summed, gradients included: to 1e-10 in fp64 (the weights cast after the build) with or without activation
     checkpointing or a tied LM head; under bf16 autocast the loss to 1e-5 and each gradient to 1% of its norm (the
     fused LM head's gradient sums its chunks in fp32, the plain one rounds it to bf16)."""
-    over = {"train.seq_len": 128, "train.global_batch_size": 2, **{"fp64-checkpointing": {"train.activation_checkpointing": True},
-                                             "fp64-untied": {"model.tie_word_embeddings": False},
-                                             "bf16": {"train.dtype": "bf16"}}.get(case, {})}
+    option = {"fp64-checkpointing": {"train.activation_checkpointing": True},
+              "fp64-untied": {"model.tie_word_embeddings": False}, "bf16": {"train.dtype": "bf16"}}.get(case, {})
+    over = {"train.seq_len": 128, "train.global_batch_size": 2, **option}
     fused = Trainer(_cfg(corpus, tmp_path / "fused", **over), Dist("cpu"))
     plain = Trainer(_cfg(corpus, tmp_path / "plain", **over, **{"model.fuse_cross_entropy": False}), Dist("cpu"))
     if case.startswith("fp64"):
@@ -766,15 +766,18 @@ def _flags(cfg_over: dict) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_processes_follow_one_process_curve(corpus, tmp_path, parallel):
+@pytest.mark.parametrize("parallel, dtype", [("ddp", "fp32"), ("fsdp", "fp32"), ("ddp", "bf16"), ("fsdp", "bf16")])
+def test_two_processes_follow_one_process_curve(corpus, tmp_path, parallel, dtype):
     """Two processes training on the fused loss (no logits; under FSDP2 the LM head's weight gathered in the
-    model's forward) follow one process's losses and gradient norms from the logits, and resume exactly."""
+    model's forward) follow one process's losses and gradient norms from the logits (fp32: to 2e-5 and 1e-4;
+    under bf16 autocast, where they differ by about 1e-4 and 2e-3: to 1e-3 and 1e-2), and an FSDP2 run resumes
+    exactly."""
+    tol = {"fp32": (2e-5, 1e-4), "bf16": (1e-3, 1e-2)}[dtype]
     common = {"data_dir": str(corpus / "data"), "data.source": str(corpus / "docs.jsonl"), "data.text_field": "body",
               "data.val_fraction": 0.2, "tokenizer.vocab_size": 300, "model.mixer": "kaczmarz",
               "model.hidden_size": 32, "model.num_hidden_layers": 2,
               "model.mixer_kwargs": {"kaczmarz": {"num_heads": 2}}, "train.steps": 4, "train.seq_len": 32,
-              "train.global_batch_size": 8, "train.device": "cpu", "train.dtype": "fp32", "train.threads": 1,
+              "train.global_batch_size": 8, "train.device": "cpu", "train.dtype": dtype, "train.threads": 1,
               "optim.warmup_steps": 1, "eval.every": 4, "eval.rows": 8, "checkpoint.every": 2, "log.every": 1,
               "log.progress": False, "checkpoint.keep": 3}
     one = tmp_path / "one"
@@ -784,11 +787,11 @@ def test_two_processes_follow_one_process_curve(corpus, tmp_path, parallel):
     _torchrun(2, _flags({**common, "run_dir": str(two), "train.micro_batch_size": 2, "train.parallel": parallel}))
     a, b = _losses(one), _losses(two)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
-    for s in a:
-        assert b[s] == pytest.approx(a[s], rel=2e-5, abs=1e-6), (s, a[s], b[s])
     norms = [[r["grad_norm"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
               if r["kind"] == "train"] for run in (one, two)]
-    assert norms[1] == pytest.approx(norms[0], rel=1e-4)
+    for s in a:
+        assert b[s] == pytest.approx(a[s], rel=tol[0], abs=1e-6), (s, a[s], b[s])
+    assert norms[1] == pytest.approx(norms[0], rel=tol[1])
     assert (two / "model" / "model.safetensors").is_file()
     if parallel == "fsdp":       # resume from FSDP2's sharded checkpoint of step 2: steps 3-4 again, the same
         import shutil
