@@ -403,7 +403,7 @@ class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
                 inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
                 use_cache: bool | None = None, output_hidden_states: bool | None = None,
                 return_dict: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
-                **kwargs) -> CausalLMOutputWithPast | tuple:
+                targets: torch.LongTensor | None = None, **kwargs) -> CausalLMOutputWithPast | tuple:
         """As ``KalmixModel.forward``, plus: labels [B, T] (−100 = not scored) give the mean cross-entropy of
         position t's logits against labels[t + 1]; ``logits_to_keep`` = n > 0 projects only the last n positions
         onto the vocabulary (a 1-D tensor: those positions); 0 keeps all. With packed documents (``cu_seqlens`` or
@@ -411,6 +411,12 @@ class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
         scored. In training mode with labels and ``config.fuse_cross_entropy`` (the default) the loss is computed
         without the logits (``kalmix.models.loss.linear_cross_entropy``) and ``logits`` is None; in evaluation mode,
         without labels or with ``fuse_cross_entropy=False`` the logits are returned.
+
+        ``targets`` [B, T] (instead of labels) are labels already shifted: the token each position predicts (−100:
+        none), used as given (no document start or piece boundary is masked for them); ``loss`` is then their
+        summed cross-entropy, not the mean, for callers that count the scored targets themselves (``kalmix train``
+        counts its global batch's; under context parallelism a piece's last target is the next piece's first
+        label, which the caller holds). The logits are computed or not as with labels.
 
         With ``config.mc_samples`` = S > 0 (KLA+) the batch runs S times (rows s·B … (s + 1)·B − 1 are sample s,
         also in ``hidden_states``), every Kalman layer reading out a posterior sample, and the logits [B, T, V] are
@@ -429,8 +435,13 @@ class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
         x, _ = self.model._check_inputs("KalmixForCausalLM", input_ids, inputs_embeds, attention_mask, cache,
                                         past_key_values)
         self._check_logits_to_keep(logits_to_keep, x.shape[1])
+        if labels is not None and targets is not None:
+            raise ValueError("KalmixForCausalLM: pass `labels` (unshifted: the mean loss) or `targets` (shifted: the "
+                             "summed loss), not both")
         if labels is not None:
             self._check_labels(labels, x, logits_to_keep)
+        if targets is not None:
+            self._check_labels(targets, x, logits_to_keep, "targets")
         if (labels is not None or S) and (kwargs.get("cu_seqlens") is not None
                                            or kwargs.get("position_ids") is not None):
             kwargs["documents"] = self.model._documents(x, kwargs.pop("position_ids", None),
@@ -453,12 +464,15 @@ class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
             h = h[:, -logits_to_keep:] if logits_to_keep > 0 else h
         else:
             h = h[:, logits_to_keep]
-        fused = labels is not None and self.training and self.config.fuse_cross_entropy
+        fused = (labels is not None or targets is not None) and self.training and self.config.fuse_cross_entropy
         logits = None if fused else self.lm_head(h)
         if S and not fused:
             logits = mc_marginal(logits, S)
         loss = None
-        if labels is not None:
+        if targets is not None:
+            loss = (linear_cross_entropy(h, self.lm_head.weight, targets, max(S, 1), "sum") if fused else
+                    F.cross_entropy(upcast(logits).flatten(0, 1), targets.flatten(), reduction="sum"))
+        elif labels is not None:
             if fused:
                 loss = self._fused_loss(h, labels, docs)
             elif self.context_split is not None:
@@ -498,24 +512,25 @@ class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
             raise ValueError(f"KalmixForCausalLM: `logits_to_keep` must be an int n >= 0 (the last n positions; 0: "
                              f"all) or a 1-D integer tensor of positions, got {describe(logits_to_keep)}")
 
-    def _check_labels(self, labels, x: torch.Tensor, logits_to_keep) -> None:
-        """labels: an int64 tensor of the input's [B, T] on its device, of token ids or -100 (values read as
-        ``require`` says); T >= 2 outside a context-parallel forward; every position's logits kept."""
+    def _check_labels(self, labels, x: torch.Tensor, logits_to_keep, arg: str = "labels") -> None:
+        """labels (or ``arg`` = "targets"): an int64 tensor of the input's [B, T] on its device, of token ids or
+        -100 (values read as ``require`` says); labels: T >= 2 outside a context-parallel forward; every position's
+        logits kept."""
         name, B_T = "KalmixForCausalLM", list(x.shape[:2])
         if not isinstance(labels, torch.Tensor) or labels.dtype != torch.int64 or list(labels.shape) != B_T:
-            raise ValueError(f"{name}: `labels` must be an int64 tensor of the input's [B, T] = {B_T} (token ids, "
+            raise ValueError(f"{name}: `{arg}` must be an int64 tensor of the input's [B, T] = {B_T} (token ids, "
                              f"-100 = not scored), got {describe(labels)}")
         if labels.device != x.device:
-            raise ValueError(f"{name}: `labels` are on {labels.device} but the input is on {x.device}; pass both on "
+            raise ValueError(f"{name}: `{arg}` are on {labels.device} but the input is on {x.device}; pass both on "
                              f"one device")
         if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
-            raise ValueError(f"{name}: `labels` need the logits of every position; leave `logits_to_keep` 0")
-        if self.context_split is None and x.shape[1] < 2:
+            raise ValueError(f"{name}: `{arg}` need the logits of every position; leave `logits_to_keep` 0")
+        if arg == "labels" and self.context_split is None and x.shape[1] < 2:
             raise ValueError(f"{name}: `labels` score position t's logits against labels[t + 1], which needs T >= 2 "
                              f"tokens, got T = {x.shape[1]}")
         V = self.lm_head.out_features
         bad = (labels != -100) & ((labels < 0) | (labels >= V))
-        require(~bad.any(), f"{name}: `labels` must be token ids in [0, vocab_size = {V}) or -100 (not scored)",
+        require(~bad.any(), f"{name}: `{arg}` must be token ids in [0, vocab_size = {V}) or -100 (not scored)",
                 lambda: f", got {labels[bad].unique()[:8].tolist()}")
 
     def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs):

@@ -75,6 +75,9 @@ class ModelSection(StrictConfig):
     vocab_size: int | None = Field(None, ge=1, description="embedding rows (default: the tokenizer's vocabulary "
                                                           "rounded up to a multiple of 64)")
     impl: Literal["naive", "torch", "triton"] | None = Field(None, description="op backend (default: by device)")
+    fuse_cross_entropy: bool = Field(True, description="train on the loss computed from the last hidden states a "
+                                                       "chunk of tokens at a time, without the [tokens, vocab] "
+                                                       "logits (false: from the logits; the same loss)")
 
     @field_validator("mixer")
     @classmethod
@@ -110,7 +113,8 @@ class ModelSection(StrictConfig):
                   mixer_kwargs=self.mixer_kwargs, intermediate_size=self.intermediate_size,
                   tie_word_embeddings=self.tie_word_embeddings, impl=self.impl, mlp_act=self.mlp_act,
                   norm=self.norm, position=self.position, max_position_embeddings=self.max_position_embeddings,
-                  residual_init_scale=self.residual_init_scale, embedding_init_std=self.embedding_init_std)
+                  residual_init_scale=self.residual_init_scale, embedding_init_std=self.embedding_init_std,
+                  fuse_cross_entropy=self.fuse_cross_entropy)
         if self.mixers is not None:
             kw["mixers"] = self.mixers
         else:

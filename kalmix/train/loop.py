@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from kalmix.bench.models import lm_flops_per_token
 from kalmix.distributed import context_parallel_model
+from kalmix.layers.common import upcast
 from kalmix.models import KalmixForCausalLM
 from kalmix.train import checkpoint as ckpt
 from kalmix.train.config import TrainConfig, describe_changes, resume_changes
@@ -438,7 +439,7 @@ class Trainer:
         batch = self._to_device(next(iter(val_batches(self.val_set, self.cfg.train.micro_batch_size,
                                                       self.cfg.train.micro_batch_size))))
         try:
-            self._loss_sums(batch)[0].backward()
+            self._loss_sum(batch).backward()
         except Exception as e:
             raise ValueError(f"the model cannot train on rows of train.seq_len = {self.cfg.train.seq_len} tokens "
                              f"× train.micro_batch_size = {self.cfg.train.micro_batch_size}: "
@@ -475,17 +476,25 @@ class Trainer:
             return contextlib.nullcontext()
         return context_parallel_model(self.model, self.cp_group)
 
-    def _loss_sums(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(summed cross-entropy, per-target losses [B, T_r], target mask [B, T_r]) of this process's piece of the
-        rows (T_r = seq_len / context_parallel): position t scores labels[t + 1], the next piece's first label at
-        a piece's end and nothing at a row's end."""
+    def _loss_sum(self, batch: dict) -> torch.Tensor:
+        """The summed cross-entropy of this process's piece of the rows (T_r = seq_len / context_parallel; position
+        t scores labels[t + 1], the next piece's first label at a piece's end and nothing at a row's end), for
+        training: the model computes it from the targets inside its forward (where FSDP has the LM head's weight
+        gathered), without the [B, T_r, V] logits when its config has ``fuse_cross_entropy`` (the default)."""
+        with self.opt.autocast(), self._context():
+            return self.model(input_ids=batch["input_ids"][:, self.piece], cu_seqlens=batch["cu_seqlens"],
+                              targets=self._ahead(batch["labels"], -100)).loss
+
+    def _token_losses(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per-target losses [B, T_r], target mask [B, T_r]) of this process's piece of the rows, the targets as
+        ``_loss_sum``'s, for evaluation: from the model's logits [B, T_r, V] (no gradients are kept in
+        evaluation, so they cost their forward's memory only)."""
         with self.opt.autocast(), self._context():
             logits = self.model(input_ids=batch["input_ids"][:, self.piece], cu_seqlens=batch["cu_seqlens"]).logits
         targets = self._ahead(batch["labels"], -100)
-        losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100,
+        losses = F.cross_entropy(upcast(logits).flatten(0, 1), targets.flatten(), ignore_index=-100,
                                  reduction="none").view_as(targets)
-        mask = targets != -100
-        return losses.sum(), losses, mask
+        return losses, targets != -100
 
     def evaluate(self) -> dict:
         """Validation loss, perplexity and loss by the predicted token's position in its document."""
@@ -494,7 +503,7 @@ class Trainer:
         counts = torch.zeros(nb, dtype=torch.float64)
         with evaluating(self.model):
             for batch in self.val_batches():
-                _, losses, mask = self._loss_sums(batch)
+                losses, mask = self._token_losses(batch)
                 pos = self._ahead(batch["doc_pos"], 0).long()
                 bucket = (pos * nb // T).clamp_max(nb - 1)[mask].cpu()
                 sums += torch.bincount(bucket, weights=losses[mask].double().cpu(), minlength=nb)
@@ -527,7 +536,7 @@ class Trainer:
         for i, batch in enumerate(batches):
             last = i == len(batches) - 1
             with self._sync(last):
-                s, _, _ = self._loss_sums(batch)
+                s = self._loss_sum(batch)
                 loss = s * (env.world / total_count)
                 self.opt.backward(loss)
             loss_sum += s.detach().double()

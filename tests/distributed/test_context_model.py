@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kalmix.distributed import context_parallel_loss, context_parallel_model
@@ -66,13 +67,16 @@ def _documents() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _case(rank: int, world: int, name: str, mode: str = "relay", varlen: bool = False, docs: str | None = None,
-          fused: bool = False) -> str:
+          fused: bool = False, targets: bool = False) -> str:
     """One model on this rank, its mixers' states passed in ``mode``; on rank 0 returns "ok" or what differs from
     the single process. ``varlen``: attention's pieces go through the varlen flash path, its kernel played by the
     CPU stand-in of tests/layers/test_attention_varlen.py. ``docs``: the rows pack ``DOCS``, given to the split
     model as "cu_seqlens" (the whole batch's), "empty" (the same with empty documents added) or "position_ids"
     (the piece's). ``fused``: the split model in training mode, its loss from the hidden states without logits
-    (``fuse_cross_entropy``), against the single process's loss from its logits."""
+    (``fuse_cross_entropy``), against the single process's loss from its logits. ``targets``: the split model
+    takes its piece of the whole rows' shifted labels (``targets``, as ``kalmix train`` passes them: the next
+    piece's first label at a piece's end, none at a document's start) and its summed loss over the number of
+    targets of the whole batch is compared."""
     if varlen:
         import kalmix.layers.attention as attention
         from tests.layers.test_attention_varlen import varlen_stand_in
@@ -95,14 +99,19 @@ def _case(rank: int, world: int, name: str, mode: str = "relay", varlen: bool = 
     start, length = sum(LENGTHS[world][:rank]), LENGTHS[world][rank]
     cut = slice(start, start + length)
     packed = {"position_ids": {"position_ids": pos[:, cut]}, None: {}}.get(docs, {"cu_seqlens": cu})
+    scored = {"labels": labels[:, cut]}
+    if targets:
+        shifted = F.pad(labels.masked_fill(pos == 0, -100)[:, 1:] if docs else labels[:, 1:], (0, 1), value=-100)
+        scored = {"targets": shifted[:, cut]}
     with context_parallel_model(model, mode=mode):  # use_cache defaults to False here, though the model is in eval
-        out = model(input_ids=ids[:, cut], labels=labels[:, cut], **packed)
-        if docs and not fused:                      # the loss on its own, documents given by their positions
+        out = model(input_ids=ids[:, cut], **scored, **packed)
+        if docs and not fused and not targets:      # the loss on its own, documents given by their positions
             alone = context_parallel_loss(out.logits, labels[:, cut], position_ids=pos[:, cut])
             torch.testing.assert_close(alone, out.loss, rtol=TOL, atol=TOL)
-    grads = torch.autograd.grad(out.loss, params, allow_unused=True)    # a backward after the block
+    loss = out.loss / (shifted != -100).sum() if targets else out.loss
+    grads = torch.autograd.grad(loss, params, allow_unused=True)    # a backward after the block
     assert (out.logits is None) == fused
-    mine = {"logits": None if fused else out.logits.detach(), "loss": out.loss.detach(),
+    mine = {"logits": None if fused else out.logits.detach(), "loss": loss.detach(),
             "grads": [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]}
     got = [None] * world if rank == 0 else None
     dist.gather_object(mine, got, dst=0)
@@ -121,19 +130,26 @@ def _case(rank: int, world: int, name: str, mode: str = "relay", varlen: bool = 
     return "ok"
 
 
-def _ddp(rank: int, world: int) -> str:
+def _ddp(rank: int, world: int, targets: bool = False) -> str:
     """The hybrid model wrapped in DDP over the same group: with each rank's loss times the group size, DDP's
-    averaged gradients are the single process's on every rank."""
+    averaged gradients are the single process's on every rank. ``targets``: in training mode, each rank's piece
+    of the rows' shifted labels (``targets``) gives its summed fused loss, divided by the batch's count."""
     model = _model(MODELS["hybrid"])
     ids, labels = _batch(world)
     ref = model(input_ids=ids, labels=labels, use_cache=False)
     ref_grads = torch.autograd.grad(ref.loss, list(model.parameters()))
-    ddp = DDP(model)
+    ddp = DDP(model.train(targets))
     start = sum(LENGTHS[world][:rank])
     cut = slice(start, start + LENGTHS[world][rank])
+    shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
     with context_parallel_model(ddp):
-        out = ddp(input_ids=ids[:, cut], labels=labels[:, cut])
-    (out.loss * world).backward()
+        if targets:
+            out = ddp(input_ids=ids[:, cut], targets=shifted[:, cut])
+            assert out.logits is None
+            loss = out.loss / (shifted != -100).sum()
+        else:
+            loss = ddp(input_ids=ids[:, cut], labels=labels[:, cut]).loss
+    (loss * world).backward()
     msg = "ok"
     for (name, p), r in zip(model.named_parameters(), ref_grads):
         try:
@@ -185,7 +201,11 @@ def _cases() -> dict:
             "hybrid-varlen-docs": functools.partial(_case, name="hybrid", varlen=True, docs="cu_seqlens"),
             "hybrid-fused": functools.partial(_case, name="hybrid", fused=True),
             "kalman-fused-docs": functools.partial(_case, name="kalman", docs="cu_seqlens", fused=True),
-            "ddp": _ddp, "refusals": _refusals}
+            "hybrid-targets": functools.partial(_case, name="hybrid", targets=True),
+            "hybrid-fused-targets": functools.partial(_case, name="hybrid", fused=True, targets=True),
+            "kalman-fused-targets-docs": functools.partial(_case, name="kalman", docs="cu_seqlens", fused=True,
+                                                           targets=True),
+            "ddp": _ddp, "ddp-fused-targets": functools.partial(_ddp, targets=True), "refusals": _refusals}
 
 
 @functools.cache
@@ -256,9 +276,19 @@ def test_fused_loss_matches_single_process(world, case):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_ddp(world):
-    """Under DDP over the same group, each rank's loss times the group size gives the single-process gradients."""
-    assert _results(world)["ddp"] == "ok"
+@pytest.mark.parametrize("case", ["hybrid-targets", "hybrid-fused-targets", "kalman-fused-targets-docs"])
+def test_targets_match_single_process(world, case):
+    """Each piece given its targets (the rows' labels shifted, as ``kalmix train`` passes them), from the logits or
+    fused: the ranks' summed losses over the batch's count and their gradients summed equal one process's."""
+    assert _results(world)[case] == "ok"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", ["ddp", "ddp-fused-targets"])
+def test_ddp(world, case):
+    """Under DDP over the same group, each rank's loss times the group size gives the single-process gradients
+    (also in training mode with the fused loss of the pieces' targets)."""
+    assert _results(world)[case] == "ok"
 
 
 @pytest.mark.parametrize("world", [2, 4])

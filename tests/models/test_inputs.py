@@ -4,6 +4,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import GenerationConfig
 
 import kalmix.layers.common as common
@@ -146,6 +147,14 @@ META = "meta"           # a device no tensor of the test model is on
     (dict(input_ids=IDS, labels=torch.full((2, 5), -5)), r"`labels` must be token ids .*, got \[-5\]"),
     (dict(input_ids=IDS, labels=IDS.to(META)), "`labels` are on meta but the input is on cpu"),
     (dict(input_ids=IDS[:, :1], labels=IDS[:, :1]), r"which needs T >= 2 tokens, got T = 1"),
+    (dict(input_ids=IDS, targets=IDS[:, 1:]), r"`targets` must be an int64 tensor of the input's \[B, T\] = \[2, 5\] "
+                                              r"\(token ids, -100 = not scored\), got a torch.int64 tensor of shape"),
+    (dict(input_ids=IDS, targets=torch.full((2, 5), V)),
+     rf"`targets` must be token ids in \[0, vocab_size = {V}\) or -100 \(not scored\), got \[{V}\]"),
+    (dict(input_ids=IDS, targets=IDS.to(META)), "`targets` are on meta but the input is on cpu"),
+    (dict(input_ids=IDS, targets=IDS, logits_to_keep=2), r"`targets` need the logits of every position"),
+    (dict(input_ids=IDS, labels=IDS, targets=IDS), r"pass `labels` \(unshifted: the mean loss\) or `targets` "
+                                                   r"\(shifted: the summed loss\), not both"),
     (dict(input_ids=IDS, position_ids=torch.arange(5.0).expand(2, 5)), r"`position_ids` must be an integer tensor"),
     (dict(input_ids=IDS, position_ids=torch.arange(4).expand(2, 4)), r"`position_ids` must be \[B, T\] = \[2, 5\]"),
     (dict(input_ids=IDS, position_ids=torch.arange(5, device=META).expand(2, 5)),
@@ -179,6 +188,8 @@ def test_edge_inputs_that_are_fine(lm):
     labels = IDS.clone()
     labels[:, 3:] = -100
     assert torch.isfinite(lm(IDS, labels=labels).loss)
+    one = lm(IDS[:, :1], targets=IDS[:, 1:2])        # targets are shifted already: one token scores one target
+    torch.testing.assert_close(one.loss, F.cross_entropy(one.logits[:, 0], IDS[:, 1], reduction="sum"))
     cache = KalmixCache()
     lm(IDS[:, :3], cache=cache, use_cache=True)
     full = lm(IDS[:, 3:], attention_mask=torch.ones(2, 5), cache=cache, use_cache=True).logits

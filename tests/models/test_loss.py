@@ -160,6 +160,43 @@ def test_the_fused_model_loss_and_every_gradient_equal_the_plain_path(case):
     assert loss.shape == () and len(_) == 0
 
 
+@pytest.mark.parametrize("case", ["plain", "packed", "untied", "klaplus", "checkpointing"])
+def test_targets_give_the_summed_loss_fused_or_from_the_logits(case):
+    """``targets`` (labels already shifted, as ``kalmix train`` passes them): in training mode the fused model's
+    summed loss and every gradient equal the plain path's with the same targets, and the labels' mean loss times
+    the number of scored targets (fp64); in evaluation mode the logits come back with the same loss."""
+    kw = {"untied": dict(tie_word_embeddings=False), "klaplus": dict(mc_samples=3)}.get(case, {})
+    fused, ref = twins(["kalman", "attention"] if case == "klaplus" else HYBRID, **kw)
+    if case == "checkpointing":
+        for m in (fused, ref):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    g = torch.Generator().manual_seed(12)
+    x = torch.randint(0, 37, (3, 13), generator=g)
+    labels = x.clone()
+    labels[0, :5] = -100
+    labels[2, 7] = -100
+    args = {}
+    if case == "packed":            # as kalmix train's rows: a document's first label is -100
+        args["cu_seqlens"] = torch.tensor([0, 4, 13, 20, 26, 30, 39])
+        labels.view(-1)[args["cu_seqlens"][:-1]] = -100
+    targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+    count = int((targets != -100).sum())
+    got, got_grads = step(fused, 1, input_ids=x, targets=targets, **args)
+    plain, plain_grads = step(ref, 1, input_ids=x, targets=targets, **args)
+    mean, mean_grads = step(ref, 1, input_ids=x, labels=labels, **args)
+    assert got.logits is None and plain.logits is not None
+    torch.testing.assert_close(got.loss, plain.loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got.loss, mean.loss * count, rtol=1e-12, atol=1e-12)
+    for n in plain_grads:
+        torch.testing.assert_close(got_grads[n], plain_grads[n], rtol=1e-10, atol=1e-12, msg=n)
+        torch.testing.assert_close(got_grads[n], mean_grads[n] * count, rtol=1e-10, atol=1e-12, msg=n)
+    fused.eval()
+    torch.manual_seed(1)
+    out = fused(input_ids=x, targets=targets, **args)
+    assert out.logits.shape == (3, 13, 37)
+    torch.testing.assert_close(out.loss, got.loss, rtol=1e-12, atol=1e-12)
+
+
 def test_evaluation_mode_without_labels_or_with_the_flag_off_returns_logits():
     fused, ref = twins(["gdn", "attention"])
     x = torch.randint(0, 37, (2, 9))

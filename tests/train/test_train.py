@@ -292,16 +292,75 @@ def test_run_writes_metrics_checkpoints_and_a_loadable_model(corpus, tmp_path):
     assert model(ids).logits.shape[-1] == model.config.vocab_size >= len(tok)
 
 
-@pytest.mark.parametrize("option, steps, rel", [("train.activation_checkpointing", 3, 1e-6),
-                                               ("train.compile", 2, 1e-5)])
-def test_option_trains_the_same(corpus, tmp_path, option, steps, rel):
-    """Activation checkpointing and the compiled MLPs give the losses of the plain run."""
+@pytest.mark.parametrize("option, value, steps, rel", [("train.activation_checkpointing", True, 3, 1e-6),
+                                                      ("train.compile", True, 2, 1e-5),
+                                                      ("model.fuse_cross_entropy", False, 3, 1e-6)])
+def test_option_trains_the_same(corpus, tmp_path, option, value, steps, rel):
+    """Activation checkpointing, the compiled MLPs and the loss from the logits (no fused loss) give the losses of
+    the default run."""
     a, b = tmp_path / "a", tmp_path / "b"
     train(_cfg(corpus, a, **{"train.steps": steps}))
-    train(_cfg(corpus, b, **{"train.steps": steps, option: True}))
+    train(_cfg(corpus, b, **{"train.steps": steps, option: value}))
     la, lb = _losses(a), _losses(b)
     for s in la:
         assert lb[s] == pytest.approx(la[s], rel=rel), (s, la[s], lb[s])
+
+
+def _grads(model, loss) -> tuple[torch.Tensor, dict]:
+    """(the loss, {parameter name: its gradient}) after ``loss.backward()``; the model's gradients are reset."""
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("case", ["fp64", "fp64-checkpointing", "fp64-untied", "bf16"])
+def test_the_train_loss_and_every_gradient_equal_the_logits_path(corpus, tmp_path, case):
+    """A micro-batch's training loss (packed rows), through the model's fused loss without logits, equals the model's
+    loss from its logits (``model.fuse_cross_entropy: false``) and evaluation's per-token losses from the logits
+    summed, gradients included: to 1e-10 in fp64 (the weights cast after the build) with or without activation
+    checkpointing or a tied LM head; under bf16 autocast the loss to 1e-5 and each gradient to 1% of its norm (the
+    fused LM head's gradient sums its chunks in fp32, the plain one rounds it to bf16)."""
+    option = {"fp64-checkpointing": {"train.activation_checkpointing": True},
+              "fp64-untied": {"model.tie_word_embeddings": False}, "bf16": {"train.dtype": "bf16"}}.get(case, {})
+    over = {"train.seq_len": 128, "train.global_batch_size": 2, **option}
+    fused = Trainer(_cfg(corpus, tmp_path / "fused", **over), Dist("cpu"))
+    plain = Trainer(_cfg(corpus, tmp_path / "plain", **over, **{"model.fuse_cross_entropy": False}), Dist("cpu"))
+    if case.startswith("fp64"):
+        fused.raw.double(), plain.raw.double()
+    (batch,), count = fused._micro_batches()
+    assert count > 0 and 0 < int((batch["cu_seqlens"] % 128 != 0).sum())       # documents start inside rows
+    got = _grads(fused.raw, fused._loss_sum(batch))
+    refs = [_grads(plain.raw, plain._loss_sum(batch)), _grads(plain.raw, plain._token_losses(batch)[0].sum())]
+    for loss, grads in refs:
+        if case == "bf16":
+            torch.testing.assert_close(got[0], loss, rtol=1e-5, atol=0)
+            for n, g in grads.items():
+                assert (got[1][n] - g).norm() <= 1e-2 * g.norm(), n
+        else:
+            torch.testing.assert_close(got[0], loss, rtol=1e-12, atol=0)
+            for n, g in grads.items():
+                torch.testing.assert_close(got[1][n], g, rtol=1e-10, atol=1e-12, msg=n)
+
+
+def test_the_train_step_holds_no_logits(corpus, tmp_path, monkeypatch):
+    """A whole training step (forward, backward, optimizer) under bf16 autocast peaks below half of one bf16 logits
+    tensor [N, V] with the fused loss, where the loss from the logits peaks above two fp32 ones (N = 4 × 256 tokens,
+    V = 16,384). The fused loss's chunks are cut to 16 tokens, a small part of the batch as at training sizes."""
+    import kalmix.models.loss as loss_module
+    from kalmix.bench.memory import step_peak_bytes
+    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 16 * 16384)
+    B, T, V = 4, 256, 16384
+    peak = {}
+    for fused in (True, False):
+        trainer = Trainer(_cfg(corpus, tmp_path / str(fused), **{
+            "model.vocab_size": V, "model.fuse_cross_entropy": fused, "train.seq_len": T, "train.micro_batch_size": B,
+            "train.global_batch_size": B, "train.dtype": "bf16", "eval.rows": B}), Dist("cpu"))
+        trainer.train_step()                            # the optimizer's state is made at the first step
+        peak[fused] = step_peak_bytes(trainer.train_step)
+    logits = B * T * V
+    assert peak[True] < logits * 2 / 2
+    assert peak[False] > 2 * logits * 4
 
 
 @pytest.fixture(scope="module")
@@ -667,12 +726,12 @@ def test_corrupt_foreign_and_mismatched_checkpoints(corpus, tmp_path):
 
 def test_non_finite_gradients_stop_the_run(corpus, tmp_path, monkeypatch, capsys):
     run = tmp_path / "run"
-    real = Trainer._loss_sums
+    real = Trainer._loss_sum
 
     def nan_at_step_5(self, batch):
-        s, losses, mask = real(self, batch)
-        return (s * float("nan") if self.step == 4 and self.model.training else s), losses, mask
-    monkeypatch.setattr(Trainer, "_loss_sums", nan_at_step_5)
+        s = real(self, batch)
+        return s * float("nan") if self.step == 4 else s
+    monkeypatch.setattr(Trainer, "_loss_sum", nan_at_step_5)
     with pytest.raises(FloatingPointError, match="step 5"):
         train(_cfg(corpus, run))
     assert [p.name for p in ckpt.checkpoints(run)] == ["step_0000003"]
@@ -707,23 +766,32 @@ def _flags(cfg_over: dict) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_processes_follow_one_process_curve(corpus, tmp_path, parallel):
+@pytest.mark.parametrize("parallel, dtype", [("ddp", "fp32"), ("fsdp", "fp32"), ("ddp", "bf16"), ("fsdp", "bf16")])
+def test_two_processes_follow_one_process_curve(corpus, tmp_path, parallel, dtype):
+    """Two processes training on the fused loss (no logits; under FSDP2 the LM head's weight gathered in the
+    model's forward) follow one process's losses and gradient norms from the logits (fp32: to 2e-5 and 1e-4;
+    under bf16 autocast, where they differ by about 1e-4 and 2e-3: to 1e-3 and 1e-2), and an FSDP2 run resumes
+    exactly."""
+    tol = {"fp32": (2e-5, 1e-4), "bf16": (1e-3, 1e-2)}[dtype]
     common = {"data_dir": str(corpus / "data"), "data.source": str(corpus / "docs.jsonl"), "data.text_field": "body",
               "data.val_fraction": 0.2, "tokenizer.vocab_size": 300, "model.mixer": "kaczmarz",
               "model.hidden_size": 32, "model.num_hidden_layers": 2,
               "model.mixer_kwargs": {"kaczmarz": {"num_heads": 2}}, "train.steps": 4, "train.seq_len": 32,
-              "train.global_batch_size": 8, "train.device": "cpu", "train.dtype": "fp32", "train.threads": 1,
+              "train.global_batch_size": 8, "train.device": "cpu", "train.dtype": dtype, "train.threads": 1,
               "optim.warmup_steps": 1, "eval.every": 4, "eval.rows": 8, "checkpoint.every": 2, "log.every": 1,
               "log.progress": False, "checkpoint.keep": 3}
     one = tmp_path / "one"
-    train(load_config(None, {**common, "run_dir": str(one), "train.micro_batch_size": 4}))
+    train(load_config(None, {**common, "run_dir": str(one), "train.micro_batch_size": 4,
+                             "model.fuse_cross_entropy": False}))
     two = tmp_path / "two"
     _torchrun(2, _flags({**common, "run_dir": str(two), "train.micro_batch_size": 2, "train.parallel": parallel}))
     a, b = _losses(one), _losses(two)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    norms = [[r["grad_norm"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+              if r["kind"] == "train"] for run in (one, two)]
     for s in a:
-        assert b[s] == pytest.approx(a[s], rel=2e-5, abs=1e-6), (s, a[s], b[s])
+        assert b[s] == pytest.approx(a[s], rel=tol[0], abs=1e-6), (s, a[s], b[s])
+    assert norms[1] == pytest.approx(norms[0], rel=tol[1])
     assert (two / "model" / "model.safetensors").is_file()
     if parallel == "fsdp":       # resume from FSDP2's sharded checkpoint of step 2: steps 3-4 again, the same
         import shutil

@@ -1,6 +1,6 @@
 """`kalmix train --train.context_parallel N` on CPU with gloo processes: the config's refusals, and runs whose rows
-are split over 2 processes (CP = 2, and CP = 2 × DP = 2 on 4 processes; DDP and FSDP2) that follow one process's
-loss curve and resume exactly from their checkpoints."""
+are split over 2 processes (CP = 2, and CP = 2 × DP = 2 on 4 processes; DDP and FSDP2; the fused loss) that follow
+one process's loss curve (from the logits) and resume exactly from their checkpoints."""
 import json
 import shutil
 from pathlib import Path
@@ -52,15 +52,17 @@ def test_processes_split_into_groups_and_the_batch_over_them():
 @pytest.fixture(scope="module")
 def one_process(corpus, tmp_path_factory):
     run = tmp_path_factory.mktemp("cp") / "one"
-    train(load_config(None, {**_common(corpus), "run_dir": str(run), "train.micro_batch_size": 4}))
+    train(load_config(None, {**_common(corpus), "run_dir": str(run), "train.micro_batch_size": 4,
+                             "model.fuse_cross_entropy": False}))
     return run
 
 
 @pytest.mark.parametrize("procs, parallel", [(2, "ddp"), (4, "ddp"), (2, "fsdp")])
 def test_context_parallel_follows_one_process_and_resumes_exactly(corpus, one_process, tmp_path, procs, parallel):
-    """Rows split in 2 pieces over groups of 2 processes (procs // 2 data-parallel groups): the training and
-    validation losses equal one process's within 1e-6 (fp32); removing the last checkpoint and running again
-    resumes from step 2 and repeats steps 3 and 4 exactly."""
+    """Rows split in 2 pieces over groups of 2 processes (procs // 2 data-parallel groups), trained on the fused
+    loss (each piece's targets, the next piece's first label included, passed to the model): the training and
+    validation losses equal one process's from the logits within 1e-6 (fp32); removing the last checkpoint and
+    running again resumes from step 2 and repeats steps 3 and 4 exactly."""
     run = tmp_path / "cp"
     flags = _flags({**_common(corpus), "run_dir": str(run), "train.context_parallel": 2,
                     "train.micro_batch_size": 4 // (procs // 2), "train.parallel": parallel})
