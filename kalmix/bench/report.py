@@ -77,6 +77,7 @@ def summarise(recipe: Recipe, rows: list[dict]) -> dict:
         steps[mixer].append(row["steps_run"])
         step_s[mixer].append(row["train_s"] / row["steps_run"])
     return {"cells": by_metric[recipe.metric], "by_metric": by_metric, "selected": best, "step_s": step_s,
+            "rows": rows,
             "swept": swept,
             "failures": failures, "ran": ran, "devices": devices, "steps": steps,
             "seeds": {r["seed"] for r in best.values()}, "lrs": {r["lr"] for r in rows if r["status"] == "ok"},
@@ -248,6 +249,42 @@ def diagnostics(recipe: Recipe, summary: dict) -> list[str]:
     return lines + [""]
 
 
+def by_lr(recipe: Recipe, rows: list[dict]) -> list[str]:
+    """Every learning rate's runs, not only the best per seed: per mixer, grid point and lr, the seeds that solve
+    the task (``report.solve_at``), the test metric (mean ± std over all its seeds, unsolved ones included) at the
+    training length and at the longest evaluated length, and how the runs ended. It shows whether the rate kept
+    per seed sits inside the grid and how much of a mean comes from seeds that never left a plateau."""
+    solve_at, metric = recipe.report.solve_at, recipe.metric
+    cells = defaultdict(list)
+    for row in rows:
+        if row["status"] == "ok" and row.get("val") is not None:
+            cells[(row["mixer"], _key(row["point"]), row["lr"])].append(row)
+    if not cells:
+        return []
+    name = metric.replace("_", " ")
+    head = ["mixer", "grid point", "lr"] + (["seeds solving"] if solve_at is not None else [])
+    lengths = sorted({int(n) for r in rows if r.get("test") for n in r["test"]})
+    train_len, long_len = None, lengths[-1] if lengths else None
+    head += [f"test {name} (%) at the training length", f"at {long_len}" if long_len else "", "ends"]
+    lines = ["Every learning rate (all seeds, unsolved ones included):", "", "| " + " | ".join(head) + " |",
+             "|" + "---|" * len(head)]
+    order = {m: i for i, m in enumerate(recipe.mixers)}
+    for (mixer, pkey, lr), runs in sorted(cells.items(), key=lambda kv: (order.get(kv[0][0], len(order)), kv[0][1],
+                                                                          kv[0][2])):
+        at = recipe.at(json.loads(pkey))
+        train_len = at.task.length()
+        out = [mixer, _fmt_point(json.loads(pkey)), f"{lr:g}"]
+        if solve_at is not None:
+            out.append(f"{sum(solve_step(r, solve_at) is not None for r in runs)} of {len(runs)}")
+        for length in (train_len, long_len):
+            vals = [r["test"][str(length)][metric] for r in runs if str(length) in r["test"]]
+            out.append(_cell(_stat(vals), None, len(vals)) if vals else "–")
+        ends = Counter(tail(r, at.train, solve_at).split(" (")[0] for r in runs)
+        out.append(", ".join(f"{n} {e}" for e, n in sorted(ends.items(), key=lambda kv: -kv[1])))
+        lines.append("| " + " | ".join(out) + " |")
+    return lines + [""]
+
+
 def _fmt_point(point: dict) -> str:
     return ", ".join(f"{k.rsplit('.', 1)[-1]} = {_fmt(v)}" for k, v in point.items()) or "–"
 
@@ -262,6 +299,8 @@ def markdown(recipe: Recipe, summary: dict, image: str | None) -> str:
         lines += score_tables(recipe, summary, metric)
     if summary["selected"]:
         lines += diagnostics(recipe, summary)
+    if len(summary["lrs"]) > 1:
+        lines += by_lr(recipe, summary["rows"])
     runs = [f"{m} ({'; '.join(sorted(r))}): {_span(summary['steps'][m])} steps, "
             f"{1000 * statistics.fmean(summary['step_s'][m]):.0f} ms/step" for m, r in summary["ran"].items()]
     lines += [f"Ran on {', '.join(sorted(summary['devices']))}; seeds {sorted(summary['seeds'])}, learning rates "

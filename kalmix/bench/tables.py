@@ -241,6 +241,8 @@ def recipe_tables(paths: list[str]) -> str:
         recipe, rows, _ = report.current(rows)
         summary = report.summarise(recipe, rows)
         lines = report.score_tables(recipe, summary, recipe.metric)
+        if len(summary["lrs"]) > 1:
+            lines += report.by_lr(recipe, rows)
         runs = sorted({(r["git"], r["device"], r["torch"], r["triton"]) for r in rows})
         failed = Counter(r["status"] for r in summary["failures"])
         lines.append(f"{recipe.name}: " + "; ".join(f"commit {g} on {d} (torch {t}, triton {tr})"

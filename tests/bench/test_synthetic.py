@@ -416,6 +416,10 @@ def test_escape_statistics_lr_edges_and_tails():
     assert rep.tail(saturated, recipe.train) == "flat"                      # loss falling at 100% is not training
     md = rep.markdown(recipe, s, None)
     assert "**Budget** per grid point: the recipe states no paper budget" in md and "ms/step" in md
+    lrs = "\n".join(rep.by_lr(recipe, rows))          # every rate's runs, the unkept ones included
+    assert "| gdn | – | 0.001 | 0 of 2 | 22.5 ± 24.7 | 22.5 ± 24.7 | 1 flat, 1 rising |" in lrs
+    assert "| gdn | – | 0.01 | 1 of 2 | 70.0 ± 28.3 | 70.0 ± 28.3 | 1 rising, 1 solved |" in lrs
+    assert "Every learning rate" in md
 
 
 def test_report_also_shows_extra_metrics():
