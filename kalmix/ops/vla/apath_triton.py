@@ -1,13 +1,17 @@
 """VLA's A path (the write directions α̂) as sequential Triton kernels, forward and backward.
 
-Per head, A_t = (A_0⁻¹ + Σ_{s≤t} û_s û_sᵀ)⁻¹ and α̂_t = a_t/‖a_t‖ with a_t = A_t k̂_t. One program per (part,
-batch, head) walks sub-chunks of C = 16 tokens with A [K, K] in fp32; for a sub-chunk with rows û, k̂:
+Per head, A_t = (A_0⁻¹ + Σ_{s≤t} û_s û_sᵀ)⁻¹ and α̂_t = a_t/‖a_t‖ with a_t = A_t k̂_t. One program per (part of a
+sequence, head) walks sub-chunks of C = 16 tokens with A [K, K] in fp32; for a sub-chunk with rows û, k̂:
 
     G = I + U A Uᵀ = R Rᵀ (Cholesky),  Y = R⁻¹ U,  W = Y A (rows w_t = z_t/√δ_t)
     a = K A − tril(K Wᵀ) W,            A ← A − Wᵀ W
 
-Parts: with few (batch, head) pairs the sequence is cut into parts walked in parallel, each from its start
-A_p = (A_0⁻¹ + Σ_{t before the part} û_t û_tᵀ)⁻¹, formed directly from fp64 Gram sums and Cholesky factors.
+Sequences: a batch's rows or packed sequences (``cu_seqlens``), tokens laid out [tokens, H, K] either way, each
+sequence's sub-chunks and blocks (SAVE sub-chunks) counted from its own first token (the block table is
+``triton_utils.chunk_table``'s), so none crosses a sequence. Parts: with few (sequence, head) pairs the sequences
+are cut into parts of whole blocks walked in parallel (``cut``), each from its start
+A_p = (A_0⁻¹ + Σ_{t before the part in its sequence} û_t û_tᵀ)⁻¹, formed directly from fp64 Gram sums and Cholesky
+factors; a sequence's first part starts from its own A_0, an empty sequence is an empty part.
 
 Backward (README.md, `impl="triton"`). With M_t = A_t⁻¹ = A_0⁻¹ + Σ_{s≤t} û_s û_sᵀ, the gradient with respect to
 M_t is the same for every M_t upstream of a token, so −∂L/∂M before token t is the additive
@@ -17,10 +21,10 @@ B̃_t = A_T Ā_T A_T + sym Σ_{t'≥t} b_t' a_t'ᵀ with b_t = A_t ∂a_t (∂a_
     ∂û_s = −2 B̃_s û_s = −Σ_{t≥s in the block} [(a_t·û_s) b_t + (b_t·û_s) a_t] − 2 B̃_(after the block) û_s
 
 so no step of the backward depends on another except through B̃'s sums. ``_apath_bwd_b_kernel`` runs one
-program per (column block, block of SAVE sub-chunks) for b_t (from the A the forward saved at the block's start),
+program per (block of SAVE sub-chunks, column block, head) for b_t (from the A the forward saved at the block's start),
 ``_apath_bwd_du_kernel`` the same grid for the block's own terms of ∂û; ``_apath_carry_kernel`` walks the
 blocks backwards, per column block of B̃, adding −2 B̃ û_s and then the block's sym Σ b_t a_tᵀ to B̃ (in parts
-too: each part's own sum first, then every part from the later parts' sums). The initial A's gradient
+too: each part's own sum first, then every part from the sums of its sequence's later parts). The initial A's gradient
 Ā_0 = A_0⁻¹ B̃_0 A_0⁻¹ would lose its accuracy where A_0 is ill-conditioned (a state carried over a long
 sequence), so ``_apath_da0_kernel`` carries Ā itself when it is asked for, by sub-chunks: with
 P_t = A_t A_0⁻¹ = I − Σ_{s≤t} w_s y_sᵀ, Y = R⁻¹ U,
