@@ -53,8 +53,7 @@ from kalmix.ops.common.triton_utils import (chunk_at, chunk_rows, chunk_starts, 
 from kalmix.ops.common.varlen import Offsets, batch_offsets, to_device
 
 C_SUB = 16      # tokens per sub-chunk (one unblocked 16×16 Cholesky each)
-SAVE = 4        # the forward keeps A every SAVE sub-chunks for the backward
-BLOCK = SAVE * C_SUB  # tokens per block: A is kept at each one's start, the backward runs per block
+SAVE = 4        # the forward keeps A every SAVE sub-chunks (a block) for the backward, which runs per block
 MAX_K = 128     # the backward holds A [K, K] (and its gradient) in registers (the op checks K)
 ROW_BLOCK = 32  # rows of A per streamed block
 CARRY_COLS = 32  # columns of B̃ per program of the backward's carry
@@ -296,14 +295,14 @@ def _part_blocks(n_blocks: int, programs: int, min_programs: int) -> int:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Parts:
-    """Sequences cut into parts of ``blocks`` whole blocks each (their last part shorter), walked in parallel
+    """Sequences cut into parts of ``length`` tokens, whole blocks (their last part shorter), walked in parallel
     (``cut``). ``table`` [P, 3] int32: each part's first token, end token and first block (its row in the sequences'
     ``chunk_table`` of blocks). Where some sequence has several parts, int64 indices: ``seq`` [P] each part's
     sequence, ``slot`` [P] its place n·width + l in an [N, width] layout (l: its index in its sequence), ``first``
     and ``last`` [N] each sequence's first and last part, ``later`` the parts with l >= 1; else these are None and
     part n is sequence n (P = N)."""
     table: torch.Tensor
-    blocks: int
+    length: int
     width: int = 1
     seq: torch.Tensor | None = None
     slot: torch.Tensor | None = None
@@ -317,40 +316,42 @@ def cut(offsets: Offsets | None, B: int, T: int, first: torch.Tensor, programs: 
     ``_part_blocks`` cuts it for ``programs`` programs per part, every other one into parts as long (at least one,
     so an empty sequence has an empty part). ``first`` [N]: each sequence's first block (``chunk_table``). Made from
     the host offsets, nothing read back; a batch's are kept per shape."""
+    block = SAVE * C_SUB
     longest = T if offsets is None else offsets.max_len
-    per = _part_blocks(triton.cdiv(longest, BLOCK), programs, min_programs)
+    per = _part_blocks(triton.cdiv(longest, block), programs, min_programs)
     if offsets is None:
-        return _batch_cut(B, T, per, first.device)
-    return _cut(offsets.bounds, offsets.tensor, first, per)
+        return _batch_cut(B, T, per, block, first.device)
+    return _cut(offsets.bounds, offsets.tensor, first, per, block)
 
 
 @functools.lru_cache(maxsize=64)
-def _batch_cut(B: int, T: int, per: int, device: torch.device) -> Parts:
+def _batch_cut(B: int, T: int, per: int, block: int, device: torch.device) -> Parts:
     """``cut`` of B sequences of T tokens (kept per shape: read only)."""
     return _cut(tuple(range(0, (B + 1) * T, T)), batch_offsets(B, T, device),
-                chunk_starts(None, B, T, BLOCK, device)[0], per)
+                chunk_starts(None, B, T, block, device)[0], per, block)
 
 
-def _cut(bounds: tuple[int, ...], cu: torch.Tensor, first: torch.Tensor, per: int) -> Parts:
-    """``cut`` into parts of ``per`` blocks of the sequences with host offsets ``bounds`` (``cu`` on the device)."""
-    lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    if max(lens) <= per * BLOCK:                        # one part per sequence: the table from the device offsets
-        return Parts(torch.stack([cu[:-1], cu[1:], first], 1).to(torch.int32).contiguous(), per)
-    counts = [max(1, triton.cdiv(n, per * BLOCK)) for n in lens]
+def _cut(bounds: tuple[int, ...], cu: torch.Tensor, first: torch.Tensor, per: int, block: int) -> Parts:
+    """``cut`` into parts of ``per`` blocks of ``block`` tokens of the sequences with host offsets ``bounds`` (``cu``
+    on the device)."""
+    lens, length = [b - a for a, b in zip(bounds[:-1], bounds[1:])], per * block
+    if max(lens) <= length:                             # one part per sequence: the table from the device offsets
+        return Parts(torch.stack([cu[:-1], cu[1:], first], 1).to(torch.int32).contiguous(), length)
+    counts = [max(1, triton.cdiv(n, length)) for n in lens]
     width, rows, seq, slot, later, blk = max(counts), [], [], [], [], 0
     for n, (a, L, m) in enumerate(zip(bounds, lens, counts)):
         for i in range(m):
             if i:
                 later.append(len(seq))
-            start = a + i * per * BLOCK
-            rows += [start, min(a + L, start + per * BLOCK), blk + i * per]
+            start = a + i * length
+            rows += [start, min(a + L, start + length), blk + i * per]
             seq.append(n)
             slot.append(n * width + i)
-        blk += triton.cdiv(L, BLOCK)
+        blk += triton.cdiv(L, block)
     ends = list(itertools.accumulate(counts))
     idx = to_device(seq + slot + [e - m for e, m in zip(ends, counts)] + [e - 1 for e in ends] + later, cu.device,
                     torch.int64).split([len(seq), len(seq), len(lens), len(lens), len(later)])
-    return Parts(to_device(rows, cu.device).view(-1, 3), per, width, *idx)
+    return Parts(to_device(rows, cu.device).view(-1, 3), length, width, *idx)
 
 
 def _within(x: torch.Tensor, parts: Parts, reverse: bool) -> torch.Tensor:
@@ -372,7 +373,7 @@ def _part_starts(uh: torch.Tensor, A0: torch.Tensor, parts: Parts) -> torch.Tens
     if parts.seq is None:
         return A0.clone(memory_format=torch.contiguous_format)
     H, K = uh.shape[-2:]
-    P, part_len = parts.table.shape[0], parts.blocks * BLOCK
+    P, part_len = parts.table.shape[0], parts.length
     starts = A0.new_empty(P, H, K, K).index_copy_(0, parts.first, A0)
     # the Gram sum of every part that its sequence continues after (so it is part_len tokens long)
     gram, full = uh.new_zeros(P, H, K, K, dtype=torch.float64), parts.later - 1
@@ -423,7 +424,7 @@ class APathFunction(torch.autograd.Function):
         B, T, H, K = kh.shape
         kw = _config(kh)
         kh, uh, A0 = kh.contiguous(), uh.contiguous(), A0.contiguous()
-        first, blocks = chunk_table(offsets, B, T, BLOCK, kh.device)
+        first, blocks = chunk_table(offsets, B, T, SAVE * C_SUB, kh.device)
         parts = cut(offsets, B, T, first, A0.shape[0] * H, MIN_PROGRAMS)
         A = _part_starts(uh, A0, parts)
         alpha = torch.empty_like(kh)
@@ -457,7 +458,7 @@ class APathFunction(torch.autograd.Function):
         if dAT is not None:
             dAT = (0.5 * (dAT + dAT.transpose(-1, -2))).contiguous()
         dk, du = torch.empty_like(kh), torch.empty_like(uh)
-        kw_blk = dict(kw, C=BLOCK)
+        kw_blk = dict(kw, C=SAVE * C_SUB)
         bc = min(BLOCK_COLS, kw["BK"])
         grid = (blocks.shape[0] * triton.cdiv(K, bc), H)
         _apath_bwd_b_kernel[grid](alpha, asv, w, nrm, dalpha, blocks, dk, H, K, BC=bc,
