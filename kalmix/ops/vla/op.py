@@ -37,7 +37,7 @@ def variational_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         cu_seqlens: [N + 1] offsets of packed sequences (B must be 1; the states' leading dimension is then N): a
             tensor, checked here (one host read; the rule: ``kalmix.ops.common.varlen``), or ``Offsets`` checked
             before (no read).
-            "naive" and "torch" run them one at a time, "triton" all in one call of each kernel (README.md).
+            "naive" and "torch" run them one at a time, "triton" all in the kernel calls of one batch (README.md).
         impl: "naive" | "torch" | "triton" | None (triton on CUDA, torch otherwise). "triton" takes K <= 128
             (64 with fp64 activations); a larger K is an error.
         check_values: check that q, k, v, u and the state have no NaN or Inf and that the initial A is symmetric
