@@ -184,17 +184,20 @@ def test_kalman_65536_tokens(dev):
     _check("kalman T=65536 fp32 vs torch fp32", [a[0], a[1], *a[2]], [b[0], b[1], *b[2]], 2e-5)
 
 
-def test_vla_16384_tokens_in_parts(dev):
+@pytest.mark.parametrize("packed", [False, True])
+def test_vla_16384_tokens_in_parts(packed, dev):
     """One sequence of 16384 tokens and two heads: the A path's forward runs 32 parts of 512 tokens, each from its
     start formed from fp64 Gram sums, and the backward's carry runs in parts; fp32 against fp64, every gradient.
-    The initial A's gradient (carried back over all 16384 tokens, the same with or without parts) shrinks with T
-    while fp32's rounding in the carry does not: 9e-4 here, 2e-4 at T = 8192, 6e-6 at T = 1000."""
-    args, state, low, low_state, _ = _case_inputs("vla", dev, torch.float32, False, sizes=(1, 16384, 2, 64, 64))
-    ref_out, ref_grad = outputs_and_grads(SPECS["vla"], args, state, "torch")
-    out, grad = outputs_and_grads(SPECS["vla"], low, low_state, "triton")
+    Packed, the same tokens as sequences of 5461, 1, 0 and 10922 tokens: the longest in 16 parts, the first in 8
+    (its parts as long), each part's start from its own sequence's sums. The initial A's gradient (carried back over
+    all 16384 tokens, the same with or without parts) shrinks with T while fp32's rounding in the carry does not:
+    9e-4 here, 2e-4 at T = 8192, 6e-6 at T = 1000."""
+    args, state, low, low_state, cu = _case_inputs("vla", dev, torch.float32, packed, sizes=(1, 16384, 2, 64, 64))
+    ref_out, ref_grad = outputs_and_grads(SPECS["vla"], args, state, "torch", cu_seqlens=cu)
+    out, grad = outputs_and_grads(SPECS["vla"], low, low_state, "triton", cu_seqlens=cu)
     got, ref = out + grad, ref_out + ref_grad
-    _check("vla fp32 T=16384", got[:9] + got[10:], ref[:9] + ref[10:], TOL[torch.float32])
-    _check("vla fp32 T=16384 dA0", got[9:10], ref[9:10], 3e-3)
+    _check(f"vla fp32 T=16384 packed={packed}", got[:9] + got[10:], ref[:9] + ref[10:], TOL[torch.float32])
+    _check(f"vla fp32 T=16384 packed={packed} dA0", got[9:10], ref[9:10], 3e-3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -129,9 +129,9 @@ def test_empty_documents_hold_no_tokens():
 def test_one_host_read_per_packed_forward():
     """Packed documents cost one host read per forward, whichever way they come (``cu_seqlens``, ``position_ids``)
     and however many layers take them: the model checks them once (``Documents``) and every layer, short
-    convolution and op below reads nothing back (the op's loop, chunk tables and length buckets come from the
-    host offsets; every op and impl is counted alone in tests/ops/common/test_varlen.py); the backward reads
-    nothing. Counted against the same forward without documents, which reads the ids once on the CPU."""
+    convolution and op below reads nothing back (the op's loop and chunk tables come from the host offsets; every
+    op and impl is counted alone in tests/ops/common/test_varlen.py); the backward reads nothing. Counted against
+    the same forward without documents, which reads the ids once on the CPU."""
     model = _model(list(MIXERS))
     ids, cu, B, T = _packed_case(seed=5)
     pos = torch.cat([torch.arange(b - a) for _, a, b in _split(cu, B, T)]).view(B, T)

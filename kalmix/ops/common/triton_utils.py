@@ -140,12 +140,6 @@ def chunk_at(bos, eos, j, C: tl.constexpr):
 
 
 @triton.jit
-def batch_chunk(i_b, T, j, C: tl.constexpr):
-    """First token and length of chunk j of sequence i_b of a batch (sequences of T tokens laid end to end)."""
-    return i_b * T + j * C, tl.minimum(C, T - j * C)
-
-
-@triton.jit
 def row_ptrs(ptr, bos, L, i_h, H, D, d0, BD: tl.constexpr, C: tl.constexpr):
     """Pointers to rows bos..bos+C of head i_h, columns d0..d0+BD of a [tokens, H, D] tensor (a scalar row base
     plus 32-bit offsets), and the mask of rows < L and columns < D."""

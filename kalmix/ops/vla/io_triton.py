@@ -6,9 +6,11 @@ per direction each:
   ``feature_key``); its backward sums the two paths' gradients of k̂ and takes all three through the
   normalisation and φ.
 - ``readout``: o_t = (S's output)_t / max(φ(q_t)·n_t, eps) with n_t = n_0 + Σ_{s≤t} φ(k_s), and the final n, by
-  chunks of C tokens in parallel: each chunk's Σ φ(k), a walk over those [K] sums for n before every chunk, then
-  each chunk from there (Σ inside a chunk as a masked product); the backward the same way round, its walk going
-  backwards over the chunks' Σ ∂den_t φ(q_t) for ∂k.
+  chunks of C tokens in parallel: each chunk's Σ φ(k), a walk per sequence over those [K] sums for n before every
+  chunk, then each chunk from there (Σ inside a chunk as a masked product); the backward the same way round, its
+  walk going backwards over the chunks' Σ ∂den_t φ(q_t) for ∂k. Packed sequences (``cu_seqlens``) take the
+  chunk table of ``kalmix.ops.common.triton_utils``: no chunk crosses a sequence, each walk starts from its own
+  sequence's n_0.
 """
 from __future__ import annotations
 
@@ -18,8 +20,9 @@ import triton.language as tl
 
 from kalmix.ops.common.checks import compute_dtype
 from kalmix.ops.common.precision import no_autocast
-from kalmix.ops.common.triton_utils import (batch_chunk, dot, load_rows, load_tokens, operand_dtype, store_rows,
-                                            store_tokens)
+from kalmix.ops.common.triton_utils import (chunk_rows, chunk_table, dot, load_rows, load_tokens, operand_dtype,
+                                            seq_range, store_rows, store_tokens)
+from kalmix.ops.common.varlen import Offsets, batch_offsets
 from kalmix.ops.vla.apath_triton import unit_grad
 
 ROWS = 16       # token rows (of one head) per program of the prologue kernels
@@ -122,56 +125,50 @@ def _phi_rows(ptr, t0, L, i_h, H, K, BK: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _chunk(j, i_bh, T, H, C: tl.constexpr):
-    """First token row, length and head of chunk j of (sequence, head) i_bh."""
-    t0, L = batch_chunk(i_bh // H, T, j, C)
-    return t0, L, i_bh % H
-
-
-@triton.jit
-def _chunk_vec(ptr, j, i_bh, NC, K, BK: tl.constexpr):
-    """Pointers and mask of the [K] vector of chunk j of (sequence, head) i_bh in a [B·H, NC, K] tensor."""
+def _chunk_vec(ptr, j, i_h, H, K, BK: tl.constexpr):
+    """Pointers and mask of the [K] vector of chunk j, head i_h in a [chunks, H, K] tensor."""
     o_k = tl.arange(0, BK)
-    return ptr + (i_bh * NC + j).to(tl.int64) * K + o_k, o_k < K
+    return ptr + (j * H + i_h).to(tl.int64) * K + o_k, o_k < K
 
 
 @triton.jit
-def _phi_sums_kernel(k_ptr, s_ptr, T, H, K, NC, C: tl.constexpr, BK: tl.constexpr):
-    """One (chunk, sequence, head) per program: the chunk's Σ_t φ(k_t)."""
-    j, i_bh = tl.program_id(0), tl.program_id(1)
-    t0, L, i_h = _chunk(j, i_bh, T, H, C)
+def _phi_sums_kernel(k_ptr, chunks_ptr, s_ptr, H, K, C: tl.constexpr, BK: tl.constexpr):
+    """One (chunk, head) per program: the chunk's Σ_t φ(k_t)."""
+    j, i_h = tl.program_id(0), tl.program_id(1)
+    t0, L, _, _, _ = chunk_rows(chunks_ptr, j, C)
     _, fk = _phi_rows(k_ptr, t0, L, i_h, H, K, BK, C)
-    p, m = _chunk_vec(s_ptr, j, i_bh, NC, K, BK)
+    p, m = _chunk_vec(s_ptr, j, i_h, H, K, BK)
     tl.store(p, tl.sum(fk, axis=0), mask=m)
 
 
 @triton.jit
-def _carry_kernel(s_ptr, init_ptr, start_ptr, final_ptr, NC, K, REVERSE: tl.constexpr, BK: tl.constexpr,
-                  STAGES: tl.constexpr):
-    """One (sequence, head) per program: start[j] = init + Σ of the chunk sums s before chunk j (after it when
-    REVERSE), and final = init + Σ_j s[j]."""
-    i_bh = tl.program_id(0)
+def _carry_kernel(s_ptr, init_ptr, cu_ptr, first_ptr, start_ptr, final_ptr, H, K, REVERSE: tl.constexpr,
+                  C: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+    """One (sequence, head) per program: start[j] = init + Σ of the sequence's chunk sums s before its chunk j (after
+    it when REVERSE), and final = init + Σ_j s[j] (init for an empty sequence)."""
+    i_n, i_h = tl.program_id(0), tl.program_id(1)
+    _, _, c0, n_c = seq_range(cu_ptr, first_ptr, i_n, C)
     o_k = tl.arange(0, BK)
-    acc = tl.load(init_ptr + i_bh * K + o_k, mask=o_k < K, other=0.)
-    for jj in tl.range(0, NC, num_stages=STAGES):
-        j = NC - 1 - jj if REVERSE else jj
-        p, m = _chunk_vec(s_ptr, j, i_bh, NC, K, BK)
+    base = (i_n * H + i_h).to(tl.int64) * K
+    acc = tl.load(init_ptr + base + o_k, mask=o_k < K, other=0.)
+    for jj in tl.range(0, n_c, num_stages=STAGES):
+        j = c0 + (n_c - 1 - jj if REVERSE else jj)
+        p, m = _chunk_vec(s_ptr, j, i_h, H, K, BK)
         x = tl.load(p, mask=m, other=0.)
-        p, m = _chunk_vec(start_ptr, j, i_bh, NC, K, BK)
+        p, m = _chunk_vec(start_ptr, j, i_h, H, K, BK)
         tl.store(p, acc, mask=m)
         acc += x
-    tl.store(final_ptr + i_bh * K + o_k, acc, mask=o_k < K)
+    tl.store(final_ptr + base + o_k, acc, mask=o_k < K)
 
 
 @triton.jit
-def _readout_fwd_kernel(os_ptr, q_ptr, k_ptr, nst_ptr, o_ptr, den_ptr, T, H, K, V, NC, eps, C: tl.constexpr,
+def _readout_fwd_kernel(os_ptr, q_ptr, k_ptr, nst_ptr, chunks_ptr, o_ptr, den_ptr, H, K, V, eps, C: tl.constexpr,
                         BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr):
-    """One (chunk, sequence, head) per program, from n before the chunk: the normaliser of each token (kept for
-    the backward) and o."""
-    j, i_bh = tl.program_id(0), tl.program_id(1)
-    t0, L, i_h = _chunk(j, i_bh, T, H, C)
-    rows, cols = tl.arange(0, C)[:, None], tl.arange(0, C)[None, :]
-    p, m = _chunk_vec(nst_ptr, j, i_bh, NC, K, BK)
+    """One (chunk, head) per program, from n before the chunk: the normaliser of each token (kept for the backward)
+    and o."""
+    j, i_h = tl.program_id(0), tl.program_id(1)
+    t0, L, rows, cols, _ = chunk_rows(chunks_ptr, j, C)
+    p, m = _chunk_vec(nst_ptr, j, i_h, H, K, BK)
     n = tl.load(p, mask=m, other=0.)
     _, fq = _phi_rows(q_ptr, t0, L, i_h, H, K, BK, C)
     _, fk = _phi_rows(k_ptr, t0, L, i_h, H, K, BK, C)
@@ -183,13 +180,12 @@ def _readout_fwd_kernel(os_ptr, q_ptr, k_ptr, nst_ptr, o_ptr, den_ptr, T, H, K, 
 
 
 @triton.jit
-def _readout_bwd_kernel(do_ptr, os_ptr, q_ptr, k_ptr, nst_ptr, den_ptr, dos_ptr, dq_ptr, dden_ptr, p_ptr, T, H, K,
-                        V, NC, eps, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr):
-    """One (chunk, sequence, head) per program: ∂(S's output), ∂den, ∂q (from n after each token) and the chunk's
+def _readout_bwd_kernel(do_ptr, os_ptr, q_ptr, k_ptr, nst_ptr, den_ptr, chunks_ptr, dos_ptr, dq_ptr, dden_ptr, p_ptr,
+                        H, K, V, eps, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr):
+    """One (chunk, head) per program: ∂(S's output), ∂den, ∂q (from n after each token) and the chunk's
     Σ_t ∂den_t φ(q_t), which ``_carry_kernel`` sums backwards for ∂k."""
-    j, i_bh = tl.program_id(0), tl.program_id(1)
-    t0, L, i_h = _chunk(j, i_bh, T, H, C)
-    rows, cols = tl.arange(0, C)[:, None], tl.arange(0, C)[None, :]
+    j, i_h = tl.program_id(0), tl.program_id(1)
+    t0, L, rows, cols, _ = chunk_rows(chunks_ptr, j, C)
     den = load_tokens(den_ptr, t0, L, i_h, H, 1., C)
     inv = 1. / tl.maximum(den, eps)
     dd = tl.zeros([C], DT)
@@ -201,23 +197,22 @@ def _readout_bwd_kernel(do_ptr, os_ptr, q_ptr, k_ptr, nst_ptr, den_ptr, dos_ptr,
     store_tokens(dden_ptr, dd, t0, L, i_h, H, C)
     q, fq = _phi_rows(q_ptr, t0, L, i_h, H, K, BK, C)
     _, fk = _phi_rows(k_ptr, t0, L, i_h, H, K, BK, C)
-    p, m = _chunk_vec(nst_ptr, j, i_bh, NC, K, BK)
+    p, m = _chunk_vec(nst_ptr, j, i_h, H, K, BK)
     n_t = tl.load(p, mask=m, other=0.)[None, :] + dot(tl.where(cols <= rows, 1., 0.).to(DT), fk, DT)
     store_rows(dq_ptr, dd[:, None] * n_t * _dphi(q), t0, L, i_h, H, K, 0, BK, C)
-    p, m = _chunk_vec(p_ptr, j, i_bh, NC, K, BK)
+    p, m = _chunk_vec(p_ptr, j, i_h, H, K, BK)
     tl.store(p, tl.sum(dd[:, None] * fq, axis=0), mask=m)
 
 
 @triton.jit
-def _readout_dk_kernel(q_ptr, k_ptr, dden_ptr, gst_ptr, dk_ptr, T, H, K, NC, C: tl.constexpr, BK: tl.constexpr,
+def _readout_dk_kernel(q_ptr, k_ptr, dden_ptr, gst_ptr, chunks_ptr, dk_ptr, H, K, C: tl.constexpr, BK: tl.constexpr,
                        DT: tl.constexpr):
-    """One (chunk, sequence, head) per program: ∂k_s = φ'(k_s) (∂n after the chunk + Σ_{t≥s in it} ∂den_t φ(q_t))."""
-    j, i_bh = tl.program_id(0), tl.program_id(1)
-    t0, L, i_h = _chunk(j, i_bh, T, H, C)
-    rows, cols = tl.arange(0, C)[:, None], tl.arange(0, C)[None, :]
+    """One (chunk, head) per program: ∂k_s = φ'(k_s) (∂n after the chunk + Σ_{t≥s in it} ∂den_t φ(q_t))."""
+    j, i_h = tl.program_id(0), tl.program_id(1)
+    t0, L, rows, cols, _ = chunk_rows(chunks_ptr, j, C)
     dd = load_tokens(dden_ptr, t0, L, i_h, H, 0., C)
     _, fq = _phi_rows(q_ptr, t0, L, i_h, H, K, BK, C)
-    p, m = _chunk_vec(gst_ptr, j, i_bh, NC, K, BK)
+    p, m = _chunk_vec(gst_ptr, j, i_h, H, K, BK)
     dfk = tl.load(p, mask=m, other=0.)[None, :] + dot(tl.where(cols >= rows, dd[None, :], 0.), fq, DT)
     store_rows(dk_ptr, dfk * _dphi(load_rows(k_ptr, t0, L, i_h, H, K, 0, BK, C)), t0, L, i_h, H, K, 0, BK, C)
 
@@ -252,20 +247,23 @@ class PrologueFunction(torch.autograd.Function):
 
 class ReadoutFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, o_s, q, k, n0, eps: float):
+    def forward(ctx, o_s, q, k, n0, eps: float, offsets):
         o_s, q, k, n0 = (x.contiguous() for x in (o_s, q, k, n0))
         B, T, H, K = q.shape
         V = o_s.shape[-1]
-        NC, kw = triton.cdiv(T, C), dict(C=C, BK=_bk(K))
-        sums = torch.empty(B * H, NC, K, dtype=n0.dtype, device=q.device)
+        cu = batch_offsets(B, T, q.device) if offsets is None else offsets.tensor
+        first, chunks = chunk_table(offsets, B, T, C, q.device)
+        NC, kw = chunks.shape[0], dict(C=C, BK=_bk(K))
+        sums = torch.empty(NC, H, K, dtype=n0.dtype, device=q.device)
         n_start, nT = torch.empty_like(sums), torch.empty_like(n0)
-        _phi_sums_kernel[(NC, B * H)](k, sums, T, H, K, NC, num_warps=WARPS, **kw)
-        _carry_kernel[(B * H,)](sums, n0, n_start, nT, NC, K, REVERSE=False, BK=kw["BK"], STAGES=CARRY_STAGES)
+        _phi_sums_kernel[(NC, H)](k, chunks, sums, H, K, num_warps=WARPS, **kw)
+        _carry_kernel[(n0.shape[0], H)](sums, n0, cu, first, n_start, nT, H, K, REVERSE=False, STAGES=CARRY_STAGES,
+                                        **kw)
         o = torch.empty_like(o_s)
         den = torch.empty(B, T, H, dtype=n0.dtype, device=q.device)
-        _readout_fwd_kernel[(NC, B * H)](o_s, q, k, n_start, o, den, T, H, K, V, NC, eps, BV=_bv(V),
-                                         DT=operand_dtype(n0.dtype), num_warps=WARPS, num_stages=_stages(q), **kw)
-        ctx.save_for_backward(o_s, q, k, n_start, den)
+        _readout_fwd_kernel[(NC, H)](o_s, q, k, n_start, chunks, o, den, H, K, V, eps, BV=_bv(V),
+                                     DT=operand_dtype(n0.dtype), num_warps=WARPS, num_stages=_stages(q), **kw)
+        ctx.save_for_backward(o_s, q, k, n_start, den, cu, first, chunks)
         ctx.eps = eps
         ctx.set_materialize_grads(False)
         return o, nT
@@ -273,20 +271,20 @@ class ReadoutFunction(torch.autograd.Function):
     @staticmethod
     @no_autocast
     def backward(ctx, do, dnT):
-        o_s, q, k, n_start, den = ctx.saved_tensors
-        B, T, H, K = q.shape
-        V = o_s.shape[-1]
-        NC, kw = n_start.shape[1], dict(C=C, BK=_bk(K), DT=operand_dtype(n_start.dtype))
+        o_s, q, k, n_start, den, cu, first, chunks = ctx.saved_tensors
+        H, K, V, N = q.shape[2], q.shape[3], o_s.shape[-1], first.shape[0]
+        NC, kw = chunks.shape[0], dict(C=C, BK=_bk(K), DT=operand_dtype(n_start.dtype))
         do = torch.zeros_like(o_s) if do is None else do.contiguous()
-        dnT = torch.zeros(B, H, K, dtype=n_start.dtype, device=q.device) if dnT is None else dnT.contiguous()
+        dnT = torch.zeros(N, H, K, dtype=n_start.dtype, device=q.device) if dnT is None else dnT.contiguous()
         dos, dq, dk, dn0 = torch.empty_like(o_s), torch.empty_like(q), torch.empty_like(k), torch.empty_like(dnT)
         dden = torch.empty_like(den)
         sums, g_start = torch.empty_like(n_start), torch.empty_like(n_start)
-        _readout_bwd_kernel[(NC, B * H)](do, o_s, q, k, n_start, den, dos, dq, dden, sums, T, H, K, V, NC, ctx.eps,
-                                         BV=_bv(V), num_warps=WARPS, num_stages=_stages(q), **kw)
-        _carry_kernel[(B * H,)](sums, dnT, g_start, dn0, NC, K, REVERSE=True, BK=kw["BK"], STAGES=CARRY_STAGES)
-        _readout_dk_kernel[(NC, B * H)](q, k, dden, g_start, dk, T, H, K, NC, num_warps=WARPS, **kw)
-        return dos, dq, dk, dn0, None
+        _readout_bwd_kernel[(NC, H)](do, o_s, q, k, n_start, den, chunks, dos, dq, dden, sums, H, K, V, ctx.eps,
+                                     BV=_bv(V), num_warps=WARPS, num_stages=_stages(q), **kw)
+        _carry_kernel[(N, H)](sums, dnT, cu, first, g_start, dn0, H, K, REVERSE=True, C=C, BK=kw["BK"],
+                              STAGES=CARRY_STAGES)
+        _readout_dk_kernel[(NC, H)](q, k, dden, g_start, chunks, dk, H, K, num_warps=WARPS, **kw)
+        return dos, dq, dk, dn0, None, None
 
 
 def _bk(K: int) -> int:
@@ -313,12 +311,15 @@ def prologue(q: torch.Tensor, k: torch.Tensor, u: torch.Tensor, feature_key: boo
     return PrologueFunction.apply(q, k, u, feature_key)
 
 
-def readout(o_s: torch.Tensor, q: torch.Tensor, k: torch.Tensor, n0: torch.Tensor, eps: float):
-    """o_t = o_s[t] / max(φ(q_t)·n_t, eps), n_t = n_0 + Σ_{s≤t} φ(k_s).
+def readout(o_s: torch.Tensor, q: torch.Tensor, k: torch.Tensor, n0: torch.Tensor, eps: float,
+            cu_seqlens: Offsets | None = None):
+    """o_t = o_s[t] / max(φ(q_t)·n_t, eps), n_t = n_0 + Σ_{s≤t} φ(k_s) (from the token's own sequence's start with
+    ``cu_seqlens``).
 
     Args:
-        o_s: [B, T, H, V] (S's output); q, k: [B, T, H, K]; n0: [B, H, K] in the state dtype.
+        o_s: [B, T, H, V] (S's output); q, k: [B, T, H, K]; n0: [N, H, K] in the state dtype (N = B, or the number
+            of packed sequences); cu_seqlens: checked ``Offsets`` of packed sequences (B = 1).
     Returns:
-        o [B, T, H, V] in o_s's dtype, n_T [B, H, K].
+        o [B, T, H, V] in o_s's dtype, n_T [N, H, K] (an empty sequence's is its n0).
     """
-    return ReadoutFunction.apply(o_s, q, k, n0, eps)
+    return ReadoutFunction.apply(o_s, q, k, n0, eps, cu_seqlens)

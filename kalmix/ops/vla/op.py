@@ -37,7 +37,7 @@ def variational_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         cu_seqlens: [N + 1] offsets of packed sequences (B must be 1; the states' leading dimension is then N): a
             tensor, checked here (one host read; the rule: ``kalmix.ops.common.varlen``), or ``Offsets`` checked
             before (no read).
-            "naive" and "torch" run them one at a time, "triton" in a bounded number of kernel calls (README.md).
+            "naive" and "torch" run them one at a time, "triton" all in the kernel calls of one batch (README.md).
         impl: "naive" | "torch" | "triton" | None (triton on CUDA, torch otherwise). "triton" takes K <= 128
             (64 with fp64 activations); a larger K is an error.
         check_values: check that q, k, v, u and the state have no NaN or Inf and that the initial A is symmetric
@@ -88,7 +88,7 @@ def variational_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     S, A, n = (s.to(dt) for s in initial_state)
     # A is symmetric: every impl runs on (A + Aᵀ)/2, so dA is symmetric and the same whatever an impl's formulas
     state, kw = (S, 0.5 * (A + A.mT), n), dict(eps=eps, feature_key=write_key == "feature")
-    if fn is vla_fused:     # packs sequences itself: a few kernel calls per length bucket (README.md)
+    if fn is vla_fused:     # its kernels take the packed sequences themselves (README.md)
         (o,), final = fn(*acts, state=state, cu_seqlens=cu_seqlens, **kw)
     else:
         (o,), final = run_packed(fn, cu_seqlens, acts, state, **kw)

@@ -57,10 +57,10 @@ def test_kernels_match_torch_a_path_fp64(T, K, final_grad, cols, parts, monkeypa
     xs = _inputs(2, T, 2, K, seed=T)
     ref = _run(write_directions, xs, final_grad)
     got = _run(write_directions_triton, xs, final_grad)
-    if parts:
-        assert [g[0] for g in grids] == [{150: 3, 100: 2, 5: 1, 300: 3}[T]]
-        assert [g[1] for g in carries] == [{150: 3, 100: 2, 5: 1, 300: 3}[T]] * (2 if T > 5 else 1)
-    assert [g[0] for g in col_grids] == [2 if cols == 16 else 1]
+    if parts:                                   # (parts of the B = 2 sequences, heads)
+        assert grids == [(2 * {150: 3, 100: 2, 5: 1, 300: 3}[T], 2)]
+        assert carries == [(2 * {150: 3, 100: 2, 5: 1, 300: 3}[T], 2)] * (2 if T > 5 else 1)
+    assert col_grids == [(2 * -(-T // 64) * (2 if cols == 16 else 1), 2)]     # (blocks · column blocks, heads)
     for name, x, r in zip("alpha A dk du dA0".split(), got, ref):
         assert_close(name, x, r, 1e-11)
 
