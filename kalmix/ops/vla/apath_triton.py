@@ -220,7 +220,7 @@ def _apath_carry_kernel(u_ptr, al_ptr, nrm_ptr, dk_ptr, parts_ptr, b0_ptr, du_pt
     n_cols = tl.cdiv(K, BC)
     i_p, i_h = tl.program_id(0) // n_cols, tl.program_id(1)
     c0 = (tl.program_id(0) % n_cols) * BC
-    ps, pe, _ = _part(parts_ptr, i_p)
+    ps, pe, _first = _part(parts_ptr, i_p)
     base = (i_p * H + i_h).to(tl.int64) * K * K
     if HAS_B0:
         Bt = load_state(b0_ptr, base, K, K, c0, BK, BC)
