@@ -47,10 +47,18 @@ def _case_inputs(name, dev, dtype, varlen, sizes=None):
     return args, state, low, low_state, cu
 
 
-@pytest.mark.quick
-@pytest.mark.parametrize("varlen", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", [n for n, spec in SPECS.items() if "triton" in spec.impls])
+def _op_cases():
+    """Every Triton op in fp32 and bf16, plain and packed; the quick group takes one case per op (bf16, packed: the
+    training regime, with the documents' kernels)."""
+    for name in (n for n, spec in SPECS.items() if "triton" in spec.impls):
+        for dtype in (torch.float32, torch.bfloat16):
+            for varlen in (False, True):
+                quick = dtype == torch.bfloat16 and varlen
+                yield pytest.param(name, dtype, varlen, marks=[pytest.mark.quick] if quick else [],
+                                   id=f"{name}-{str(dtype)[6:]}-{'packed' if varlen else 'plain'}")
+
+
+@pytest.mark.parametrize("name,dtype,varlen", list(_op_cases()))
 def test_op_triton_against_fp64(name, dtype, varlen, dev):
     args, state, low, low_state, cu = _case_inputs(name, dev, dtype, varlen)
     ref_out, ref_grad = outputs_and_grads(SPECS[name], args, state, "torch", cu_seqlens=cu)
