@@ -422,6 +422,9 @@ class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
         also in ``hidden_states``), every Kalman layer reading out a posterior sample, and the logits [B, T, V] are
         the Monte-Carlo marginal log-probs log (1/S) Σ_s softmax(logits_s) (fp32 or wider): the loss is then
         Eq. 25's −logsumexp_s log p(o | y^(s)) + log S. No cache: ``use_cache`` / ``cache`` are refused.
+
+        ``num_items_in_batch`` (with labels; what transformers' ``Trainer`` passes under gradient accumulation):
+        the loss is the summed cross-entropy divided by it instead of the mean.
         ``sample_readout=True`` with mc_samples = 0 is one such sample: the logits of y^(s), unreduced.
 
         Inside ``kalmix.distributed.context_parallel_model`` input_ids and labels are this rank's pieces and
@@ -438,6 +441,7 @@ class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
         if labels is not None and targets is not None:
             raise ValueError("KalmixForCausalLM: pass `labels` (unshifted: the mean loss) or `targets` (shifted: the "
                              "summed loss), not both")
+        n_items = self._check_num_items(kwargs.pop("num_items_in_batch", None), labels)
         if labels is not None:
             self._check_labels(labels, x, logits_to_keep)
         if targets is not None:
@@ -474,22 +478,46 @@ class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
                     F.cross_entropy(upcast(logits).flatten(0, 1), targets.flatten(), reduction="sum"))
         elif labels is not None:
             if fused:
-                loss = self._fused_loss(h, labels, docs)
+                loss = self._fused_loss(h, labels, docs, n_items)
             elif self.context_split is not None:
                 loss = self.context_split.loss(logits, labels, None if docs is None else docs.doc_pos == 0)
             else:
                 targets = labels[:, 1:]
                 if docs is not None:                        # a document's first token is not predicted across
                     targets = targets.masked_fill(docs.doc_pos[:, 1:] == 0, -100)
-                loss = F.cross_entropy(upcast(logits[:, :-1].flatten(0, 1)), targets.flatten(), ignore_index=-100)
+                loss = F.cross_entropy(upcast(logits[:, :-1].flatten(0, 1)), targets.flatten(), ignore_index=-100,
+                                       reduction="mean" if n_items is None else "sum")
+                loss = loss if n_items is None else loss / n_items
         if return_dict is False:
             return tuple(v for v in (loss, logits, getattr(out, _CACHE_FIELD), out.hidden_states) if v is not None)
         return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states,
                                       **{_CACHE_FIELD: getattr(out, _CACHE_FIELD)})
 
-    def _fused_loss(self, h: torch.Tensor, labels: torch.Tensor, docs: Documents | None) -> torch.Tensor:
+    def _check_num_items(self, n_items, labels) -> int | torch.Tensor | None:
+        """transformers' ``Trainer`` passes ``num_items_in_batch`` (the scored tokens of the whole accumulated
+        batch) to a forward taking ``**kwargs``: with labels, the loss is then the summed cross-entropy divided by
+        it instead of the mean over this call's tokens. An int >= 1 or a 0-d integer tensor; not under context
+        parallelism, whose ranks share the loss by their own count."""
+        if n_items is None:
+            return None
+        name = "KalmixForCausalLM"
+        if labels is None:
+            raise ValueError(f"{name}: `num_items_in_batch` divides the summed loss of `labels`; pass labels with it")
+        if self.context_split is not None:
+            raise ValueError(f"{name}: `num_items_in_batch` is not taken under context parallelism (the ranks share "
+                             f"the loss by their own count); leave it out")
+        ok = (isinstance(n_items, torch.Tensor) and n_items.dim() == 0 and is_integer(n_items)) or (
+            isinstance(n_items, int) and not isinstance(n_items, bool) and n_items >= 1)
+        if not ok:
+            raise ValueError(f"{name}: `num_items_in_batch` must be an int >= 1 or a 0-d integer tensor (the scored "
+                             f"tokens of the accumulated batch), got {describe(n_items)}")
+        return n_items
+
+    def _fused_loss(self, h: torch.Tensor, labels: torch.Tensor, docs: Documents | None,
+                    n_items: int | torch.Tensor | None = None) -> torch.Tensor:
         """The loss of ``config.fuse_cross_entropy``: ``linear_cross_entropy`` of the last hidden states h
-        [S·B, T, d] (no logits), with the plain loss's targets, mean and context-parallel share."""
+        [S·B, T, d] (no logits), with the plain loss's targets, mean (or sum / ``n_items``) and context-parallel
+        share."""
         S = max(self.config.mc_samples, 1)
         starts = None if docs is None else docs.doc_pos == 0    # a document's first token is not predicted across
         if self.context_split is not None:
@@ -498,6 +526,8 @@ class KalmixForCausalLM(KalmixPreTrainedModel, GenerationMixin):
         targets = F.pad(labels[:, 1:], (0, 1), value=-100)              # the last position predicts nothing
         if starts is not None:
             targets = targets.masked_fill(F.pad(starts[:, 1:], (0, 1)), -100)
+        if n_items is not None:
+            return linear_cross_entropy(h, self.lm_head.weight, targets, S, "sum") / n_items
         return linear_cross_entropy(h, self.lm_head.weight, targets, S)
 
     @staticmethod

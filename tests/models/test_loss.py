@@ -197,6 +197,45 @@ def test_targets_give_the_summed_loss_fused_or_from_the_logits(case):
     torch.testing.assert_close(out.loss, got.loss, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("case", ["plain", "packed", "klaplus"])
+def test_num_items_in_batch_divides_the_summed_loss(case):
+    """transformers' Trainer passes ``num_items_in_batch`` (the accumulated batch's scored tokens) with labels: the
+    loss is the summed cross-entropy over it, fused or from the logits, with every gradient scaled alike (fp64)."""
+    fused, ref = twins(["kalman", "attention"] if case == "klaplus" else HYBRID,
+                       **({"mc_samples": 3} if case == "klaplus" else {}))
+    x = torch.randint(0, 37, (3, 13), generator=torch.Generator().manual_seed(13))
+    labels = x.clone()
+    labels[1, 2:6] = -100
+    args = {"cu_seqlens": torch.tensor([0, 4, 13, 20, 26, 30, 39])} if case == "packed" else {}
+    mean, mean_grads = step(ref, 1, input_ids=x, labels=labels, **args)
+    scored = labels[:, 1:] != -100
+    if case == "packed":                                      # a document's first token is not predicted across
+        starts = torch.zeros(labels.numel(), dtype=torch.bool)
+        starts[args["cu_seqlens"][:-1]] = True
+        scored &= ~starts.view_as(labels)[:, 1:]
+    n_scored = int(scored.sum())
+    for m in (fused, ref):
+        for n_items in (57, torch.tensor(57)):
+            got, grads = step(m, 1, input_ids=x, labels=labels, num_items_in_batch=n_items, **args)
+            torch.testing.assert_close(got.loss, mean.loss * n_scored / 57, rtol=1e-12, atol=1e-12)
+            for n in grads:
+                torch.testing.assert_close(grads[n], mean_grads[n] * n_scored / 57, rtol=1e-10, atol=1e-12, msg=n)
+
+
+@pytest.mark.parametrize("n_items, labels, match", [
+    (0, True, "must be an int >= 1 or a 0-d integer tensor"),
+    (torch.tensor([3]), True, "must be an int >= 1 or a 0-d integer tensor"),
+    (torch.tensor(3.0), True, "must be an int >= 1 or a 0-d integer tensor"),
+    (True, True, "must be an int >= 1"),
+    (5, False, "divides the summed loss of `labels`"),
+])
+def test_bad_num_items_in_batch_is_named(n_items, labels, match):
+    m = twins()[0]
+    x = torch.randint(0, 37, (2, 9))
+    with pytest.raises(ValueError, match=match):
+        m(input_ids=x, labels=x if labels else None, num_items_in_batch=n_items)
+
+
 def test_evaluation_mode_without_labels_or_with_the_flag_off_returns_logits():
     fused, ref = twins(["gdn", "attention"])
     x = torch.randint(0, 37, (2, 9))
