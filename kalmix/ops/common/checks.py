@@ -36,6 +36,15 @@ def check_tensor(op: str, name: str, x, shape: Sequence, desc: str) -> None:
         fail(op, f"`{name}` must not be empty, got shape {list(x.shape)}")
 
 
+def check_qkv(op: str, q, k, v, key: str = "K", value: str = "V") -> tuple[int, int, int, int, int]:
+    """q, k [B, T, H, key] and v [B, T, H, value] (``check_tensor`` each) -> (B, T, H, key size, value size)."""
+    check_tensor(op, "q", q, (None, None, None, None), f"[B, T, H, {key}]")
+    B, T, H, K = q.shape
+    check_tensor(op, "k", k, (B, T, H, K), f"[B, T, H, {key}] like q")
+    check_tensor(op, "v", v, (B, T, H, None), f"[B, T, H, {value}]")
+    return B, T, H, K, v.shape[-1]
+
+
 def check_same(op: str, ref_name: str, ref: torch.Tensor, named: Mapping[str, torch.Tensor | None],
                dtype: bool = True) -> None:
     """All given tensors live on ``ref``'s device (and share its dtype when ``dtype``)."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kalmix.ops.common.checks import (Range, TritonImpl, check_gates, check_head_sizes, check_ranges,
+from kalmix.ops.common.checks import (Range, TritonImpl, check_gates, check_head_sizes, check_qkv, check_ranges,
                                       check_same, check_tensor, compute_dtype, fail, no_check, reset_range,
                                       resolve_impl)
 from kalmix.ops.common.precision import no_autocast
@@ -53,11 +53,7 @@ def gated_kalmanet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     Returns:
         o [B, T, H, V], (H, U) final state (fp32, fp64 for fp64 inputs) or None.
     """
-    check_tensor(_OP, "q", q, (None, None, None, None), "[B, T, H, K]")
-    B, T, H, K = q.shape
-    check_tensor(_OP, "k", k, (B, T, H, K), "[B, T, H, K] like q")
-    check_tensor(_OP, "v", v, (B, T, H, None), "[B, T, H, V]")
-    V = v.shape[-1]
+    B, T, H, K, V = check_qkv(_OP, q, k, v)
     for name, x in (("g", g), ("beta", beta), ("alpha", alpha)):
         if x is not None:
             check_tensor(_OP, name, x, (B, T, H), "[B, T, H]")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kalmix.ops.common.checks import (Range, check_gates, check_ranges, check_same, check_tensor,
+from kalmix.ops.common.checks import (Range, check_gates, check_qkv, check_ranges, check_same, check_tensor,
                                       compute_dtype, fail, no_check, resolve_impl)
 from kalmix.ops.common.precision import no_autocast
 from kalmix.ops.common.varlen import Offsets, check_packed, run_packed
@@ -40,11 +40,7 @@ def gated_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     Returns:
         o [B, T, H, V] in q's dtype, final state [B, H, K, V] (fp32, fp64 for fp64 inputs) or None.
     """
-    check_tensor(_OP, "q", q, (None, None, None, None), "[B, T, H, K]")
-    B, T, H, K = q.shape
-    check_tensor(_OP, "k", k, (B, T, H, K), "[B, T, H, K] like q")
-    check_tensor(_OP, "v", v, (B, T, H, None), "[B, T, H, V]")
-    V = v.shape[-1]
+    B, T, H, K, V = check_qkv(_OP, q, k, v)
     if g is not None:
         check_tensor(_OP, "g", g, (B, T, H) if g.dim() == 3 else (B, T, H, K), "[B, T, H] or [B, T, H, K]")
     check_same(_OP, "q", q, {"k": k, "v": v})

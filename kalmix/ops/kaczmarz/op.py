@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kalmix.ops.common.checks import (Range, TritonImpl, check_gates, check_head_sizes, check_ranges,
+from kalmix.ops.common.checks import (Range, TritonImpl, check_gates, check_head_sizes, check_qkv, check_ranges,
                                       check_same, check_tensor, compute_dtype, reset_range, resolve_impl)
 from kalmix.ops.common.precision import no_autocast
 from kalmix.ops.common.varlen import Offsets, check_packed, run_packed
@@ -40,11 +40,7 @@ def kaczmarz_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     Returns:
         o [B, T, H, V], final state [B, H, K, V] (fp32, fp64 for fp64 inputs) or None.
     """
-    check_tensor(_OP, "q", q, (None, None, None, None), "[B, T, H, K]")
-    B, T, H, K = q.shape
-    check_tensor(_OP, "k", k, (B, T, H, K), "[B, T, H, K] like q")
-    check_tensor(_OP, "v", v, (B, T, H, None), "[B, T, H, V]")
-    V = v.shape[-1]
+    B, T, H, K, V = check_qkv(_OP, q, k, v)
     check_tensor(_OP, "g", g, (B, T, H), "[B, T, H]")
     check_tensor(_OP, "eta", eta, (B, T, H), "[B, T, H]")
     check_same(_OP, "q", q, {"k": k, "v": v})

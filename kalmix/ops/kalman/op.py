@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kalmix.ops.common.checks import (Range, TritonImpl, check_ranges, check_same, check_tensor,
+from kalmix.ops.common.checks import (Range, TritonImpl, check_qkv, check_ranges, check_same, check_tensor,
                                       compute_dtype, fail, no_check, resolve_impl)
 from kalmix.ops.common.precision import no_autocast
 from kalmix.ops.common.varlen import Offsets, check_packed, run_packed
@@ -42,11 +42,7 @@ def kalman_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_precis
     Returns:
         o [B, T, H, D], variance [B, T, H, D] or None, (precision, mean) or None.
     """
-    check_tensor(_OP, "q", q, (None, None, None, None), "[B, T, H, N]")
-    B, T, H, N = q.shape
-    check_tensor(_OP, "k", k, (B, T, H, N), "[B, T, H, N] like q")
-    check_tensor(_OP, "v", v, (B, T, H, None), "[B, T, H, D]")
-    D = v.shape[-1]
+    B, T, H, N, D = check_qkv(_OP, q, k, v, key="N", value="D")
     check_tensor(_OP, "v_precision", v_precision, (B, T, H, D), "[B, T, H, D] like v")
     check_tensor(_OP, "decay", decay, (H, N, D), "[H, N, D]")
     check_tensor(_OP, "process_noise", process_noise, (H, N, D), "[H, N, D]")

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from kalmix.ops.common.checks import (Range, check_gates, check_ranges, check_same, check_tensor, compute_dtype, fail,
-                                      no_check, resolve_impl)
+from kalmix.ops.common.checks import (Range, check_gates, check_qkv, check_ranges, check_same, check_tensor,
+                                      compute_dtype, fail, no_check, resolve_impl)
 from kalmix.ops.common.precision import no_autocast
 from kalmix.ops.common.varlen import Offsets, check_packed, run_packed
 from kalmix.ops.value_delta.chunk import value_delta_chunk
@@ -40,11 +40,7 @@ def value_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     Returns:
         o [B, T, H, V] in q's dtype, final state [B, H, K, V] (fp32, fp64 for fp64 inputs) or None.
     """
-    check_tensor(_OP, "q", q, (None, None, None, None), "[B, T, H, K]")
-    B, T, H, K = q.shape
-    check_tensor(_OP, "k", k, (B, T, H, K), "[B, T, H, K] like q")
-    check_tensor(_OP, "v", v, (B, T, H, None), "[B, T, H, V]")
-    V = v.shape[-1]
+    B, T, H, K, V = check_qkv(_OP, q, k, v)
     check_tensor(_OP, "g", g, (B, T, H, V), "[B, T, H, V] like v")
     check_same(_OP, "q", q, {"k": k, "v": v})
     check_gates(_OP, q, {"g": g})

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kalmix.ops.common.checks import (Range, TritonImpl, check_head_sizes, check_ranges, check_same,
+from kalmix.ops.common.checks import (Range, TritonImpl, check_head_sizes, check_qkv, check_ranges, check_same,
                                       check_tensor, compute_dtype, fail, no_check, resolve_impl)
 from kalmix.ops.common.precision import no_autocast
 from kalmix.ops.common.varlen import Offsets, check_packed, run_packed
@@ -48,12 +48,8 @@ def variational_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     Returns:
         o [B, T, H, V], (S, A, n) final state (fp32, fp64 for fp64 inputs) or None.
     """
-    check_tensor(_OP, "q", q, (None, None, None, None), "[B, T, H, K]")
-    B, T, H, K = q.shape
-    check_tensor(_OP, "k", k, (B, T, H, K), "[B, T, H, K] like q")
-    check_tensor(_OP, "v", v, (B, T, H, None), "[B, T, H, V]")
+    B, T, H, K, V = check_qkv(_OP, q, k, v)
     check_tensor(_OP, "u", u, (B, T, H, K), "[B, T, H, K] like q")
-    V = v.shape[-1]
     check_same(_OP, "q", q, {"k": k, "v": v, "u": u})
     if not lambda0 > 0:
         fail(_OP, f"`lambda0` must be > 0, got {lambda0}")
