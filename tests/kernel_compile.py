@@ -1,21 +1,28 @@
 """Compile every Triton kernel kalmix launches for an H100 (sm_90) on a machine without a GPU.
 
 The CPU suite runs the kernels in Triton's interpreter, which does not check them as the compiler does (a
-loop-carried variable that changes type runs there and fails to compile). Phase 1, ``record`` (under
-TRITON_INTERPRET=1), makes the package's launches at tiny sizes and records each one: the kernel, its arguments (a
-tensor as its dtype and 16-byte alignment, what the launcher specialises on) and the launch options. Phase 2,
-``python -m tests.kernel_compile LAUNCHES RESULT`` (a process without the interpreter, which replaces the
-``triton.jit`` functions), compiles each launch as Triton's launcher would on an H100 (``JITFunction.warmup``
-under a driver that names the target) through TTIR, TTGIR, LLIR and PTX to ptxas's cubin, and lists every
-``@triton.jit`` kernel under kalmix/ that no launch reached.
+loop-carried variable that changes type runs there and fails to compile). Two processes:
 
-The launches are those of the GPU: ``operand_dtype`` answers as on a GPU (16-bit operands stay 16-bit) and the
+    TRITON_INTERPRET=1 python -m tests.kernel_compile record LAUNCHES
+    python -m tests.kernel_compile compile LAUNCHES RESULT
+
+``record`` makes the package's launches at small sizes in the interpreter and writes each one to LAUNCHES: the
+kernel, its arguments (a tensor as its dtype and 16-byte alignment, what the launcher specialises on) and the launch
+options. ``compile`` (without the interpreter, which replaces the ``triton.jit`` functions) compiles each launch as
+Triton's launcher would on an H100 (``JITFunction.warmup`` under a driver that names the target) and writes to
+RESULT (JSON) every ``@triton.jit`` kernel under kalmix/, those no launch reached and the failures. Each launch goes
+to TTIR (the front end: types, shapes, every constexpr branch), and one per kernel through TTGIR, LLIR and PTX to
+ptxas's cubin. The launches recorded with the suite's triton compile with another one too (``PYTHONPATH`` to a
+triton 3.6, the GPU machines', on the second command).
+
+The launches are those of a GPU: ``operand_dtype`` answers as on a GPU (16-bit operands stay 16-bit) and the
 chunked delta rule takes its "narrow" configurations too (a small batch on a GPU with many multiprocessors). Most
-calls only record: the kernels do not run and their outputs stay unwritten (NaN in the suite), so phase 1 takes
-seconds; one call per op and dtype runs them, with the ops' value checks (which read what a kernel computed).
+calls only record: the kernels do not run and their outputs stay unwritten (NaN), so recording takes seconds; one
+call per op and dtype runs them, with the ops' value checks, which read what a kernel computed.
 """
 from __future__ import annotations
 
+import argparse
 import ast
 import contextlib
 import importlib
@@ -24,18 +31,18 @@ import itertools
 import json
 import os
 import pickle
-import sys
 import textwrap
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 
 ARCH = 90                   # an H100
 ROOT = Path(__file__).resolve().parents[1]
-DTYPES = (torch.float32, torch.bfloat16, torch.float64)     # the activations the ops take on a GPU
-H, K, V, D_MODEL = 2, 16, 16, 32
+DTYPES = (torch.float32, torch.bfloat16, torch.float64)     # activations: fp32, the 16-bit path, fp64
+H, K, V, D_MODEL = 2, 16, 16, 32    # heads of one 16-wide tile; not 1, which the launcher makes a constant
 LENS = (3, 0, 4)            # packed sequences, one empty
 
 
@@ -129,11 +136,11 @@ EVERY_CASE = tuple(itertools.product((False, True), repeat=4))
 TRAIN_AND_INFER = ((False, False, True, False), (True, True, False, True))
 
 
-def _op_calls(spec, cases=EVERY_CASE, heads=(H, K, V), dtypes=DTYPES, **options):
-    """The op's calls of ``cases`` in each of ``dtypes``, and a decoding step (T = 1)."""
+def _op_calls(spec, cases=EVERY_CASE, heads=(H, K, V), dtypes=DTYPES, T=5, **options):
+    """The op's calls of ``cases`` in each of ``dtypes`` (rows of T tokens), and a decoding step (T = 1)."""
     for dtype in dtypes:
         for case in cases:
-            _op_call(spec, dtype, *case, heads=heads, **options)
+            _op_call(spec, dtype, *case, heads=heads, T=T, **options)
         _op_call(spec, dtype, False, True, False, True, heads=heads, T=1, **options)
 
 
@@ -182,19 +189,26 @@ def _other_calls():
     run_chains(torch.rand(1024), n_iters=2, unroll=2)
 
 
-def record(monkeypatch) -> list[Launch]:
-    """Phase 1 (under TRITON_INTERPRET=1): every launch the package makes, as on a GPU (module docstring)."""
+def record() -> list[Launch]:
+    """Every launch the package makes, as on a GPU (module docstring); under TRITON_INTERPRET=1."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return _record(monkeypatch)
+
+
+def _record(monkeypatch) -> list[Launch]:
     import kalmix.ops.common.delta_triton as delta
     import kalmix.ops.common.triton_utils as utils
     from kalmix.layers import MIXER_SPECS
     from kalmix.layers.kalman import NOISE_PARAMS
     from kalmix.ops import SPECS
+    from kalmix.ops.common.testing import poison_empty
     from kalmix.ops.vla.op import WRITE_KEYS
     # keyword options that select other kernel code
     op_options = {"gka": {"num_iters": (0,)}, "vla": {"write_key": WRITE_KEYS}}
     layer_options = {"kalman": {"noise_param": NOISE_PARAMS}}
     ops = [spec for spec in SPECS.values() if "triton" in spec.impls]
     layers = [spec for spec in MIXER_SPECS.values() if spec.requires is None and spec.op in ops]
+    poison_empty(monkeypatch)
     recorder = Recorder(monkeypatch)
     kernel_modules()            # imported under the interpreter first: some read INTERPRET when they load
     monkeypatch.setattr(utils, "INTERPRET", False)          # operand_dtype: 16-bit operands as on a GPU
@@ -204,9 +218,9 @@ def record(monkeypatch) -> list[Launch]:
     for spec in ops:
         for options in _options(op_options, spec.name):
             _op_calls(spec, **options)
-        # the op's heads in its layer at 128-wide heads (d_model 256, d_state 16), in the dtypes of training: the
-        # launches of those sizes
-        _op_calls(spec, TRAIN_AND_INFER, spec.bench_heads(H, 128, 256, 16), (torch.float32, torch.bfloat16))
+        # the op's heads in its layer at 128-wide heads (d_model 256, d_state 16) and rows of 1100 tokens, in
+        # the dtypes of training: the launches those sizes choose (a GKA solve's tail kernel, VLA's carry in parts)
+        _op_calls(spec, TRAIN_AND_INFER, spec.bench_heads(H, 128, 256, 16), (torch.float32, torch.bfloat16), T=1100)
     for spec in layers:
         for options in _options(layer_options, spec.name):
             _layer_calls(spec, **options)
@@ -289,7 +303,7 @@ def _stop(src, metadata):
 
 def _front_end_only(*args):
     """Triton's stage hook: the stages after TTIR end the compilation (``_FrontEndDone``). Called with no
-    arguments (triton >= 3.7), it names the cut pipeline for the caches' keys."""
+    arguments (newer tritons), it names the cut pipeline for the caches' keys."""
     if not args:
         return "front-end-only", "front-end-only"
     stages = args[1]
@@ -328,33 +342,50 @@ def _compile(job: tuple[Launch, bool]) -> dict | None:
         pass
     except Exception as e:              # the compiler's error, whatever its class: reported, not raised
         constexprs = {p.name: a for p, a in zip(jf.params, launch.args) if p.is_constexpr} | dict(launch.kwargs)
-        return dict(kernel=launch.kernel, stages="all" if full else "ttir",
-                    constexprs={k: repr(v) for k, v in constexprs.items()}, error=f"{type(e).__name__}: {e}")
+        return dict(kernel=launch.kernel, error=f"{type(e).__name__}: {e}",
+                    launch=", ".join(f"{k}={v!r}" for k, v in constexprs.items()) + ("" if full else " (to TTIR)"))
     return None
 
 
 def compile_launches(launches: list[Launch], workers: int) -> list[dict]:
     """Phase 2 (without the interpreter): compile every launch for an H100 in ``workers`` processes, to TTIR
     (the front end: types, shapes and each constexpr branch) and ``_full_depth``'s through TTGIR, LLIR, PTX and
-    ptxas's cubin (Triton's on-disk cache keeps those); the failures, one per kernel, constexprs and message."""
+    ptxas's cubin (Triton's on-disk cache keeps those). Returns the failures, one per kernel and message: the
+    kernel, the compiler's message and the constexprs and launch options of each launch that failed so."""
     jobs = [(launch, launch in full) for full in [_full_depth(launches)] for launch in launches]
     jobs.sort(key=lambda job: not job[1])           # the slow ones first, spread over the workers
     with ProcessPoolExecutor(workers) as pool:
-        results = list(pool.map(_compile, jobs))
-    failures = {json.dumps(f, sort_keys=True): f for f in results if f is not None}
+        results = [f for f in pool.map(_compile, jobs) if f is not None]
+    failures = {}
+    for f in results:
+        failures.setdefault((f["kernel"], f["error"]), dict(kernel=f["kernel"], error=f["error"], launches=[]))
+        failures[f["kernel"], f["error"]]["launches"].append(f["launch"])
     return list(failures.values())
 
 
-def main(launches_path: str, result_path: str) -> None:
-    with open(launches_path, "rb") as f:
-        launches = pickle.load(f)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tests.kernel_compile", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("record", help="record the launches (TRITON_INTERPRET=1)").add_argument("launches")
+    compile_ = sub.add_parser("compile", help="compile the recorded launches for sm_90 (no TRITON_INTERPRET)")
+    compile_.add_argument("launches")
+    compile_.add_argument("result")
+    args = parser.parse_args(argv)
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if interpreting != (args.command == "record"):
+        parser.error(f"`{args.command}` runs {'with' if args.command == 'record' else 'without'} TRITON_INTERPRET=1, "
+                     f"got TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}")
+    if args.command == "record":
+        Path(args.launches).write_bytes(pickle.dumps(record()))
+        return
+    launches = pickle.loads(Path(args.launches).read_bytes())
     kernels = jit_kernels()
     reached = {launch.kernel for launch in launches}
     workers = max(1, min(len(os.sched_getaffinity(0)), 8))
     result = dict(kernels=kernels, unreached=[k for k in kernels if k not in reached],
                   failures=compile_launches(launches, workers))
-    Path(result_path).write_text(json.dumps(result, indent=1))
+    Path(args.result).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    main()
