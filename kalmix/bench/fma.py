@@ -1,6 +1,9 @@
 """A Triton kernel of fp32 FMAs only: `kalmix speed` measures the CUDA cores' fp32 rate with it."""
+import torch
 import triton
 import triton.language as tl
+
+BLOCK = 1024
 
 
 @triton.jit
@@ -13,3 +16,9 @@ def fma_chains(x_ptr, a, b, n_iters, BLOCK: tl.constexpr, UNROLL: tl.constexpr):
         for _u in tl.static_range(UNROLL):
             x0, x1, x2, x3 = x0 * a + b, x1 * a + b, x2 * a + b, x3 * a + b
     tl.store(x_ptr + offs, x0 + x1 + x2 + x3)
+
+
+def run_chains(x: torch.Tensor, n_iters: int, unroll: int, a: float = 0.999, b: float = 1e-3) -> None:
+    """``fma_chains`` over x (fp32, in place, a multiple of BLOCK elements): 4 · n_iters · unroll FMAs per
+    element."""
+    fma_chains[(x.numel() // BLOCK,)](x, a, b, n_iters, BLOCK=BLOCK, UNROLL=unroll, num_warps=4)

@@ -220,10 +220,8 @@ def ceilings(device: torch.device, warmup: int, rep: int) -> dict:
     if device.type == "cuda":
         x = torch.rand(1 << 22, device=device)
         n_iters, unroll = 128, 8
-        fma_chains = triton_module("kalmix.bench.fma").fma_chains
-        _, fma_ms, _ = time_call(lambda: fma_chains[(x.numel() // 1024,)](x, 0.999, 1e-3, n_iters, BLOCK=1024,
-                                                                           UNROLL=unroll, num_warps=4),
-                                 [], device, warmup, rep)
+        run_chains = triton_module("kalmix.bench.fma").run_chains
+        _, fma_ms, _ = time_call(lambda: run_chains(x, n_iters, unroll), [], device, warmup, rep)
         fp32 = 2 * 4 * n_iters * unroll * x.numel() / fma_ms / 1e9
     return {"copy_GBps": 2 * 4 * n / copy_ms / 1e6, "matmul_TFLOPs": 2 * m ** 3 / mm_ms / 1e9, "fp32_TFLOPs": fp32}
 

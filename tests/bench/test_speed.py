@@ -69,10 +69,10 @@ def test_ops_run_their_value_checks_only_when_asked(monkeypatch, check):
 def test_fp32_ceiling_kernel_runs_every_fma():
     """The fp32 ceiling's kernel (run by the interpreter here): with x <- x + 1 each of its four chains per element
     takes exactly n_iters × UNROLL steps, so its output counts them."""
-    from kalmix.bench.fma import fma_chains
+    from kalmix.bench.fma import run_chains
     x = torch.rand(2048)
     x0 = x.clone()
-    fma_chains[(2,)](x, 1.0, 1.0, 3, BLOCK=1024, UNROLL=5)
+    run_chains(x, 3, 5, a=1.0, b=1.0)
     assert torch.allclose(x, 4 * x0 + (0 + 1 + 2 + 3) + 4 * 3 * 5)
 
 
