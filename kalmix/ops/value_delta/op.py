@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from kalmix.ops.common.checks import (Range, check_gates, check_qkv, check_ranges, check_same, check_tensor,
-                                      compute_dtype, fail, no_check, resolve_impl)
+from kalmix.ops.common.checks import check_qkv, check_tensor
+from kalmix.ops.common.gated import run_gated
 from kalmix.ops.common.precision import no_autocast
-from kalmix.ops.common.varlen import Offsets, check_packed, run_packed
+from kalmix.ops.common.varlen import Offsets
 from kalmix.ops.value_delta.chunk import value_delta_chunk
 from kalmix.ops.value_delta.naive import value_delta_naive
 
@@ -42,22 +42,5 @@ def value_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     """
     B, T, H, K, V = check_qkv(_OP, q, k, v)
     check_tensor(_OP, "g", g, (B, T, H, V), "[B, T, H, V] like v")
-    check_same(_OP, "q", q, {"k": k, "v": v})
-    check_gates(_OP, q, {"g": g})
-    cu_seqlens, n_seq = check_packed(_OP, cu_seqlens, B, T, q.device)
-    if impl == "triton":
-        fail(_OP, "has no Triton kernel; use impl='torch' (chunked, CPU and CUDA) or 'naive' (the token loop)")
-    fn = resolve_impl(_OP, impl or "torch", q.device, _IMPLS)
-    dt = compute_dtype(q)
-    if initial_state is not None:
-        check_tensor(_OP, "initial_state", initial_state, (n_seq, H, K, V), "[B, H, K, V] (B = number of sequences)")
-        check_same(_OP, "q", q, {"initial_state": initial_state}, dtype=False)
-    finish = no_check
-    if check_values:
-        finish = check_ranges(_OP, [Range("g", g, float("-inf"), 0.0, lo_open=True)],
-                              {"q": q, "k": k, "v": v, "initial_state": initial_state})
-    state = q.new_zeros(n_seq, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt)
-    scale = K ** -0.5 if scale is None else scale
-    (o,), (S,) = run_packed(fn, cu_seqlens, [x.to(dt) for x in (q, k, v, g)], (state,), scale=scale)
-    finish()
-    return o.to(q.dtype), (S if output_final_state else None)
+    return run_gated(_OP, _IMPLS, q, k, v, g, g, scale, initial_state, output_final_state, cu_seqlens, impl,
+                     check_values)
