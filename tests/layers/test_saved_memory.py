@@ -103,18 +103,13 @@ class ViewsVLA(VariationalLinearAttention):
         return [q, k, v, self.u_proj(k.flatten(2)).view_as(k)], None, conv_state
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
-@pytest.mark.parametrize("autocast", [False, True])
-def test_vla_u_proj_saves_a_copy_of_k_not_the_whole_convolution_output(autocast, impl):
-    """u_proj takes a contiguous copy of the convolved k: the view it took (one row: B = 1, where the view folds into
-    a matrix without a copy) kept the whole convolution output [B, T, 3·H·K] for the backward. Under autocast (how
-    models train) that saves two of q, k, v in both impls; output and gradients are the same bit for bit."""
-    layers = []
-    for cls in (VariationalLinearAttention, ViewsVLA):
+def run_equal(classes, kwargs, x, autocast):
+    """Each class built from the same seed with ``kwargs`` and run on x (bf16 autocast when ``autocast``): asserts
+    their outputs and gradients equal bit for bit; -> (the layers, the bytes each saved for the backward)."""
+    layers, outs, saved, gs = [], [], [], []
+    for cls in classes:
         torch.manual_seed(0)
-        layers.append(cls(64, num_heads=2, impl=impl))
-    x = torch.randn(1, 40, 64, requires_grad=True)
-    outs, saved, gs = [], [], []
+        layers.append(cls(**kwargs))
     for layer in layers:
         with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
             outs.append(layer(x)[0])
@@ -122,6 +117,17 @@ def test_vla_u_proj_saves_a_copy_of_k_not_the_whole_convolution_output(autocast,
         gs.append(grads(outs[-1], [x, *layer.parameters()]))
     assert torch.equal(outs[0], outs[1])
     assert_same(*gs)
+    return layers, saved
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_vla_u_proj_saves_a_copy_of_k_not_the_whole_convolution_output(autocast, impl):
+    """u_proj takes a contiguous copy of the convolved k: the view it took (one row: B = 1, where the view folds into
+    a matrix without a copy) kept the whole convolution output [B, T, 3·H·K] for the backward. Under autocast (how
+    models train) that saves two of q, k, v in both impls; output and gradients are the same bit for bit."""
+    layers, saved = run_equal([VariationalLinearAttention, ViewsVLA], dict(d_model=64, num_heads=2, impl=impl),
+                              torch.randn(1, 40, 64, requires_grad=True), autocast)
     width = 40 * 64 * (2 if autocast else 4)                         # the bytes of one of q, k, v
     # fp32 on the torch path: its op keeps views of the convolution output itself, so the copy costs one more
     assert saved[1] - saved[0] == (-1 if impl == "torch" and not autocast else 2) * width
@@ -172,17 +178,6 @@ def test_kalman_saves_a_contiguous_gate_not_the_whole_input_projection(autocast,
     """The Kalman layer's readout keeps a contiguous gate: the view it kept held the whole input projection
     [B, T, 2·d_inner], z's half included, which the convolution has consumed. Output and gradients are the same bit
     for bit, in both impls (the torch chain and the fused kernels)."""
-    layers = []
-    for cls in (KalmanAttention, ViewsKalman):
-        torch.manual_seed(0)
-        layers.append(cls(32, d_state=4, num_heads=1, impl=impl))
-    x = torch.randn(1, 16, 32, requires_grad=True)
-    outs, saved, gs = [], [], []
-    for layer in layers:
-        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-            outs.append(layer(x)[0])
-            saved.append(sum(r["bytes"] for r in saved_tensors(layer, lambda: layer(x)[0])))
-        gs.append(grads(outs[-1], [x, *layer.parameters()]))
-    assert torch.equal(outs[0], outs[1])
-    assert_same(*gs)
+    layers, saved = run_equal([KalmanAttention, ViewsKalman], dict(d_model=32, d_state=4, num_heads=1, impl=impl),
+                              torch.randn(1, 16, 32, requires_grad=True), autocast)
     assert saved[1] - saved[0] == 16 * layers[0].d_inner * (2 if autocast else 4)     # the gate's size
