@@ -34,17 +34,22 @@ def test_forward_signature_and_gradients(name):
         assert p.grad is not None and torch.isfinite(p.grad).all(), pname
 
 
+def decoded(layer, x, prefix: int):
+    """The layer's output over x [B, T, d]: its first ``prefix`` tokens in one cached call, then one token at a
+    time through the cache."""
+    out, _, cache = layer(x[:, :prefix], use_cache=True)
+    outs = [out]
+    for t in range(prefix, x.shape[1]):
+        out, _, cache = layer(x[:, t:t + 1], past_key_values=cache, use_cache=True)
+        outs.append(out)
+    return torch.cat(outs, 1)
+
+
 @pytest.mark.parametrize("name", list(SMALL))
 def test_token_by_token_decoding_equals_full_forward(name):
     layer = make(name)
     x = torch.randn(2, 19, 24, dtype=torch.float64)
-    full, _, _ = layer(x)
-    prefix, _, cache = layer(x[:, :7], use_cache=True)
-    outs = [prefix]
-    for t in range(7, 19):
-        o, _, cache = layer(x[:, t:t + 1], past_key_values=cache, use_cache=True)
-        outs.append(o)
-    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(decoded(layer, x, 7), layer(x)[0], rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("name", list(SMALL))

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from kalmix.layers import NotebookDeltaNet, SoftmaxAttention
 from kalmix.ops.common.testing import assert_close, random_functional_grads
+from tests.layers.test_layers import decoded
 
 TOL = 1e-12
 
@@ -135,13 +136,7 @@ def test_attention_without_rope_decodes_and_takes_odd_heads():
     """rope=False lifts the even-head-size rule (nothing is rotated); cached decoding equals the full forward."""
     layer = _layer(SoftmaxAttention, d=15, num_heads=3, rope=False, bias=True)
     x = torch.randn(2, 11, 15, dtype=torch.float64)
-    full = layer(x)[0]
-    out, _, cache = layer(x[:, :6], use_cache=True)
-    outs = [out]
-    for t in range(6, 11):
-        out, _, cache = layer(x[:, t:t + 1], past_key_values=cache, use_cache=True)
-        outs.append(out)
-    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(decoded(layer, x, 6), layer(x)[0], rtol=1e-10, atol=1e-10)
     with pytest.raises(ValueError, match="must be even"):
         SoftmaxAttention(15, num_heads=3)
     for arg in ("rope", "bias"):
