@@ -263,20 +263,19 @@ def by_lr(recipe: Recipe, rows: list[dict]) -> list[str]:
         return []
     name = metric.replace("_", " ")
     head = ["mixer", "grid point", "lr"] + (["seeds solving"] if solve_at is not None else [])
-    lengths = sorted({int(n) for r in rows if r.get("test") for n in r["test"]})
-    train_len, long_len = None, lengths[-1] if lengths else None
-    head += [f"test {name} (%) at the training length", f"at {long_len}" if long_len else "", "ends"]
+    long_len = max(int(n) for runs in cells.values() for r in runs for n in r["test"])
+    head += [f"test {name} (%) at the training length", f"at {long_len}", "ends"]
     lines = ["Every learning rate (all seeds, unsolved ones included):", "", "| " + " | ".join(head) + " |",
              "|" + "---|" * len(head)]
     order = {m: i for i, m in enumerate(recipe.mixers)}
     for (mixer, pkey, lr), runs in sorted(cells.items(), key=lambda kv: (order.get(kv[0][0], len(order)), kv[0][1],
                                                                           kv[0][2])):
-        at = recipe.at(json.loads(pkey))
-        train_len = at.task.length()
-        out = [mixer, _fmt_point(json.loads(pkey)), f"{lr:g}"]
+        point = json.loads(pkey)
+        at = recipe.at(point)
+        out = [mixer, _fmt_point(point), f"{lr:g}"]
         if solve_at is not None:
             out.append(f"{sum(solve_step(r, solve_at) is not None for r in runs)} of {len(runs)}")
-        for length in (train_len, long_len):
+        for length in (at.task.length(), long_len):
             vals = [r["test"][str(length)][metric] for r in runs if str(length) in r["test"]]
             out.append(_cell(_stat(vals), None, len(vals)) if vals else "–")
         ends = Counter(tail(r, at.train, solve_at).split(" (")[0] for r in runs)
