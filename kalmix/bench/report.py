@@ -41,10 +41,14 @@ def load_rows(paths: list[str]) -> list[dict]:
 
 def current(rows: list[dict]) -> tuple[Recipe, list[dict], int]:
     """The recipe as its newest row ran it, the rows that ran that same version, and how many rows ran an earlier
-    version (a changed task, model, mixer or protocol: their keys differ)."""
+    version (a changed task, model, mixer or protocol: their keys differ). The recipe's ``train.lrs`` and
+    ``train.seeds`` are those of the rows kept (runs of one version may have been started with other lists)."""
     recipe = Recipe.model_validate(max(rows, key=lambda r: r["time"])["spec"])
     same = [r for r in rows if r["mixer"] in recipe.mixers
             and r["key"] == run_key(recipe.at(r["point"]), r["point"], r["mixer"], r["lr"], r["seed"])]
+    if same:
+        ran = {"lrs": sorted({r["lr"] for r in same}), "seeds": sorted({r["seed"] for r in same})}
+        recipe = Recipe.model_validate(recipe.model_dump() | {"train": recipe.train.model_dump() | ran})
     return recipe, same, len(rows) - len(same)
 
 

@@ -8,7 +8,7 @@ import yaml
 from pydantic import ValidationError
 
 from kalmix.bench import report as rep
-from kalmix.bench.synthetic import Recipe, TaskSpec, load_recipe, recorded, run, run_key, scores
+from kalmix.bench.synthetic import Recipe, TaskSpec, load_recipe, read_rows, recorded, run, run_key, scores
 from kalmix.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -420,6 +420,22 @@ def test_escape_statistics_lr_edges_and_tails():
     assert "| gdn | – | 0.001 | 0 of 2 | 22.5 ± 24.7 | 22.5 ± 24.7 | 1 flat, 1 rising |" in lrs
     assert "| gdn | – | 0.01 | 1 of 2 | 70.0 ± 28.3 | 70.0 ± 28.3 | 1 rising, 1 solved |" in lrs
     assert "Every learning rate" in md
+
+
+def test_the_report_counts_every_rate_and_seed_its_rows_ran(tmp_path):
+    """Runs of one recipe version started with other lr / seed lists (``--set train.lrs=...``) share a file; the
+    report's recipe, and so its budget line, has every rate and seed of the rows, not the newest start's lists."""
+    data = tiny(budget={"steps": 8, "batch_size": 8, "lrs": 1, "seeds": 1, "source": "x"}, references=[],
+                mixers={"gdn": {"mixer": "gdn", "kwargs": {"num_heads": 2}}},
+                train={"steps": 2, "batch_size": 8, "lrs": [1e-3], "seeds": [0], "eval_every": 2})
+    path = str(tmp_path / "r.jsonl")
+    run(Recipe.model_validate(data), path, progress=False)
+    data["train"] = data["train"] | {"lrs": [3e-3], "seeds": [1]}
+    run(Recipe.model_validate(data), path, progress=False)
+    recipe, rows, earlier = rep.current(read_rows(path))
+    assert (recipe.train.lrs, recipe.train.seeds, len(rows), earlier) == ([1e-3, 3e-3], [0, 1], 2, 0)
+    assert "2 steps of 8 × 2 learning rate(s) × 2 seed(s): 25% of a paper run, 100% of its sweep" in \
+        rep.markdown(recipe, rep.summarise(recipe, rows), None)
 
 
 def test_report_also_shows_extra_metrics():
