@@ -3,8 +3,7 @@ the same device. Run from the repository root on a CUDA machine, one group per c
 durations in one run on an H200, compilation included):
 
 - ``python -m pytest -q -m quick gpu_tests`` — every op's Triton path against fp64 (bf16, packed documents) and
-  every layer's training step and decode, once each (with four cases per op: 42 s on an H200 whose Triton cache
-  was warm, 194 s on a fresh H100 beside three busy GPUs; one case per op since, not yet timed);
+  every layer's training step and decode, once each (17 tests, 120 s on a fresh H100 beside three busy GPUs);
 - ``python -m pytest -q gpu_tests/test_ops_gpu.py`` — the ops at their limits and realistic regimes (276 s);
 - ``python -m pytest -q gpu_tests/test_layers_gpu.py gpu_tests/test_models_gpu.py gpu_tests/test_train_gpu.py``
   — layers (49 s), models, decoding and the trainer (not yet timed).
