@@ -178,6 +178,9 @@ def test_gpu_recording_by_hand():
     assert 1e3 * b.host_ms == pytest.approx(100)
     assert b.idle_fraction == pytest.approx(1 - 91 / 120) and b.syncs == 1
     assert b.kernels[("_kalman_bwd_kernel", "mixer_op")] == pytest.approx([1, 0.030])
+    assert b.kernels[("_kalman_fwd_kernel", "mixer_op")] == pytest.approx([1, 0.020])      # not the call's list
+    assert b.kernels[("_conv_fwd_kernel", "short_conv")] == pytest.approx([1, 0.002])      # not op 14's
+    assert b.kernels[("Memset (Device)", "other")] == pytest.approx([1, 0.001])            # not op 31's
     with pytest.raises(ValueError, match=r"holds 1 'kalmix.bench.step' ranges where 2 steps were recorded"):
         prof.breakdown(events, 2, "cuda")
 
