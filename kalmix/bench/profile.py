@@ -55,6 +55,7 @@ RULES = (
 CATEGORIES = ("mixer_op", "gemm", "norm", "elementwise", "short_conv", "loss", "optimizer", "copy_cast", "other")
 _COMPILED = tuple((cat, where, re.compile(pattern, re.IGNORECASE)) for cat, where, pattern in RULES)
 _BACKWARD = "autograd::engine::evaluate_function: "
+_LAUNCHES = re.compile(r"^cu(da)?[A-Z]")               # the host's CUDA runtime and driver calls
 _SYNCS = re.compile(r"^cuda(Stream|Device|Event)Synchronize$|^cudaMemcpy$")
 
 
@@ -126,7 +127,10 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
 
 def breakdown(events, steps: int, device_type: str) -> Breakdown:
     """The ``Breakdown`` of a recording (``prof.events()``) of ``steps`` steps, each in a ``STEP_RANGE`` range:
-    the kernels' times on "cuda", the CPU ops' self times otherwise."""
+    the kernels' times on "cuda", the CPU ops' self times otherwise. A kernel's op is the CPU op whose ``kernels``
+    lists it (torch links the two by correlation id; kernels of one name and duration are alike here), else the op
+    around its launch (the CUDA runtime or driver call with the kernel's id); a kernel with neither counts by its
+    name alone."""
     cpu = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async]
     step_ranges = [e for e in cpu if e.name == STEP_RANGE]
     if len(step_ranges) != steps:
@@ -138,14 +142,17 @@ def breakdown(events, steps: int, device_type: str) -> Breakdown:
     scopes = _Scopes(cpu)
     timed = []                                           # (leaf names, scope names, name, µs)
     if device_type == "cuda":
-        ops = {e.id: e for e in cpu if e.linked_correlation_id == 0}
-        runtime = {e.id: e for e in cpu if e.linked_correlation_id > 0}       # the host's launch calls
-        kernels = [e for e in events if e.device_type != DeviceType.CPU and not e.is_user_annotation
-                   and e.activity_type != "gpu_user_annotation"]          # kernels, copies and sets
+        launches = {e.id: e for e in cpu if _LAUNCHES.match(e.name)}
+        listed = defaultdict(list)                       # (kernel name, µs): the ops whose ``kernels`` list one
+        for e in cpu:
+            if not _LAUNCHES.match(e.name):
+                for kernel in e.kernels:
+                    listed[(kernel.name, kernel.duration)].append(e)
+        kernels = [e for e in events if e.device_type != DeviceType.CPU
+                   and not e.is_user_annotation]         # kernels, copies and sets (not the GPU's annotations)
         for k in kernels:
-            op = ops.get(k.linked_correlation_id) if k.linked_correlation_id > 0 else None
-            if op is None and k.id in runtime:
-                op = runtime[k.id].cpu_parent
+            ops, launch = listed.get((k.name, k.time_range.elapsed_us())), launches.get(k.id)
+            op = ops.pop() if ops else launch.cpu_parent if launch is not None else None
             timed.append(([k.name] + ([op.name] if op is not None else []), [k.name] + scopes(op), k.name,
                           k.time_range.elapsed_us()))
         end = max([end] + [k.time_range.end for k in kernels])

@@ -1,6 +1,6 @@
 """``kalmix bench lm --profile`` (kalmix.bench.profile): the CLI run on CPU at tiny sizes, the categories of a GPU
-recording built by hand (kernels linked to their ops, the backward to its forward op), bad arguments, and the mixer
-op's range costing nothing while nothing records."""
+recording built by hand as torch 2.11 and 2.13 build one (kernels listed by their ops, the backward linked to its
+forward op), bad arguments, and the mixer op's range costing nothing while nothing records."""
 import csv
 import gzip
 import io
@@ -65,7 +65,8 @@ def test_every_category_of_every_model_adds_up_to_the_step(cpu_run):
 def test_tables_kernels_and_traces(cpu_run):
     by_model, out, printed = cpu_run
     assert "fla_deltanet  unavailable: needs CUDA (fla's Triton kernels)" in printed
-    assert "train, plain rows, T = 32 (B = 2)" in printed and "CPU op self time; a CPU run says nothing of a GPU's" in printed
+    assert "train, plain rows, T = 32 (B = 2)" in printed
+    assert "CPU op self time; a CPU run says nothing of a GPU's" in printed
     line = next(s for s in printed.splitlines() if s.startswith("kaczmarz "))
     cats = by_model["kaczmarz"]
     assert line.split()[1:11] == [f"{float(cats[c]['ms_per_step']):.3f}" for c in prof.CATEGORIES] + [
@@ -102,9 +103,19 @@ def test_the_backward_of_a_norm_counts_as_the_norm(tmp_path):
     assert (tmp_path / "trace.json.gz").exists() and not (tmp_path / "trace.json").exists()
 
 
-def _cpu(id, name, start, end, children=(), thread=1, **kw):
+def _kernel(id, name, start, end, **kw):
+    return FunctionEvent(id=id, name=name, thread=0, start_us=start, end_us=end, device_type=DeviceType.CUDA, **kw)
+
+
+def _cpu(id, name, start, end, children=(), thread=1, launched=(), **kw):
+    """A CPU event as torch's recording gives it: ``children`` nested in it; each kernel of ``launched`` linked to
+    it (listed in its ``kernels``) and launched from it (a ``cudaLaunchKernel`` child with the kernel's id)."""
     e = FunctionEvent(id=id, name=name, thread=thread, start_us=start, end_us=end, **kw)
-    for c in children:
+    for k in launched:
+        e.append_kernel(k.name, k.device_index, k.time_range.elapsed_us())
+    launches = [FunctionEvent(id=k.id, name="cudaLaunchKernel", thread=thread, start_us=start, end_us=start)
+                for k in launched]
+    for c in [*children, *launches]:
         c.set_cpu_parent(e)
         e.append_cpu_child(c)
     return e
@@ -114,51 +125,51 @@ def _flat(e):
     return [e] + [d for c in e.cpu_children for d in _flat(c)]
 
 
-def _kernel(id, name, start, end, op=0, activity="kernel"):
-    return FunctionEvent(id=id, name=name, thread=0, start_us=start, end_us=end, device_type=DeviceType.CUDA,
-                         linked_correlation_id=op, activity_type=activity)
-
-
 def test_gpu_recording_by_hand():
-    """A hand-made recording of one CUDA step: kernels counted by the op that launched them and the ranges around
-    it; the backward's kernels in the scope of their node's forward op (sequence number 5: the norm's); a Triton
-    kernel with no op found through its launch call; GPU annotations not counted; idle time and syncs."""
+    """A hand-made recording of one CUDA step, built as torch builds it: kernels counted by the op that lists them
+    (the op that launched them) and the ranges around it; the backward's kernels in the scope of their node's
+    forward op (sequence number 5: the norm's); a Triton kernel launched outside any op found through its launch
+    call (whose id is also an op's, so that torch lists that op's kernels under the call too); a memset whose id is
+    also an op's left to its name; GPU annotations not counted; idle time and syncs."""
+    k = {i: _kernel(i, name, start, end) for i, name, start, end in [
+        (101, "void at::native::vectorized_layer_norm_kernel<float>", 10, 14),             # norm 4
+        (102, "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTT", 14, 24),                        # gemm 10
+        (103, "void at::native::elementwise_kernel<direct_copy_kernel_cuda>", 24, 27),     # copy 3
+        (104, "_kalman_fwd_kernel", 27, 47),                                               # mixer op 20
+        (105, "sm90_xmma_gemm_bf16bf16_bf16f32", 47, 52),                                  # gemm 5
+        (106, "void at::native::reduce_kernel<512, 1>", 52, 54),                           # loss 2
+        (14, "_conv_fwd_kernel", 54, 56),                                                  # conv 2 (launch)
+        (107, "void at::native::vectorized_elementwise_kernel<4, MulFunctor>", 60, 66),    # norm 6
+        (108, "_kalman_bwd_kernel", 66, 96),                                               # mixer op 30
+        (109, "void at::native::multi_tensor_apply_kernel<FusedAdamW>", 100, 108),         # optimizer 8
+        (31, "Memset (Device)", 119, 120),                                                 # other 1
+    ]}
+    triton_launch = _cpu(14, "cuLaunchKernel", 32, 33)
+    triton_launch.append_kernel(k[104].name, 0, 20.0)       # torch's doing: the call shares op 14's id
     step = _cpu(1, prof.STEP_RANGE, 0, 100, is_user_annotation=True, children=[
         _cpu(2, "module: RMSNorm model.layers.0.mixer_norm", 1, 5, children=[
-            _cpu(11, "aten::rms_norm", 2, 4, sequence_nr=5)]),
+            _cpu(11, "aten::rms_norm", 2, 4, sequence_nr=5, launched=[k[101]])]),
         _cpu(3, "module: Linear model.layers.0.mixer.q_proj", 5, 10, children=[
-            _cpu(12, "aten::mm", 6, 7, sequence_nr=6), _cpu(13, "aten::copy_", 8, 9)]),
+            _cpu(12, "aten::mm", 6, 7, sequence_nr=6, launched=[k[102]]),
+            _cpu(13, "aten::copy_", 8, 9, launched=[k[103]])]),
         _cpu(4, base.MIXER_OP_RANGE, 10, 20, children=[
-            _cpu(14, "KalmanFusedFunction", 11, 19, sequence_nr=7)]),
+            _cpu(14, "KalmanFusedFunction", 11, 19, sequence_nr=7, launched=[k[104]])]),
         _cpu(5, "_LinearCrossEntropy", 20, 30, sequence_nr=8, children=[
-            _cpu(15, "aten::mm", 21, 22), _cpu(16, "aten::logsumexp", 23, 24)]),
-        _cpu(6, "module: ShortConv model.layers.0.mixer.q_conv", 31, 34, children=[
-            _cpu(900, "cuLaunchKernel", 32, 33, linked_correlation_id=77)]),
-        _cpu(7, "cudaStreamSynchronize", 35, 36, linked_correlation_id=78),
+            _cpu(15, "aten::mm", 21, 22, launched=[k[105]]), _cpu(16, "aten::logsumexp", 23, 24, launched=[k[106]])]),
+        _cpu(6, "module: ShortConv model.layers.0.mixer.q_conv", 31, 34, children=[triton_launch]),
+        _cpu(7, "cudaStreamSynchronize", 35, 36),
         _cpu(8, "Optimizer.step#AdamW.step", 60, 70, is_user_annotation=True, children=[
-            _cpu(31, "aten::_fused_adamw_", 61, 69)]),
+            _cpu(31, "aten::_fused_adamw_", 61, 69, launched=[k[109]])]),
     ])
     backward = [
         _cpu(20, "autograd::engine::evaluate_function: MulBackward0", 40, 50, thread=2, fwd_thread=1,
-             sequence_nr=5, children=[_cpu(21, "aten::mul", 41, 42, thread=2)]),
+             sequence_nr=5, children=[_cpu(21, "aten::mul", 41, 42, thread=2, launched=[k[107]])]),
         _cpu(22, "autograd::engine::evaluate_function: KalmanFusedFunctionBackward", 50, 58, thread=2,
-             fwd_thread=1, sequence_nr=7, children=[_cpu(23, "KalmanFusedFunctionBackward", 51, 57, thread=2)]),
+             fwd_thread=1, sequence_nr=7, children=[
+                 _cpu(23, "KalmanFusedFunctionBackward", 51, 57, thread=2, launched=[k[108]])]),
     ]
-    kernels = [
-        _kernel(101, "void at::native::vectorized_layer_norm_kernel<float>", 10, 14, op=11),     # norm 4
-        _kernel(102, "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTT", 14, 24, op=12),               # gemm 10
-        _kernel(103, "void at::native::elementwise_kernel<direct_copy_kernel_cuda>", 24, 27, op=13),  # copy 3
-        _kernel(104, "_kalman_fwd_kernel", 27, 47, op=14),                                      # mixer op 20
-        _kernel(105, "sm90_xmma_gemm_bf16bf16_bf16f32", 47, 52, op=15),                          # gemm 5
-        _kernel(106, "void at::native::reduce_kernel<512, 1>", 52, 54, op=16),                  # loss 2
-        _kernel(900, "_conv_fwd_kernel", 54, 56),                                               # conv 2 (launch)
-        _kernel(107, "void at::native::vectorized_elementwise_kernel<4, MulFunctor>", 60, 66, op=21),  # norm 6
-        _kernel(108, "_kalman_bwd_kernel", 66, 96, op=23),                                      # mixer op 30
-        _kernel(109, "void at::native::multi_tensor_apply_kernel<FusedAdamW>", 100, 108, op=31),  # optim 8
-        _kernel(110, "Memset (Device)", 119, 120, activity="gpu_memset"),                       # other 1
-        _kernel(111, prof.STEP_RANGE, 0, 120, activity="gpu_user_annotation"),                  # not counted
-    ]
-    events = _flat(step) + [e for b in backward for e in _flat(b)] + kernels
+    annotation = _kernel(1, prof.STEP_RANGE, 0, 120, is_user_annotation=True)          # the GPU's: not counted
+    events = _flat(step) + [e for b in backward for e in _flat(b)] + list(k.values()) + [annotation]
     b = prof.breakdown(events, 1, "cuda")
     us = {c: 1e3 * v for c, v in b.categories.items()}
     assert us == pytest.approx({"mixer_op": 50, "gemm": 15, "norm": 10, "elementwise": 0, "short_conv": 2,
@@ -167,6 +178,9 @@ def test_gpu_recording_by_hand():
     assert 1e3 * b.host_ms == pytest.approx(100)
     assert b.idle_fraction == pytest.approx(1 - 91 / 120) and b.syncs == 1
     assert b.kernels[("_kalman_bwd_kernel", "mixer_op")] == pytest.approx([1, 0.030])
+    assert b.kernels[("_kalman_fwd_kernel", "mixer_op")] == pytest.approx([1, 0.020])      # not the call's list
+    assert b.kernels[("_conv_fwd_kernel", "short_conv")] == pytest.approx([1, 0.002])      # not op 14's
+    assert b.kernels[("Memset (Device)", "other")] == pytest.approx([1, 0.001])            # not op 31's
     with pytest.raises(ValueError, match=r"holds 1 'kalmix.bench.step' ranges where 2 steps were recorded"):
         prof.breakdown(events, 2, "cuda")
 
