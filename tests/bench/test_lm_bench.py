@@ -229,7 +229,7 @@ def test_failing_row_is_reported_and_the_exit_status_says_so(monkeypatch, tmp_pa
     (["--tolerance", "0"], r"tolerance"),
     (["--steps", "0"], r"steps"),
     (["--seq-lens"], r"expected at least one argument"),
-    (["--preset", "7b"], r"--preset: Input should be 'default' or '125m' \(got '7b'\)"),
+    (["--preset", "7b"], r"--preset: Input should be 'default', '125m' or '1b' \(got '7b'\)"),
 ])
 def test_bad_arguments_are_named(args, message, capsys):
     with pytest.raises(SystemExit) as e:
