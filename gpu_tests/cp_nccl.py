@@ -135,10 +135,14 @@ def _sync(device):
 
 
 def measured(model, ids, reps, device, split=False):
-    """(step_time's median ms, the peak memory of the steps in GiB; None off CUDA)."""
+    """(step_time's median ms, the peak memory of the steps in GiB; None off CUDA). A step that fails leaves no
+    gradients behind."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    ms = step_time(model, ids, reps, device, split)
+    try:
+        ms = step_time(model, ids, reps, device, split)
+    finally:
+        model.zero_grad(set_to_none=True)
     return ms, torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 

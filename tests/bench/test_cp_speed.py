@@ -153,3 +153,23 @@ def test_bad_arguments_are_named(argv, env, message, monkeypatch, capsys):
         cp_nccl.main(argv)
     said = capsys.readouterr().err + str(e.value.code)
     assert re.search(message, said), said
+
+
+def test_a_step_out_of_memory_in_its_backward_leaves_no_gradients():
+    """The backward fails half-way (the last block's gradients already accumulated): the error
+    reaches the caller, and the next attempt starts from no gradients, on one rank as on every other."""
+    import torch
+    from kalmix.models import KalmixConfig, KalmixForCausalLM
+    torch.manual_seed(0)
+    model = KalmixForCausalLM(KalmixConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           mixer="gdn", mixer_kwargs={"gdn": {"num_heads": 2}}))
+
+    def fail(grad):
+        assert any(p.grad is not None for p in model.model.layers[1].parameters())     # half-way indeed
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+    def hook(module, args, out):
+        out[0].register_hook(fail)
+    model.model.layers[0].register_forward_hook(hook)
+    with pytest.raises(torch.OutOfMemoryError):
+        cp_nccl.measured(model, torch.randint(0, 64, (1, 16)), 1, torch.device("cpu"))
+    assert all(p.grad is None for p in model.parameters())
