@@ -90,7 +90,7 @@ class LMBenchConfig(BaseModel):
                           "at every --seq-lens T, shortest first, plain rows; a model out of memory at T is not tried "
                           "at longer T (those rows read 'skipped (oom at T)')")
     activation_checkpointing: bool = Field(False, description="recompute each block in the backward of the "
-                                           "training steps, as `kalmix train --train.activation_checkpointing`")
+                                           "training steps, as `kalmix train` does with train.activation_checkpointing")
     packing: list[Literal["plain", "packed"]] = Field(["plain", "packed"], min_length=1, description="plain rows "
                                                       "and/or packed rows (documents end to end, their boundaries "
                                                       "passed to the model)")
