@@ -27,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from kalmix.bench.lm import PRESETS
 from kalmix.distributed import context_parallel_model
 from kalmix.models import KalmixConfig, KalmixForCausalLM
 
@@ -310,6 +311,12 @@ def _lengths(text):
     return lengths
 
 
+def _positive(text):
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1; got {text!r}")
+    return int(text)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="cp_nccl.py", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what")
@@ -318,9 +325,10 @@ def main(argv=None):
     sp.add_argument("lengths", nargs="?", type=_lengths, default=[65536],
                     help="comma-separated T, tried shortest first (default 65536)")
     sp.add_argument("models", nargs="?", default=None, help="comma-separated model names (default: all)")
-    sp.add_argument("--preset", choices=["default", "125m", "1b"], default=None,
+    sp.add_argument("--preset", choices=list(PRESETS), default=None,
                     help="the kalmix models of `kalmix bench lm --preset` instead of the 8-block width-1024 set")
-    sp.add_argument("--reps", type=int, default=3, help="timed steps (after two untimed ones); the median is kept")
+    sp.add_argument("--reps", type=_positive, default=3, help="timed steps (after two untimed ones); the median is "
+                    "kept")
     sp.add_argument("--gloo", action="store_true", help="CPU processes over gloo instead of GPUs over NCCL (tests)")
     tp = sub.add_parser("table", help="the markdown table of speed's JSON rows")
     tp.add_argument("path")

@@ -23,6 +23,9 @@ weights (as ``kalmix train`` runs it: ``build_model``, ``kalmix.train.optim``) â
   runs out of memory is "oom"; the run goes on.
 
 ``--prefill`` adds rows timing the forward alone (no gradients; the last position's logits), as a prompt's prefill.
+``--longest`` times one row of T tokens per step (B = 1, plain rows) at each T, shortest first, and tries a model
+no longer once its step ran out of memory: the longest T each model trains at (``longest_table``, ``plot_longest``).
+``--activation-checkpointing`` recomputes each block in the backward, as ``kalmix train`` can.
 ``--memory`` accounts what a training forward saves for the backward instead of timing (``kalmix.bench.memory``);
 ``--profile`` records steps with torch.profiler and splits their time into categories (``kalmix.bench.profile``).
 """

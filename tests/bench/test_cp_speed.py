@@ -143,7 +143,9 @@ def test_preset_models_are_bench_lms(monkeypatch):
     (["speed", "1,64"], {}, r"a length must be at least 2 tokens; got 1"),
     (["speed", "64,98"], {"WORLD_SIZE": "4"}, r"cp_nccl.py speed: error: lengths \[98\] do not divide by the 4 ranks"),
     (["speed", "64", "gdn,mamba"], {}, r"unknown model\(s\) \['mamba'\]; expected any of hybrid, gdn, attention"),
-    (["speed", "64", "--preset", "7b"], {}, r"argument --preset: invalid choice: '7b'"),
+    (["speed", "64", "--preset", "7b"], {}, r"argument --preset: invalid choice: '7b' \(choose from '?default'?, "
+                                            r"'?125m'?, '?1b'?\)"),
+    (["speed", "64", "--reps", "0"], {}, r"argument --reps: must be a whole number >= 1; got '0'"),
 ])
 def test_bad_arguments_are_named(argv, env, message, monkeypatch, capsys):
     import re
