@@ -1,7 +1,7 @@
 """Context parallelism on GPUs over NCCL, one process per GPU (``torchrun --nproc-per-node N``):
 
     torchrun --nproc-per-node 4 gpu_tests/cp_nccl.py check      # CP equal to one device (fp32 and bf16)
-    torchrun --nproc-per-node 4 gpu_tests/cp_nccl.py speed [T] [MODELS]   # a training step at T tokens, 1 GPU vs N
+    torchrun --nproc-per-node 4 gpu_tests/cp_nccl.py speed [T,T,...] [MODELS] [--preset P]   # 1 GPU vs N at each T
     python gpu_tests/cp_nccl.py table docs/results/multigpu/cp_speed.jsonl     # the markdown table of speed's rows
 
 ``check``: every kalmix mixer, the baselines and a GDN + attention hybrid, each rank's piece of a [2, 2048]
@@ -9,12 +9,16 @@ batch through ``context_parallel_model`` (relay, and combine for the affine ops)
 whole batch on one device: logits, loss and the summed parameter gradients (all parameters' gradients as one
 vector; the worst single parameter is printed beside), relative error ≤ 1e-5 in fp32
 (matmuls without TF32); the hybrid also in bf16 through the flash kernel (≤ 2e-2). ``speed``: forward + backward
-+ the gradient all-reduce of an 8-layer d_model 1024 model (bf16 autocast) on one sequence of T tokens, on rank
-0 alone and then split over all ranks; prints a table and appends JSON rows to ``$OUT``/cp_speed.jsonl if set
-(stamped with ``$KALMIX_COMMIT``).
++ the gradient all-reduce of an 8-layer d_model 1024 model (bf16 autocast; ``--preset``: the kalmix models of
+``kalmix bench lm --preset``) on one sequence of T tokens, on rank 0 alone and then split over all ranks, at each
+length given, shortest first: a step out of memory reads "oom" (every rank agrees, ``attempt``) and is not tried at
+longer lengths, so one command finds the longest T on one GPU and under CP. It prints each row and appends it to
+``$OUT``/cp_speed.jsonl if set (stamped with ``$KALMIX_COMMIT``); ``--gloo`` runs it on CPU processes (tests).
 """
 from __future__ import annotations
 
+import argparse
+import gc
 import json
 import os
 import sys
@@ -23,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from kalmix.bench.lm import PRESETS
 from kalmix.distributed import context_parallel_model
 from kalmix.models import KalmixConfig, KalmixForCausalLM
 
@@ -96,16 +101,16 @@ def check(rank, world):
     return not failed
 
 
-def step_time(model, ids, reps, split=False):
+def step_time(model, ids, reps, device, split=False):
     """Median ms of forward + backward (+ the gradient all-reduce when split) under bf16 autocast."""
     times = []
     params = [p for p in model.parameters() if p.requires_grad]
     for i in range(reps + 2):
-        torch.cuda.synchronize()
+        _sync(device)
         if split:
             dist.barrier()
         t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             if split:
                 with context_parallel_model(model):
                     loss = model(input_ids=ids, labels=ids).loss
@@ -118,88 +123,239 @@ def step_time(model, ids, reps, split=False):
             dist.all_reduce(flat)
             for p, g in zip(have, flat.split([p.numel() for p in have])):
                 p.grad.copy_(g.view_as(p))
-        torch.cuda.synchronize()
+        _sync(device)
         if i >= 2:
             times.append((time.perf_counter() - t0) * 1e3)
         model.zero_grad(set_to_none=True)
     return sorted(times)[len(times) // 2]
 
 
-def speed(rank, world, T=65536, only=None, reps=3):
-    configs = {"hybrid gdn+attn/4": ["gdn", "gdn", "gdn", "attention"] * 2, "gdn": ["gdn"] * 8,
-               "attention": ["attention"] * 8, "kaczmarz": ["kaczmarz"] * 8, "gka": ["gka"] * 8,
-               "kalman": ["kalman"] * 8}
-    kw = {"gdn": {"num_heads": 8}, "kaczmarz": {"num_heads": 8}, "gka": {"num_heads": 8},
-          "attention": {"num_heads": 8}, "kalman": {"d_state": 16, "num_heads": 8, "expand": 1}}
-    rows = []
-    for name, mixers in configs.items():
-        if only and name.split()[0] not in only:
-            continue
-        torch.manual_seed(0)
-        cfg = KalmixConfig(vocab_size=32000, hidden_size=1024, num_hidden_layers=8, mixers=mixers,
-                           mixer_kwargs={m: kw[m] for m in set(mixers)})
-        model = KalmixForCausalLM(cfg).cuda()
-        ids = torch.randint(0, 32000, (1, T), generator=torch.Generator().manual_seed(0)).cuda()
-        one = None
-        if rank == 0:
-            torch.cuda.reset_peak_memory_stats()
-            try:
-                one = step_time(model, ids, reps)
-                mem1 = torch.cuda.max_memory_allocated() / 2**30
-            except torch.OutOfMemoryError:
-                one, mem1 = float("nan"), float("nan")
-            torch.cuda.empty_cache()
-        dist.barrier()
-        torch.cuda.reset_peak_memory_stats()
-        piece = T // world
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measured(model, ids, reps, device, split=False):
+    """(step_time's median ms, the peak memory of the steps in GiB; None off CUDA). A step that fails leaves no
+    gradients behind."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        ms = step_time(model, ids, reps, device, split)
+    finally:
+        model.zero_grad(set_to_none=True)
+    return ms, torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def attempt(fn, device, runs=True):
+    """``fn()`` on this rank if ``runs`` -> (its result, or None unless every rank's attempt fitted in memory;
+    whether every one did). Every rank calls this for every attempt, also one it does not run (``runs`` False:
+    rank 0 alone times one GPU): a rank out of memory frees what it held, then all join an all-reduce (MIN) of
+    one ok-flag, so all agree, skip the same longer lengths and meet at the same collectives next. An attempt
+    out of memory on every rank at the same allocation (equal pieces of one model: the same allocations on every
+    rank) is caught so; one out of memory on some ranks only, inside the step, leaves the others waiting in the
+    step's own collectives, which this cannot undo: the process group's timeout ends the run then."""
+    out, ok = None, True
+    if runs:
         try:
-            many = step_time(model, ids[:, rank * piece:(rank + 1) * piece], reps, split=True)
-            memn = torch.cuda.max_memory_allocated() / 2**30
+            out = fn()
         except torch.OutOfMemoryError:
-            many, memn = float("nan"), float("nan")
-        if rank == 0:
-            row = {"model": name, "T": T, "gpus": world, "commit": os.environ.get("KALMIX_COMMIT", "unknown"), "ms_1gpu": one, "ms_cp": many, "speedup": one / many,
-                   "mem_1gpu_gib": mem1, "mem_cp_gib": memn, "gpu": torch.cuda.get_device_name()}
-            rows.append(row)
-            print(f"cp speed {name:18s} T={T} 1 GPU {one:8.1f} ms {mem1:5.1f} GiB | {world} GPUs {many:8.1f} ms "
-                  f"{memn:5.1f} GiB | speed-up {one / many:.2f}x", flush=True)
+            ok = False
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    flag = torch.tensor([int(ok)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return (out, True) if flag.item() else (None, False)
+
+
+SPEED_CONFIGS = {"hybrid gdn+attn/4": ["gdn", "gdn", "gdn", "attention"] * 2, "gdn": ["gdn"] * 8,
+                 "attention": ["attention"] * 8, "kaczmarz": ["kaczmarz"] * 8, "gka": ["gka"] * 8,
+                 "kalman": ["kalman"] * 8}
+SPEED_KW = {"gdn": {"num_heads": 8}, "kaczmarz": {"num_heads": 8}, "gka": {"num_heads": 8},
+            "attention": {"num_heads": 8}, "kalman": {"d_state": 16, "num_heads": 8, "expand": 1}}
+
+
+def speed_models(preset=None, only=None):
+    """name -> a function of no arguments building that model (fp32, seed 0, on torch's default device): without
+    ``preset`` the 8-block width-1024 models of ``SPEED_CONFIGS`` (vocabulary 32,000); with one, the kalmix models
+    of ``kalmix bench lm --preset`` (every mixer and its gka + attention hybrid, sized to Llama's count as bench lm
+    sizes them). ``only``: the names to keep (the first word of each)."""
+    from kalmix.bench.lm import KALMIX_MODELS, LMBenchConfig, build, matched_specs
+    every = list(SPEED_CONFIGS) if preset is None else [*KALMIX_MODELS, "hybrid"]
+    short = [name.split()[0] for name in every]
+    unknown = [m for m in only or [] if m not in short]
+    if unknown:
+        raise SystemExit(f"cp_nccl.py speed: error: unknown model(s) {unknown}; expected any of {', '.join(short)}")
+    names = [name for name in every if not only or name.split()[0] in only]
+
+    def seeded(fn):
+        def make():
+            torch.manual_seed(0)
+            return fn()
+        return make
+    if preset is None:
+        return {name: seeded(lambda m=SPEED_CONFIGS[name]: KalmixForCausalLM(KalmixConfig(
+                    vocab_size=32000, hidden_size=1024, num_hidden_layers=8, mixers=m,
+                    mixer_kwargs={k: SPEED_KW[k] for k in set(m)}))) for name in names}
+    cfg = LMBenchConfig(preset=preset, models=names)
+    specs, _ = matched_specs(cfg)
+    return {name: seeded(lambda s=specs[name]: build(s, cfg.shape())) for name in names}
+
+
+def speed(rank, world, lengths, device, models, preset=None, reps=3):
+    """Per model of ``models`` (``speed_models``), at each T of ``lengths`` (shortest first): a training step on one
+    sequence of T tokens on rank 0 alone ("1gpu"), then split over every rank ("cp"); either that runs out of memory
+    at T reads "oom" there and "skipped (oom at T)" at longer T, where it is not tried. Rank 0 prints each row and
+    appends it to ``$OUT``/cp_speed.jsonl as it is measured."""
+    path = os.path.join(os.environ["OUT"], "cp_speed.jsonl") if rank == 0 and os.environ.get("OUT") else None
+    piece_of = {T: slice(rank * T // world, (rank + 1) * T // world) for T in lengths}
+    for name, make in models.items():
+        with torch.device(device):
+            model = make()
+        vocab = model.config.vocab_size
+        oom_at = {"1gpu": None, "cp": None}
+        for T in lengths:
+            ids = torch.randint(0, vocab, (1, T), generator=torch.Generator().manual_seed(0)).to(device)
+            res = {}
+            for where in ("1gpu", "cp"):
+                if oom_at[where] is not None:
+                    res[where] = (f"skipped (oom at {oom_at[where]})", None, None)
+                    continue
+                if rank == 0:                                   # a run that hangs or dies shows where
+                    print(f"cp speed: {name} T={T} {'1 GPU' if where == '1gpu' else f'{world} GPUs'} ...", flush=True)
+                if where == "1gpu":
+                    out, ok = attempt(lambda: measured(model, ids, reps, device), device, runs=rank == 0)
+                else:
+                    out, ok = attempt(lambda: measured(model, ids[:, piece_of[T]], reps, device, split=True), device)
+                if not ok:
+                    oom_at[where] = T
+                res[where] = ("ok" if ok else "oom", *(out or (None, None)))    # (ms, GiB) where it ran
+            (s1, ms1, mem1), (sn, msn, memn) = res["1gpu"], res["cp"]
+            row = {"model": name, "preset": preset, "params": sum(p.numel() for p in model.parameters()), "T": T,
+                   "gpus": world, "commit": os.environ.get("KALMIX_COMMIT", "unknown"),
+                   "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                   "status_1gpu": s1, "status_cp": sn, "ms_1gpu": ms1, "ms_cp": msn,
+                   "speedup": ms1 / msn if ms1 and msn else None, "mem_1gpu_gib": mem1, "mem_cp_gib": memn}
+            if rank == 0:
+                print(f"cp speed {name:18s} T={T} 1 GPU {_cell(row, '1gpu')} ms {_gib(mem1)} GiB | {world} GPUs "
+                      f"{_cell(row, 'cp')} ms {_gib(memn)} GiB | speed-up {_speedup(row)}", flush=True)
+                if path:
+                    with open(path, "a") as f:
+                        f.write(json.dumps(row) + "\n")
         del model
-        torch.cuda.empty_cache()
-    if rank == 0 and os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "cp_speed.jsonl"), "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _cell(r, where):
+    """A row's ms on one GPU or under CP, or what kept it from running (rows before statuses were recorded: ok)."""
+    status = r.get(f"status_{where}", "ok")
+    if status != "ok":
+        return "not tried" if status.startswith("skipped") else status
+    return f"{r[f'ms_{where}']:.0f}"
+
+
+def _gib(x):
+    return "-" if x is None else f"{x:.1f}"
+
+
+def _speedup(r):
+    return "-" if r["speedup"] is None else f"{r['speedup']:.2f}×"
+
+
+def _label(r):
+    return r["model"] + (f" ({r['preset']})" if r.get("preset") else "")
 
 
 def table(path: str) -> str:
-    """The markdown table of ``speed``'s JSON rows."""
+    """The markdown table of ``speed``'s JSON rows, one line per model, GPU count and T; rows of a run over several
+    lengths (with statuses) add the longest T that ran per model and GPU count, on one GPU and under CP, with its
+    tokens/s ("≥": no length tried ran out of memory)."""
     rows = [json.loads(line) for line in open(path) if line.strip()]
     lines = ["| model | T | GPUs | 1 GPU (ms) | CP (ms) | speed-up | memory 1 GPU / CP per GPU (GiB) |",
              "|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r["model"], r["gpus"])):
-        lines.append(f"| {r['model']} | {r['T']:,} | {r['gpus']} | {r['ms_1gpu']:.0f} | {r['ms_cp']:.0f} | "
-                     f"{r['speedup']:.2f}× | {r['mem_1gpu_gib']:.1f} / {r['mem_cp_gib']:.1f} |")
+    for r in sorted(rows, key=lambda r: (_label(r), r["gpus"], r["T"])):
+        lines.append(f"| {_label(r)} | {r['T']:,} | {r['gpus']} | {_cell(r, '1gpu')} | {_cell(r, 'cp')} | "
+                     f"{_speedup(r)} | {_gib(r['mem_1gpu_gib'])} / {_gib(r['mem_cp_gib'])} |")
+    swept = [r for r in rows if "status_cp" in r]
+    if swept:
+        lines += ["", "| model | GPUs | longest T on 1 GPU (tokens/s) | longest T under CP (tokens/s) |",
+                  "|---|---|---|---|"]
+        for key in dict.fromkeys(sorted((_label(r), r["gpus"]) for r in swept)):
+            mine = [r for r in swept if (_label(r), r["gpus"]) == key]
+            lines.append(f"| {key[0]} | {key[1]} | {_longest(mine, '1gpu')} | {_longest(mine, 'cp')} |")
     stamps = sorted({(r["commit"], r["gpu"]) for r in rows})
     return "\n".join(lines + ["", "Measured at " + "; ".join(f"commit {c} on {g}" for c, g in stamps) + "."])
 
 
-def main():
-    what = sys.argv[1] if len(sys.argv) > 1 else "check"
-    if what == "table":
-        print(table(sys.argv[2]))
+def _longest(rows, where):
+    ran = [r for r in rows if r[f"status_{where}"] == "ok"]
+    if not ran:
+        return "none"
+    r = max(ran, key=lambda r: r["T"])
+    oom = any(x[f"status_{where}"] == "oom" for x in rows)
+    return f"{'' if oom else '≥ '}{r['T']:,} ({r['T'] / r[f'ms_{where}'] * 1e3:,.0f})"
+
+
+def _lengths(text):
+    """"65536,131072" -> [65536, 131072], shortest first; a clear error for anything else."""
+    try:
+        lengths = sorted({int(t) for t in text.split(",")})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"lengths must be comma-separated integers, e.g. 65536,131072; got "
+                                         f"{text!r}") from None
+    if lengths[0] < 2:
+        raise argparse.ArgumentTypeError(f"a length must be at least 2 tokens; got {lengths[0]}")
+    return lengths
+
+
+def _positive(text):
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1; got {text!r}")
+    return int(text)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="cp_nccl.py", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="what")
+    sub.add_parser("check", help="CP equal to one device (fp32 and bf16), over NCCL")
+    sp = sub.add_parser("speed", help="a training step at each length on one GPU and split over every rank")
+    sp.add_argument("lengths", nargs="?", type=_lengths, default=[65536],
+                    help="comma-separated T, tried shortest first (default 65536)")
+    sp.add_argument("models", nargs="?", default=None, help="comma-separated model names (default: all)")
+    sp.add_argument("--preset", choices=list(PRESETS), default=None,
+                    help="the kalmix models of `kalmix bench lm --preset` instead of the 8-block width-1024 set")
+    sp.add_argument("--reps", type=_positive, default=3, help="timed steps (after two untimed ones); the median is "
+                    "kept")
+    sp.add_argument("--gloo", action="store_true", help="CPU processes over gloo instead of GPUs over NCCL (tests)")
+    tp = sub.add_parser("table", help="the markdown table of speed's JSON rows")
+    tp.add_argument("path")
+    args = parser.parse_args(argv)
+    if args.what == "table":
+        print(table(args.path))
         return
-    dist.init_process_group("nccl")
+    gloo = args.what == "speed" and args.gloo
+    if args.what == "speed":
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        uneven = [T for T in args.lengths if T % world]
+        if uneven:
+            sp.error(f"lengths {uneven} do not divide by the {world} ranks (equal pieces)")
+        models = speed_models(args.preset, args.models.split(",") if args.models else None)
+    dist.init_process_group("gloo" if gloo else "nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    if gloo:
+        device = torch.device("cpu")
+    else:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
     ok = True
     try:
-        if what == "check":
-            ok = check(rank, world)
-        elif what == "speed":
-            speed(rank, world, T=int(sys.argv[2]) if len(sys.argv) > 2 else 65536,
-                  only=sys.argv[3].split(",") if len(sys.argv) > 3 else None)
+        if args.what == "speed":
+            speed(rank, world, args.lengths, device, models, preset=args.preset, reps=args.reps)
         else:
-            raise SystemExit(f"cp_nccl.py: unknown command {what!r}; use check or speed")
+            ok = check(rank, world)
     finally:
         dist.destroy_process_group()
     sys.exit(0 if ok else 1)

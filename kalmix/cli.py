@@ -234,15 +234,18 @@ def _add_lm_parser(tasks) -> None:
     _add_config_flags(lm, LMBenchConfig)
     lm.add_argument("--table", metavar="CSV", nargs="+", default=None,
                     help="print the markdown table of `kalmix bench lm` CSVs (e.g. committed ones; several: runs of "
-                         "one GPU kind and setup, joined; with --memory: of `kalmix bench lm --memory` CSVs) and exit")
+                         "one GPU kind and setup, joined; with --memory: of `kalmix bench lm --memory` CSVs) and exit; "
+                         "with --out, also draw their plots there")
 
 
 def _run_lm(args) -> int:
-    from kalmix.bench.lm import LMBenchConfig, main as run_lm, markdown_table
+    from kalmix.bench.lm import LMBenchConfig, main as run_lm, markdown_table, plot_csvs
     if args.table:
         if vars(args).get("cfg:memory"):
             from kalmix.bench.memory import markdown_table
         print(markdown_table(*args.table))
+        if "cfg:out" in vars(args) and not vars(args).get("cfg:memory"):
+            plot_csvs(args.table, vars(args)["cfg:out"])
         return 0
     return run_lm(_config_from_flags(LMBenchConfig, args))
 

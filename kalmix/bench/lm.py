@@ -23,6 +23,9 @@ weights (as ``kalmix train`` runs it: ``build_model``, ``kalmix.train.optim``) �
   runs out of memory is "oom"; the run goes on.
 
 ``--prefill`` adds rows timing the forward alone (no gradients; the last position's logits), as a prompt's prefill.
+``--longest`` times one row of T tokens per step (B = 1, plain rows) at each T, shortest first, and tries a model
+no longer once its step ran out of memory: the longest T each model trains at (``longest_table``, ``plot_longest``).
+``--activation-checkpointing`` recomputes each block in the backward, as ``kalmix train`` can.
 ``--memory`` accounts what a training forward saves for the backward instead of timing (``kalmix.bench.memory``);
 ``--profile`` records steps with torch.profiler and splits their time into categories (``kalmix.bench.profile``).
 """
@@ -52,9 +55,11 @@ KALMIX_MODELS = tuple(name for name, spec in MIXER_SPECS.items() if spec.headlin
 MODELS = (*KALMIX_MODELS, "hybrid", "fla_deltanet", "llama")
 HYBRID_ATTENTION_EVERY = 4                # the hybrid: gka, softmax attention in layers 3, 7, ...
 REFERENCES = ("fla_deltanet", "llama")    # tokens/s ratios are taken against these; Llama's count is the target
-# the model shapes: the issue's (8 blocks of width 1024, 8 heads of 128) and `kalmix train gpu-125m`'s
+# the model shapes: the issue's (8 blocks of width 1024, 8 heads of 128), `kalmix train gpu-125m`'s and that of
+# benchmarks/scaling.py's `--size 1b` (18 blocks of width 2048, 16 heads of 128)
 PRESETS = {"default": dict(layers=8, d_model=1024, vocab_size=32000, num_heads=8, attention_heads=8),
-           "125m": dict(layers=12, d_model=768, vocab_size=32768, num_heads=6, attention_heads=12)}
+           "125m": dict(layers=12, d_model=768, vocab_size=32768, num_heads=6, attention_heads=12),
+           "1b": dict(layers=18, d_model=2048, vocab_size=32768, num_heads=16, attention_heads=16)}
 _MLP_MULTIPLE = 64
 
 
@@ -70,9 +75,10 @@ class LMBenchConfig(BaseModel):
     models: list[str] = Field(default_factory=lambda: list(MODELS), min_length=1,
                               description=f"models to time, any of {', '.join(MODELS)} (default: all; hybrid: gka "
                               f"with attention in every {HYBRID_ATTENTION_EVERY}th layer; fla_deltanet needs CUDA)")
-    preset: Literal["default", "125m"] = Field("default", description="model shape: default (8 blocks, width 1024, "
-                                               "8 heads of 128, vocabulary 32,000) or 125m (12 blocks, width 768, "
-                                               "vocabulary 32,768: `kalmix train gpu-125m`'s)")
+    preset: Literal["default", "125m", "1b"] = Field(
+        "default", description="model shape: default (8 blocks, width 1024, 8 heads of 128, vocabulary 32,000), 125m "
+        "(12 blocks, width 768, vocabulary 32,768: `kalmix train gpu-125m`'s) or 1b (18 blocks, width 2048, 16 "
+        "heads of 128, vocabulary 32,768: attention 977.9M parameters, gdn sized to 977.1M)")
     layers: int | None = Field(None, ge=1, description="blocks (none: the preset's)")
     d_model: int | None = Field(None, ge=8, description="width (none: the preset's)")
     vocab_size: int | None = Field(None, ge=2, description="vocabulary (none: the preset's)")
@@ -81,8 +87,13 @@ class LMBenchConfig(BaseModel):
     attention_heads: int | None = Field(None, ge=1, description="heads of softmax attention: Llama's, kalmix "
                                         "attention's (none: the preset's)")
     seq_lens: list[int] = Field([2048, 16384, 65536], min_length=1, description="row lengths T; each must divide "
-                                "--tokens")
-    tokens: int = Field(65536, ge=1, description="tokens per step: B = tokens // T rows")
+                                "--tokens (with --longest: any, tried shortest first)")
+    tokens: int = Field(65536, ge=1, description="tokens per step: B = tokens // T rows (not with --longest)")
+    longest: bool = Field(False, description="the longest row each model trains at: B = 1 row of T tokens per step "
+                          "at every --seq-lens T, shortest first, plain rows; a model out of memory at T is not tried "
+                          "at longer T (those rows read 'skipped (oom at T)')")
+    activation_checkpointing: bool = Field(False, description="recompute each block in the backward of the "
+                                           "training steps, as `kalmix train` does with train.activation_checkpointing")
     packing: list[Literal["plain", "packed"]] = Field(["plain", "packed"], min_length=1, description="plain rows "
                                                       "and/or packed rows (documents end to end, their boundaries "
                                                       "passed to the model)")
@@ -113,13 +124,26 @@ class LMBenchConfig(BaseModel):
         if self.memory and self.profile:
             raise ValueError("bench lm: --memory (what a forward saves) and --profile (where a step's time goes) are "
                              "two runs; pass one of them")
+        for flag, on in (("--longest", self.longest), ("--activation-checkpointing", self.activation_checkpointing)):
+            if on and (self.memory or self.profile):
+                raise ValueError(f"bench lm: {flag} applies to the timed steps; --memory and --profile do not take it")
+        if self.longest:
+            if "tokens" in self.model_fields_set:
+                raise ValueError(f"bench lm: --longest runs B = 1 row of T tokens per step, so --tokens "
+                                 f"{self.tokens} does not apply; pass one of --longest and --tokens")
+            if "packing" in self.model_fields_set and "packed" in self.packing:
+                raise ValueError("bench lm: --longest times plain rows only; --packing packed does not apply with it")
+            self.packing = ["plain"]
+            self.seq_lens = sorted(set(self.seq_lens))
         unknown = [m for m in self.models if m not in MODELS]
         if unknown:
             raise ValueError(f"bench lm: unknown model(s) {unknown}; expected any of {', '.join(MODELS)}")
         for T in self.seq_lens:
-            if T < 2 or self.tokens % T:
+            if T < 2:
+                raise ValueError(f"bench lm: T = {T} is too short; a row holds T >= 2 tokens")
+            if not self.longest and self.tokens % T:
                 raise ValueError(f"bench lm: T = {T} does not divide the {self.tokens} tokens per step (B = tokens "
-                                 f"// T rows of T tokens; T >= 2); pick T among the divisors of --tokens")
+                                 f"// T rows of T tokens); pick T among the divisors of --tokens")
         s = self.shape()
         for heads, what in ((s.num_heads, "num_heads"), (s.attention_heads, "attention_heads")):
             if s.d_model % heads or (s.d_model // heads) % 2:
@@ -132,6 +156,10 @@ class LMBenchConfig(BaseModel):
         return LMShape(**{k: getattr(self, k) if getattr(self, k) is not None else v
                           for k, v in PRESETS[self.preset].items()})
 
+    def rows(self, T: int) -> int:
+        """B, the rows of T tokens per step: 1 with ``longest``, else tokens // T."""
+        return 1 if self.longest else self.tokens // T
+
 
 @dataclass(frozen=True)
 class LMShape:
@@ -142,6 +170,10 @@ class LMShape:
     vocab_size: int
     num_heads: int
     attention_heads: int
+
+    def __str__(self) -> str:
+        return (f"{self.layers} blocks, width {self.d_model}, {self.num_heads} heads (attention "
+                f"{self.attention_heads}), vocabulary {self.vocab_size:,}")
 
 
 @dataclass
@@ -344,9 +376,11 @@ def time_steps(fn, device: torch.device, warmup: int, steps: int) -> list[float]
 def make_step(spec: Spec, shape: LMShape, mode: str, B: int, T: int, cu_seqlens: torch.Tensor | None,
               cfg: LMBenchConfig, device: torch.device):
     """Build the model and one step of ``mode`` on B × T random tokens (packed by ``cu_seqlens`` if given): "train"
-    (forward with labels under bf16 autocast, backward, AdamW step) or "prefill" (forward without gradients, the last
-    position's logits) -> (model, step: a function of no arguments)."""
+    (forward with labels under bf16 autocast, backward, AdamW step; each block recomputed in the backward with
+    ``cfg.activation_checkpointing``) or "prefill" (forward without gradients, the last position's logits) ->
+    (model, step: a function of no arguments)."""
     from kalmix.train.config import OptimSection
+    from kalmix.train.loop import activation_checkpointing
     from kalmix.train.optim import Optimization, autocast
     torch.manual_seed(0)
     with torch.device(device):
@@ -355,6 +389,8 @@ def make_step(spec: Spec, shape: LMShape, mode: str, B: int, T: int, cu_seqlens:
     kw = _inputs(spec, ids, None if cu_seqlens is None else cu_seqlens.to(device))
     if mode == "train":
         model.train()
+        if cfg.activation_checkpointing:
+            activation_checkpointing(model)
         opt = Optimization(model, OptimSection(), cfg.warmup + cfg.steps, device, "bf16").optimizer
 
         def step():
@@ -394,7 +430,9 @@ def _free(device: torch.device) -> None:
 
 def run(cfg: LMBenchConfig, progress: bool | None = None) -> list[dict]:
     """Time every (model, T, packing, mode) of ``cfg``; write ``lm.csv`` (after every row) and the plots under
-    ``cfg.out``; print the table; return the rows. ``progress``: a tqdm bar (None: on a terminal).
+    ``cfg.out``; print the table; return the rows. ``progress``: a tqdm bar (None: on a terminal). With
+    ``cfg.longest`` each model's lengths run shortest first, and once a model's step of a mode runs out of memory at
+    T its longer rows of that mode are not run: their status reads "skipped (oom at T)".
 
     Raises ValueError before anything is timed: a device this machine lacks, matplotlib missing for the plots, or
     ``ParamMismatchError``."""
@@ -415,10 +453,11 @@ def run(cfg: LMBenchConfig, progress: bool | None = None) -> list[dict]:
     csv_path = os.path.join(cfg.out, "lm.csv")
     plan = [(m, T, p, mode) for m in models for T in cfg.seq_lens for p in cfg.packing for mode in modes]
     rows = []
+    oom_at = {}                                 # --longest: (model, mode) -> the T its step ran out of memory at
     bar = tqdm(plan, desc="bench lm", disable=None if progress is None else not progress, dynamic_ncols=True)
     for name, T, packing, mode in bar:
         bar.set_postfix_str(f"{name} T={T} {packing} {mode}")
-        spec, B = models[name], cfg.tokens // T
+        spec, B = models[name], cfg.rows(T)
         cu = packed_cu_seqlens(B, T, cfg.doc_median) if packing == "packed" else None
         row = {"model": name, "source": spec.source, "layers": spec.layers(shape), "mode": mode, "packing": packing,
                "T": T, "B": B, "tokens": B * T, "documents": len(cu) - 1 if cu is not None else B,
@@ -428,6 +467,8 @@ def run(cfg: LMBenchConfig, progress: bool | None = None) -> list[dict]:
                "vs_fla_deltanet": math.nan, "vs_llama": math.nan, "status": None}
         if spec.source == "fla" and device.type != "cuda":
             row["status"] = "unavailable: needs CUDA (fla's Triton kernels)"
+        elif (name, mode) in oom_at:
+            row["status"] = f"skipped (oom at {oom_at[name, mode]})"
         else:
             try:
                 m = measure(spec, shape, mode, B, T, cu, cfg, device)
@@ -435,13 +476,17 @@ def run(cfg: LMBenchConfig, progress: bool | None = None) -> list[dict]:
                            mfu=m["tokens_per_s"] * m["flops_per_token"] / peak if peak else math.nan, status="ok")
             except torch.OutOfMemoryError:
                 row["status"] = "oom"
+                if cfg.longest:
+                    oom_at[name, mode] = T
             except Exception as err:  # noqa: BLE001 (reported in the row and the exit status; the run goes on)
                 first = str(err).strip().splitlines()[0][:160] if str(err).strip() else ""
                 row["status"] = f"error: {type(err).__name__}: {first}"
             _free(device)
         rows.append({**row, "peak_TFLOPs": peak / 1e12 if peak else math.nan, "dtype": "bf16 autocast",
-                     "device": device.type, "device_name": meta["device_name"], "git": meta["git"],
-                     "torch": meta["torch"], "triton": meta["triton"], "fla": meta["fla"]})
+                     "longest": cfg.longest, "activation_checkpointing": cfg.activation_checkpointing,
+                     "preset": cfg.preset, "shape": str(shape), "device": device.type,
+                     "device_name": meta["device_name"], "git": meta["git"], "torch": meta["torch"],
+                     "triton": meta["triton"], "fla": meta["fla"]})
         add_ratios(rows)
         write_csv(rows, csv_path)                         # after every row: an interrupted run keeps its rows
     if cfg.plots:
@@ -464,11 +509,19 @@ def _fmt(x, spec: str) -> str:
     return format(x, spec) if x == x else "-"
 
 
+def _setup(r: dict) -> str:
+    """What the run held fixed beside the model and T: B or tokens per step, the preset, activation checkpointing."""
+    text = "B = 1 row per step (--longest)" if r["longest"] else f"{int(r['tokens']):,} tokens per step"
+    if r["preset"]:
+        text += f", preset {r['preset']} ({r['shape']})"
+    return text + (", activation checkpointing" if r["activation_checkpointing"] else "")
+
+
 def format_table(rows: list[dict]) -> str:
     """The printed table: one line per row, with the versions, GPU and commit of the run."""
     r0 = rows[0]
     lines = [f"{r0['device_name']}  torch {r0['torch']}  triton {r0['triton']}  fla {r0['fla']}  git {r0['git']}  "
-             f"{r0['tokens']} tokens per step, bf16 autocast, AdamW (fused on CUDA)"]
+             f"{_setup(r0)}, bf16 autocast, AdamW (fused on CUDA)"]
     if r0["device"] == "cpu":
         lines.append("NOTE: CPU run - these times say nothing about GPU speed.")
     head = (f"{'model':13s} {'params':>8s} {'×llama':>6s} {'mode':7s} {'packing':7s} {'T':>6s} {'B':>4s} "
@@ -485,13 +538,27 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], out_dir: str) -> list[str]:
-    """tokens/s against T per model, plain and packed side by side, one PNG per mode (``lm_train.png``, ...)."""
+def _matplotlib():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
+    return plt, matplotlib.ticker
 
+
+def _log_t_axis(ax, ticker, lengths) -> None:
+    ax.set_xscale("log")
+    ax.set_xticks(sorted(lengths), [str(t) for t in sorted(lengths)])
+    ax.xaxis.set_minor_locator(ticker.NullLocator())
+
+
+def plot(rows: list[dict], out_dir: str) -> list[str]:
+    """tokens/s against T per model, one PNG per mode: plain and packed side by side (``lm_train.png``, ...); of
+    a --longest run, each model's line up to its longest T with an × where it ran out of memory
+    (``lm_longest_train.png``, ...)."""
+    if rows[0]["longest"]:
+        return plot_longest(rows, out_dir)
+    plt, ticker = _matplotlib()
     paths = []
     ok = [r for r in rows if r["status"] == "ok"]
     for mode in dict.fromkeys(r["mode"] for r in ok):
@@ -503,10 +570,9 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
                 pts = sorted((r["T"], r["tokens_per_s"]) for r in sel if r["model"] == name)
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name,
                         color=f"C{MODELS.index(name)}", linestyle="--" if name in REFERENCES else "-")
-            ax.set(xscale="log", yscale="log", xlabel="T (tokens per row)", ylabel="tokens/s",
+            ax.set(yscale="log", xlabel="T (tokens per row)", ylabel="tokens/s",
                    title=f"{mode}, {packing} rows ({sel[0]['tokens']} tokens per step)")
-            ax.set_xticks(sorted({r["T"] for r in sel}), [str(t) for t in sorted({r["T"] for r in sel})])
-            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+            _log_t_axis(ax, ticker, {r["T"] for r in sel})
             ax.legend(fontsize=7, loc="best")
         fig.suptitle(f"kalmix bench lm: {ok[0]['device_name']}, git {ok[0]['git']}", fontsize=9)
         fig.tight_layout()
@@ -517,49 +583,93 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
     return paths
 
 
+def plot_longest(rows: list[dict], out_dir: str) -> list[str]:
+    """Of a --longest run: tokens/s against T (log x), one line per model, an × at the foot of the axes at the T
+    where the model's step ran out of memory; one PNG per mode (``lm_longest_train.png``, ...)."""
+    plt, ticker = _matplotlib()
+    paths = []
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        sel = [r for r in rows if r["mode"] == mode]
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        foot = ax.get_xaxis_transform()                         # x in data, y in axes coordinates
+        for name in dict.fromkeys(r["model"] for r in sel):
+            color, style = f"C{MODELS.index(name)}", "--" if name in REFERENCES else "-"
+            pts = sorted((r["T"], r["tokens_per_s"]) for r in sel if r["model"] == name and r["status"] == "ok")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name, color=color, linestyle=style)
+            for r in sel:
+                if r["model"] == name and r["status"] == "oom":
+                    ax.plot([r["T"]], [0.03], marker="x", markersize=9, color=color, transform=foot, clip_on=False)
+        ax.set(yscale="log", xlabel="T (tokens in the one row of a step)", ylabel="tokens/s",
+               title=f"{'training step' if mode == 'train' else 'prefill'}, B = 1: up to the longest T that ran "
+                     f"(×: out of memory)")
+        _log_t_axis(ax, ticker, {r["T"] for r in sel})
+        ax.legend(fontsize=7, loc="best")
+        r0 = sel[0]
+        fig.suptitle(f"kalmix bench lm --longest: {r0['device_name']}, git {r0['git']}"
+                     + (f", preset {r0['preset']}" if r0["preset"] else "")
+                     + (", activation checkpointing" if r0["activation_checkpointing"] else ""), fontsize=9)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"lm_longest_{mode}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
 _TABLE_COLUMNS = ("model", "mode", "packing", "T", "tokens", "params", "params_vs_llama", "tokens_per_s", "mfu",
                   "peak_GiB", "vs_fla_deltanet", "vs_llama", "status", "device", "device_name", "git", "torch",
                   "triton", "fla")
+# the columns older CSVs lack, at what those runs were: not --longest, no activation checkpointing, no preset named
+_LATER_COLUMNS = {"longest": "False", "activation_checkpointing": "False", "preset": "", "shape": ""}
+_INTS = ("T", "B", "tokens", "documents", "params", "intermediate_size", "steps")
+_FLOATS = ("params_vs_llama", "ms_median", "tokens_per_s", "mfu", "peak_GiB", "vs_fla_deltanet", "vs_llama",
+           "peak_TFLOPs")
 
 
-def _num(s: str) -> float:
-    return float(s) if s not in ("", None) else math.nan
-
-
-def markdown_table(*csv_paths: str) -> str:
-    """The markdown table of ``kalmix bench lm`` CSVs (one run, or several of one GPU kind, tokens per step and
-    versions: their rows are joined, the ratios recomputed across them and every commit named): per mode, one line
-    per model, one column per (T, packing); each cell tokens/s (× fla's DeltaNet, × Llama), MFU and peak memory, or
-    the row's status; headed by the GPU, commits and versions."""
-    rows = read_csvs(csv_paths, _TABLE_COLUMNS, "bench lm --table", "`kalmix bench lm` CSV")
-    for key in ("device_name", "tokens", "torch", "triton", "fla"):
+def read_rows(*csv_paths: str) -> list[dict]:
+    """The rows of ``kalmix bench lm`` CSVs joined, typed as ``run`` returns them (numbers, booleans); a ValueError
+    unless they are runs of one GPU kind, versions and setup (--longest or the same tokens per step, preset,
+    activation checkpointing)."""
+    rows = []
+    for r in read_csvs(csv_paths, _TABLE_COLUMNS, "bench lm --table", "`kalmix bench lm` CSV"):
+        r = {**_LATER_COLUMNS, **r}
+        r.update({k: int(r[k]) for k in _INTS if k in r},
+                 **{k: float(r[k]) if r[k] != "" else math.nan for k in _FLOATS if k in r},
+                 longest=r["longest"] == "True", activation_checkpointing=r["activation_checkpointing"] == "True")
+        rows.append(r)
+    keys = ["device_name", "torch", "triton", "fla", "longest", "preset", "shape", "activation_checkpointing"]
+    for key in keys if rows[0]["longest"] else [*keys, "tokens"]:
         differ = [r for r in rows if r[key] != rows[0][key]]
         if differ:
             raise ValueError(f"bench lm --table: a row has {key} {differ[0][key]!r} where the first has "
                              f"{rows[0][key]!r}; one table joins runs of one GPU kind and setup only")
-    base = {(r["model"], r["mode"], r["T"], r["packing"]): _num(r["tokens_per_s"]) for r in rows if r["status"] == "ok"}
-    for r in rows:
-        for ref in REFERENCES:
-            b = base.get((ref, r["mode"], r["T"], r["packing"]))
-            r[f"vs_{ref}"] = _num(r["tokens_per_s"]) / b if b and r["status"] == "ok" else math.nan
+    return rows
+
+
+def markdown_table(*csv_paths: str) -> str:
+    """The markdown table of ``kalmix bench lm`` CSVs (one run, or several of one GPU kind, setup and versions:
+    their rows are joined, the ratios recomputed across them and every commit named), headed by the GPU, commits,
+    versions and setup: per mode, one line per model, one column per (T, packing); each cell tokens/s (× fla's
+    DeltaNet, × Llama), MFU and peak memory, or the row's status. Of --longest runs, ``longest_table``."""
+    rows = read_rows(*csv_paths)
+    if rows[0]["longest"]:
+        return longest_table(rows)
+    add_ratios(rows)
     r0 = rows[0]
-    commits = ", ".join(dict.fromkeys(r["git"] for r in rows))
-    out = [f"`kalmix bench lm` on {r0['device_name']}, commit {commits} (torch {r0['torch']}, triton "
-           f"{r0['triton']}, fla {r0['fla'] or '-'}); {int(r0['tokens']):,} tokens per step, bf16 autocast, fp32 "
+    out = [f"`kalmix bench lm` on {r0['device_name']}, commit {_commits(rows)} (torch {r0['torch']}, triton "
+           f"{r0['triton']}, fla {r0['fla'] or '-'}); {r0['tokens']:,} tokens per step, bf16 autocast, fp32 "
            f"weights, AdamW (fused on CUDA). Each cell: tokens/s (× fla's DeltaNetForCausalLM, × Llama at the same T "
-           f"and packing) · MFU · peak memory."
-           + (" A CPU run: these times say nothing about GPU speed." if r0["device"] == "cpu" else "")]
+           f"and packing) · MFU · peak memory." + _setup_note(r0)]
     for mode in dict.fromkeys(r["mode"] for r in rows):
         sel = [r for r in rows if r["mode"] == mode]
-        cols = sorted({(int(r["T"]), r["packing"]) for r in sel}, key=lambda c: (c[0], c[1] != "plain"))
-        out += ["", f"**{'training step' if mode == 'train' else 'prefill (forward)'}**", "",
+        cols = sorted({(r["T"], r["packing"]) for r in sel}, key=lambda c: (c[0], c[1] != "plain"))
+        out += ["", f"**{_MODE_TITLES[mode]}**", "",
                 "| model | params (× Llama) | " + " | ".join(f"T = {T:,}" + (" packed" if p == "packed" else "")
                                                       for T, p in cols) + " |",
                 "|---|---:|" + "---:|" * len(cols)]
         for name in dict.fromkeys(r["model"] for r in sel):
-            cells = {(int(r["T"]), r["packing"]): r for r in sel if r["model"] == name}
-            first = next(iter(cells.values()))
-            line = [name, f"{int(first['params']) / 1e6:.2f}M ({_num(first['params_vs_llama']):.2f})"]
+            cells = {(r["T"], r["packing"]): r for r in sel if r["model"] == name}
+            line = [name, _params(next(iter(cells.values())))]
             for c in cols:
                 r = cells.get(c)
                 if r is None:
@@ -567,13 +677,77 @@ def markdown_table(*csv_paths: str) -> str:
                 elif r["status"] != "ok":
                     line.append(r["status"])
                 else:
-                    mfu = _num(r["mfu"])
-                    line.append(f"{_num(r['tokens_per_s']):,.0f} ({_fmt(_num(r['vs_fla_deltanet']), '.2f')}, "
-                                f"{_fmt(_num(r['vs_llama']), '.2f')})" + (f" · {100 * mfu:.0f}%" if mfu == mfu else "")
-                                + (f" · {_num(r['peak_GiB']):.1f} GiB" if _num(r["peak_GiB"]) == _num(r["peak_GiB"])
-                                   else ""))
+                    line.append(f"{r['tokens_per_s']:,.0f} ({_fmt(r['vs_fla_deltanet'], '.2f')}, "
+                                f"{_fmt(r['vs_llama'], '.2f')})" + _mfu_memory(r))
             out.append("| " + " | ".join(line) + " |")
     return "\n".join(out)
+
+
+def longest_table(rows: list[dict]) -> str:
+    """The long-context table of --longest rows (typed, ``read_rows``): per mode, one line per model: its longest
+    T that ran ("≥ T" when no length tried ran out of memory), then at each T tokens/s, MFU and peak memory, or
+    "oom", or "not tried" past an oom; headed by the GPU, commits, versions, preset and activation checkpointing."""
+    r0 = rows[0]
+    out = [f"`kalmix bench lm --longest` on {r0['device_name']}, commit {_commits(rows)} (torch {r0['torch']}, "
+           f"triton {r0['triton']}, fla {r0['fla'] or '-'}); one row of T tokens per step (B = 1), bf16 autocast, "
+           f"fp32 weights, AdamW (fused on CUDA)." + _setup_note(r0) + " Longest T: the longest that ran (≥: no "
+           "length tried ran out of memory). Each cell: tokens/s · MFU · peak memory; oom: out of memory; not tried: "
+           "longer than an oom."]
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        sel = [r for r in rows if r["mode"] == mode]
+        lengths = sorted({r["T"] for r in sel})
+        out += ["", f"**{_MODE_TITLES[mode]}**", "",
+                "| model | params (× Llama) | longest T | " + " | ".join(f"T = {T:,}" for T in lengths) + " |",
+                "|---|---:|---:|" + "---:|" * len(lengths)]
+        for name in dict.fromkeys(r["model"] for r in sel):
+            cells = {r["T"]: r for r in sel if r["model"] == name}
+            ran = [T for T, r in cells.items() if r["status"] == "ok"]
+            oom = any(r["status"] == "oom" for r in cells.values())
+            longest = f"{'' if oom else '≥ '}{max(ran):,}" if ran else "none"
+            line = [name, _params(next(iter(cells.values()))), longest]
+            for T in lengths:
+                r = cells.get(T)
+                if r is None:
+                    line.append("")
+                elif r["status"] == "ok":
+                    line.append(f"{r['tokens_per_s']:,.0f}" + _mfu_memory(r))
+                else:
+                    line.append("not tried" if r["status"].startswith("skipped") else r["status"])
+            out.append("| " + " | ".join(line) + " |")
+    return "\n".join(out)
+
+
+_MODE_TITLES = {"train": "training step", "prefill": "prefill (forward)"}
+
+
+def _commits(rows: list[dict]) -> str:
+    return ", ".join(dict.fromkeys(r["git"] for r in rows))
+
+
+def _setup_note(r: dict) -> str:
+    """The table heading's preset and activation checkpointing (nothing for older CSVs, which name neither)."""
+    return ((f" Preset {r['preset']}: {r['shape']}." if r["preset"] else "")
+            + (f" Activation checkpointing {'on' if r['activation_checkpointing'] else 'off'}."
+               if r["preset"] or r["activation_checkpointing"] else "")
+            + (" A CPU run: these times say nothing about GPU speed." if r["device"] == "cpu" else ""))
+
+
+def _params(r: dict) -> str:
+    return f"{r['params'] / 1e6:.2f}M ({r['params_vs_llama']:.2f})"
+
+
+def _mfu_memory(r: dict) -> str:
+    return ((f" · {100 * r['mfu']:.0f}%" if r["mfu"] == r["mfu"] else "")
+            + (f" · {r['peak_GiB']:.1f} GiB" if r["peak_GiB"] == r["peak_GiB"] else ""))
+
+
+def plot_csvs(csv_paths, out_dir: str) -> list[str]:
+    """The plots (``plot``) of ``kalmix bench lm`` CSVs joined (``read_rows``), written to ``out_dir``."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("bench lm --table --out draws the plots with matplotlib, which is not installed: pip install "
+                         "'kalmix[plots]' (or matplotlib)")
+    os.makedirs(out_dir, exist_ok=True)
+    return plot(read_rows(*csv_paths), out_dir)
 
 
 def main(cfg: LMBenchConfig) -> int:

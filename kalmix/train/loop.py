@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm.auto import tqdm
+from transformers import PreTrainedModel
 
 from kalmix.bench.models import lm_flops_per_token
 from kalmix.distributed import context_parallel_model
@@ -266,6 +267,12 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> KalmixForCausalLM:
     return KalmixForCausalLM(cfg.model.kalmix_config(vocab_size))
 
 
+def activation_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute each block of ``model`` (any transformers model that supports it) in the backward instead of
+    keeping its activations: ``train.activation_checkpointing`` (non-reentrant checkpoints)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def model_vocab(cfg: TrainConfig, tokenizer_vocab: int) -> int:
     """model.vocab_size, or the tokenizer's rounded up to a multiple of 64; an error if the tokenizer's ids do not
     fit."""
@@ -397,7 +404,7 @@ class Trainer:
         self.flops_per_token = lm_flops_per_token(self.raw, cfg.train.seq_len)
         self.n_params = sum(p.numel() for p in self.raw.parameters())
         if cfg.train.activation_checkpointing:
-            self.raw.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            activation_checkpointing(self.raw)
         if cfg.train.compile:       # the MLPs: the mixers run their own fused kernels, and a compiled mixer
             for block in self.raw.model.layers:     # would recompile for every packed-document layout
                 if block.mlp is not None:

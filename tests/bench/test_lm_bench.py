@@ -129,6 +129,14 @@ def test_markdown_table_from_csv(cpu_run):
     assert "(-, 1.00)" in lines["llama"]
 
 
+def test_table_with_out_redraws_the_plots_from_the_csv(cpu_run, tmp_path, capsys):
+    _, out, _ = cpu_run
+    assert main(["bench", "lm", "--table", str(out / "lm.csv"), "--out", str(tmp_path / "plots")]) == 0
+    assert capsys.readouterr().out.startswith("`kalmix bench lm` on ")
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["lm_prefill.png", "lm_train.png"]
+    assert (tmp_path / "plots" / "lm_train.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_markdown_table_refuses_other_csvs(tmp_path):
     bad = tmp_path / "other.csv"
     bad.write_text("op,impl\nx,y\n")
@@ -229,7 +237,7 @@ def test_failing_row_is_reported_and_the_exit_status_says_so(monkeypatch, tmp_pa
     (["--tolerance", "0"], r"tolerance"),
     (["--steps", "0"], r"steps"),
     (["--seq-lens"], r"expected at least one argument"),
-    (["--preset", "7b"], r"--preset: Input should be 'default' or '125m' \(got '7b'\)"),
+    (["--preset", "7b"], r"--preset: Input should be 'default', '125m' or '1b' \(got '7b'\)"),
 ])
 def test_bad_arguments_are_named(args, message, capsys):
     with pytest.raises(SystemExit) as e:

@@ -91,6 +91,9 @@ def poison_empty(monkeypatch) -> None:
             return x
         return wrapper
 
+    # `with torch.device(...)` finds the factories it places by identity, in a set made once per process: make it
+    # before they are wrapped, or a model built under `torch.device("meta")` lands on the CPU for the whole run
+    torch.utils._device._device_constructors()
     monkeypatch.setattr(torch, "empty", poisoned(torch.empty))
     monkeypatch.setattr(torch, "empty_like", poisoned(torch.empty_like))
     monkeypatch.setattr(torch.Tensor, "new_empty", poisoned(torch.Tensor.new_empty))
