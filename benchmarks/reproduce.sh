@@ -14,6 +14,7 @@
 # e.g.  GPUS="0 1 2 3" PER_GPU=3 bash benchmarks/reproduce.sh runs/bench \
 #         "kaczmarz_mqar_extrapolation:kaczmarz kaczmarz_mqar_extrapolation:gdn vla_capacity:vla:42,123 kalman_mad::0,1"
 set -uo pipefail
+source "$(dirname "$0")/spread.sh"
 out=${1:?output folder}; jobs=${2:?jobs}; shift 2
 mkdir -p "$out"
 if [[ -z ${GPUS+set} ]]; then
@@ -48,33 +49,16 @@ run_job() {  # JOB GPU: one `kalmix bench run`, under the time left; prints its 
   CUDA_VISIBLE_DEVICES=$gpu "${cmd[@]}" >> "$file.log" 2>&1
   status=$?
   case $status in
-    0) echo "$job: finished (GPU ${gpu:-none})" ;;
-    124|137) echo "$job: cut by the time limit (GPU ${gpu:-none}); run again to resume" ;;
-    *) echo "$job: failed with status $status (GPU ${gpu:-none}); see $file.log" ;;
+    0) echo "$job: finished (GPU ${gpu:-none})"; return 0 ;;
+    124|137) echo "$job: cut by the time limit (GPU ${gpu:-none}); run again to resume"; return 124 ;;
+    *) echo "$job: failed with status $status (GPU ${gpu:-none}); see $file.log"; return $status ;;
   esac
-  return $status
 }
 
 read -r -a all <<< "$jobs"
-pids=()
-for ((s = 0; s < ${#slots[@]}; s++)); do
-  (
-    failed=0; cut=0
-    for ((i = s; i < ${#all[@]}; i += ${#slots[@]})); do
-      run_job "${all[i]}" "${slots[s]}" "$@"
-      case $? in 0) ;; 124|137) cut=1 ;; *) failed=1 ;; esac
-    done
-    (( failed )) && exit 1
-    (( cut )) && exit 124
-    exit 0
-  ) &
-  pids+=($!)
-done
-status=0
-for pid in "${pids[@]}"; do
-  wait "$pid"; s=$?
-  if (( s == 1 )); then status=1; elif (( s == 124 && status == 0 )); then status=124; fi
-done
+job_at() { run_job "${all[$1]}" "${slots[$2]}" "${@:3}"; }    # JOB_INDEX SLOT_INDEX ARGS...
+spread ${#all[@]} ${#slots[@]} job_at "$@"
+status=$?
 shopt -s nullglob
 results=("$out"/*.jsonl)
 if (( ${#results[@]} )); then

@@ -16,6 +16,7 @@
 # Each process gets OMP_NUM_THREADS = the host's cores / the processes running at once, unless it is set.
 # exit status: 0 when every run finished, 124 when the limit cut one (run the command again), 1 when one failed.
 set -uo pipefail
+source "$(dirname "$0")/spread.sh"
 out=${1:?output folder}; jobs=${2:-"attention gdn kaczmarz gka vla kalman"}; shift 2 || true
 mkdir -p "$out"
 if [[ -z ${GPUS+set} ]]; then GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | tr '\n' ' '); fi
@@ -67,25 +68,9 @@ run_job() {  # JOB DIR DEVICES ARGS...: one `kalmix train`, under the time left;
   esac
 }
 
-pids=()
-for ((g = 0; g < ${#groups[@]}; g++)); do
-  (
-    failed=0; cut=0
-    for ((i = g; i < ${#all[@]}; i += ${#groups[@]})); do
-      run_job "${all[i]}" "${runs[i]}" "${groups[g]}" "$@"
-      case $? in 0) ;; 124) cut=1 ;; *) failed=1 ;; esac
-    done
-    (( failed )) && exit 1
-    (( cut )) && exit 124
-    exit 0
-  ) &
-  pids+=($!)
-done
-status=0
-for pid in "${pids[@]}"; do
-  wait "$pid"; s=$?
-  if (( s == 1 )); then status=1; elif (( s == 124 && status == 0 )); then status=124; fi
-done
+job_at() { run_job "${all[$1]}" "${runs[$1]}" "${groups[$2]}" "${@:3}"; }    # JOB_INDEX GROUP_INDEX ARGS...
+spread ${#all[@]} ${#groups[@]} job_at "$@"
+status=$?
 done_runs=()
 for dir in "${runs[@]}"; do [[ -f $dir/metrics.jsonl ]] && done_runs+=("$dir"); done
 if (( ${#done_runs[@]} )); then python3 -m kalmix.cli plot "${done_runs[@]}" --out "$out/loss.png" > /dev/null || status=1; fi

@@ -575,12 +575,16 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
             _log_t_axis(ax, ticker, {r["T"] for r in sel})
             ax.legend(fontsize=7, loc="best")
         fig.suptitle(f"kalmix bench lm: {ok[0]['device_name']}, git {ok[0]['git']}", fontsize=9)
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"lm_{mode}.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(plt, fig, os.path.join(out_dir, f"lm_{mode}.png")))
     return paths
+
+
+def _save(plt, fig, path: str) -> str:
+    """Lay out, write and close ``fig`` at ``path``; returns the path."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def plot_longest(rows: list[dict], out_dir: str) -> list[str]:
@@ -608,11 +612,7 @@ def plot_longest(rows: list[dict], out_dir: str) -> list[str]:
         fig.suptitle(f"kalmix bench lm --longest: {r0['device_name']}, git {r0['git']}"
                      + (f", preset {r0['preset']}" if r0["preset"] else "")
                      + (", activation checkpointing" if r0["activation_checkpointing"] else ""), fontsize=9)
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"lm_longest_{mode}.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(plt, fig, os.path.join(out_dir, f"lm_longest_{mode}.png")))
     return paths
 
 
