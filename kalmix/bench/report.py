@@ -21,7 +21,7 @@ from collections import Counter, defaultdict
 from pydantic import ValidationError
 
 from kalmix.bench.checks import check_out, validation_lines
-from kalmix.bench.synthetic import Recipe, read_rows, run_key
+from kalmix.bench.synthetic import Recipe, load_recipe, read_rows, recipe_names, resolve_recipe, run_key
 
 
 def load_rows(paths: list[str]) -> list[dict]:
@@ -39,16 +39,27 @@ def load_rows(paths: list[str]) -> list[dict]:
     return rows
 
 
+PROSE = ("source", "claim", "deviations")     # the recipe's words, which no run key holds
+
+
 def current(rows: list[dict]) -> tuple[Recipe, list[dict], int]:
     """The recipe as its newest row ran it, the rows that ran that same version, and how many rows ran an earlier
     version (a changed task, model, mixer or protocol: their keys differ). The recipe's ``train.lrs`` and
-    ``train.seeds`` are those of the rows kept (runs of one version may have been started with other lists)."""
+    ``train.seeds`` are those of the rows kept (runs of one version may have been started with other lists). Where
+    the shipped recipe of that name runs this same version, its prose (``PROSE``) replaces the rows': a description
+    edited after the runs shows without rerunning them."""
     recipe = Recipe.model_validate(max(rows, key=lambda r: r["time"])["spec"])
     same = [r for r in rows if r["mixer"] in recipe.mixers
             and r["key"] == run_key(recipe.at(r["point"]), r["point"], r["mixer"], r["lr"], r["seed"])]
     if same:
         ran = {"lrs": sorted({r["lr"] for r in same}), "seeds": sorted({r["seed"] for r in same})}
         recipe = Recipe.model_validate(recipe.model_dump() | {"train": recipe.train.model_dump() | ran})
+        if recipe.name in recipe_names():
+            shipped = load_recipe(resolve_recipe(recipe.name))
+            if all(r["mixer"] in shipped.mixers and r["key"] == run_key(shipped.at(r["point"]), r["point"],
+                                                                        r["mixer"], r["lr"], r["seed"])
+                   for r in same):
+                recipe = recipe.model_copy(update={f: getattr(shipped, f) for f in PROSE})
     return recipe, same, len(rows) - len(same)
 
 

@@ -8,7 +8,8 @@ import yaml
 from pydantic import ValidationError
 
 from kalmix.bench import report as rep
-from kalmix.bench.synthetic import Recipe, TaskSpec, load_recipe, read_rows, recorded, run, run_key, scores
+from kalmix.bench.synthetic import (Recipe, TaskSpec, load_recipe, read_rows, recorded, resolve_recipe, run, run_key,
+                                    scores)
 from kalmix.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -436,6 +437,24 @@ def test_the_report_counts_every_rate_and_seed_its_rows_ran(tmp_path):
     assert (recipe.train.lrs, recipe.train.seeds, len(rows), earlier) == ([1e-3, 3e-3], [0, 1], 2, 0)
     assert "2 steps of 8 × 2 learning rate(s) × 2 seed(s): 25% of a paper run, 100% of its sweep" in \
         rep.markdown(recipe, rep.summarise(recipe, rows), None)
+
+
+def test_the_report_takes_the_words_of_the_shipped_recipe_that_ran_its_rows():
+    """Rows carry the recipe as it ran; a shipped recipe whose description was edited since, but which runs the
+    same version (the same run keys), lends the report its words. One that runs another version does not."""
+    shipped = load_recipe(resolve_recipe("kaczmarz_mqar_extrapolation"))
+
+    def rows_of(recipe):
+        spec = recipe.model_dump() | {"deviations": "as it was", "claim": "as it was"}
+        return [{"recipe": recipe.name, "spec": spec, "point": {}, "mixer": m, "lr": 1e-3, "seed": 0,
+                 "status": "ok", "time": "2026-01-01T00:00:00", "key": run_key(recipe.at({}), {}, m, 1e-3, 0)}
+                for m in recipe.mixers]
+
+    recipe, rows, earlier = rep.current(rows_of(shipped))
+    assert (recipe.deviations, recipe.claim, len(rows), earlier) == (shipped.deviations, shipped.claim, 3, 0)
+    other = load_recipe(resolve_recipe("kaczmarz_mqar_extrapolation"), ["train.patience=3"])
+    recipe, rows, _ = rep.current(rows_of(other))
+    assert (recipe.deviations, len(rows)) == ("as it was", 3)
 
 
 def test_report_also_shows_extra_metrics():
