@@ -2,9 +2,10 @@
 training step finite in bf16, and prefill-then-decode equal to one full forward."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kalmix.layers import MIXERS, KalmanAttention
-from kalmix.layers.common import ShortConv
+from kalmix.layers.common import GatedRMSNorm, ShortConv, l2_normalize
 from kalmix.ops.common.testing import rel_err
 
 
@@ -21,6 +22,42 @@ def test_short_conv_fused_against_torch_path(T, C, dtype, tol, dev):
     errs = [rel_err(a, b) for a, b in zip(*res)]
     print(f"short conv {str(dtype)[6:]} T={T} C={C}: y, state, dx, dw, db", " ".join(f"{e:.1e}" for e in errs))
     assert max(errs) <= tol
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,D,gate", [(4 * 16384 * 8, 128, True), (4 * 16384, 1024, False), (999, 48, True)])
+def test_norm_kernels_against_torch_chains(rows, D, gate, dtype, dev):
+    """GatedRMSNorm's and l2_normalize's kernels (CUDA) against their torch chains (CPU path: GatedRMSNorm._norm,
+    F.normalize) run in fp64 on the same inputs: output and every gradient, the gate a strided split; the fused
+    error at most the chain's at the same dtype (bf16: both round the output), fp32 within 1e-5."""
+    torch.manual_seed(0)
+    norm = GatedRMSNorm(D).to(dev)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x = torch.randn(rows, D, device=dev, dtype=dtype, requires_grad=True)
+    zw = torch.randn(rows, 2 * D, device=dev, dtype=dtype, requires_grad=True)
+    dy = torch.randn(rows, D, device=dev, dtype=dtype)
+    z = zw[:, D:] if gate else None
+    leaves = (x, norm.weight) + ((zw,) if gate else ())
+    runs = {}
+    for name, fn in (("fused", lambda: norm(x, z)),
+                     ("chain", lambda: norm._norm(x, norm.weight, z)),
+                     ("fp64", lambda: norm._norm(x.double(), norm.weight.double(), None if z is None else z.double()))):
+        y = fn()
+        runs[name] = [y, *torch.autograd.grad(y, leaves, dy.to(y.dtype))]
+    errs = {n: (rel_err(a, r), rel_err(b, r)) for n, a, b, r in zip(("y", "dx", "dw", "dzw"), *runs.values())}
+    print(f"rms norm {str(dtype)[6:]} rows={rows} D={D} gate={gate}: fused / chain vs fp64",
+          " ".join(f"{n} {a:.1e}/{b:.1e}" for n, (a, b) in errs.items()))
+    for a, b in errs.values():
+        assert a <= (1e-5 if dtype == torch.float32 else 1.1 * b + 1e-6)
+    q = torch.randn(rows, D, device=dev, dtype=dtype, requires_grad=True)
+    res = []
+    for fn in (lambda: l2_normalize(q, 1e-6), lambda: F.normalize(q.double(), dim=-1, eps=1e-6)):
+        y = fn()
+        res.append([y, *torch.autograd.grad(y, q, dy.to(y.dtype))])
+    errs = [rel_err(a, b) for a, b in zip(*res)]
+    print(f"l2 normalize {str(dtype)[6:]}: y, dq vs fp64", " ".join(f"{e:.1e}" for e in errs))
+    assert max(errs) <= (1e-5 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 5e-5), (torch.bfloat16, 2e-2)])

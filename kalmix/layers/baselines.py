@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from kalmix.layers.base import MixerLayer
 from kalmix.layers.common import (DecayGate, GatedRMSNorm, ShortConv, check_dt_range, check_int, check_layer,
-                                  check_real, context_mask, gated_norm_out, head_size, upcast)
+                                  check_real, context_mask, gated_norm_out, head_size, l2_normalize, upcast)
 from kalmix.layers.documents import Documents
 from kalmix.layers.spec import MixerSpec
 from kalmix.ops import SPECS, gated_linear_attention, value_gated_delta_rule
@@ -241,7 +241,7 @@ class NotebookDeltaNet(MixerLayer):
     def project(self, x, conv_state, docs=None):
         q, k, v, g = self.qkvg_proj(x).unflatten(-1, (4, self.num_heads, self.head_dim)).unbind(2)
         g = F.logsigmoid(upcast(g)).flatten(2)      # [B, T, H·V], 3-D so that the base class keeps it in fp32
-        return [F.elu(q) + 1, F.normalize(k, dim=-1), v, g], None, conv_state
+        return [F.elu(q) + 1, l2_normalize(k), v, g], None, conv_state
 
     def mix(self, inputs, initial_state, output_final_state, cu_seqlens, impl, **kwargs):
         q, k, v, g = inputs

@@ -228,9 +228,10 @@ def recompute(fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.
 
 class GatedRMSNorm(nn.Module):
     """RMSNorm over the last dimension times a SiLU gate: ``norm(x) * weight * silu(z)`` (``norm(x) * weight``
-    for z = None), computed in fp32 (at least). For the backward it keeps x and z, not their fp32 intermediates
-    (``recompute``); a z that is a view of a wider tensor (a split of an input projection) is copied first, so that
-    it does not keep the wider tensor alive."""
+    for z = None), computed in fp32 (at least). On CUDA one Triton kernel each way (``layers/fused.py``'s
+    ``rms_norm``), keeping x, z and a rstd per row; elsewhere this torch chain, which keeps x and z, not their fp32
+    intermediates (``recompute``), a z that is a view of a wider tensor (a split of an input projection) copied
+    first so that it does not keep the wider tensor alive."""
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -238,6 +239,8 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+        if x.is_cuda:
+            return fused_kernels().rms_norm(x, self.weight, z, self.eps)
         if z is None:
             return recompute(self._norm, x, self.weight)
         return recompute(self._norm, x, self.weight, z.contiguous())
@@ -246,6 +249,14 @@ class GatedRMSNorm(nn.Module):
         xf = upcast(x)
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * upcast(weight)
         return (y if z is None else y * F.silu(upcast(z))).to(x.dtype)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """``F.normalize(x, dim=-1, eps=eps)`` for x [..., D]; on CUDA one Triton kernel each way (``layers/fused.py``),
+    which keeps only x for the backward."""
+    if x.is_cuda:
+        return fused_kernels().l2_normalize(x, eps)
+    return F.normalize(x, dim=-1, eps=eps)
 
 
 class DecayGate(nn.Module):

@@ -526,3 +526,153 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         raise ValueError(f"short_conv: `doc_pos` must be an int32 or int64 [B, T] = {list(x.shape[:2])} tensor, "
                          f"got {doc_pos.dtype} of shape {list(doc_pos.shape)}")
     return _ShortConv.apply(x, weight, bias, silu, doc_pos)
+
+
+# ---------------------------------------------------------------------------------------------- row norms
+_NORM_TILE = 4096        # elements of a program's [rows, D] tile
+_NORM_BLOCKS = 16        # row tiles one backward program walks (the weight's gradient is summed over them)
+
+
+def _norm_meta(R: int, D: int, backward: bool = False):
+    BD = triton.next_power_of_2(D)
+    BR = max(1, min(16, _NORM_TILE // BD))
+    blocks = min(_NORM_BLOCKS, triton.cdiv(R, BR)) if backward else 1
+    return (triton.cdiv(R, BR * blocks),), BR, BD, blocks
+
+
+@triton.jit
+def _rms_fwd_kernel(x_ptr, z_ptr, w_ptr, y_ptr, rstd_ptr, R, D, z_stride, eps, HAS_Z: tl.constexpr,
+                    BR: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr):
+    r, c, m = _cols(tl.program_id(0) * BR, 0, R, D, BR, BD)
+    x = tl.load(x_ptr + r * D + c, mask=m, other=0.).to(ACC)
+    rstd = 1. / tl.sqrt(tl.sum(x * x, 1) / D + eps)
+    y = x * rstd[:, None] * tl.load(w_ptr + c, mask=c < D, other=0.).to(ACC)
+    if HAS_Z:
+        z = tl.load(z_ptr + r * z_stride + c, mask=m, other=0.).to(ACC)
+        y = y * z * _sigmoid(z)
+    tl.store(y_ptr + r * D + c, y.to(y_ptr.dtype.element_ty), mask=m)
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    tl.store(rstd_ptr + rows, rstd, mask=rows < R)
+
+
+@triton.jit
+def _rms_bwd_kernel(x_ptr, z_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dz_ptr, dw_ptr, R, D, z_stride,
+                    HAS_Z: tl.constexpr, BLOCKS: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+                    ACC: tl.constexpr):
+    """With x̂ = x·rstd and u = dy·SiLU(z) (dy without a gate): dz = dy·x̂w·σ(z)(1 + z(1 − σ(z))),
+    dx = rstd·(uw − x̂·mean(uw·x̂)); Σ u·x̂ over this program's rows into its row of dw."""
+    cols = tl.arange(0, BD)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.).to(ACC)[None, :]
+    dw = tl.zeros([BD], ACC)
+    for i in tl.static_range(BLOCKS):
+        row0 = (tl.program_id(0) * BLOCKS + i) * BR
+        r, c, m = _cols(row0, 0, R, D, BR, BD)
+        x = tl.load(x_ptr + r * D + c, mask=m, other=0.).to(ACC)
+        dy = tl.load(dy_ptr + r * D + c, mask=m, other=0.).to(ACC)
+        rows = row0 + tl.arange(0, BR)
+        rstd = tl.load(rstd_ptr + rows, mask=rows < R, other=0.).to(ACC)[:, None]
+        xhat = x * rstd
+        if HAS_Z:
+            z = tl.load(z_ptr + r * z_stride + c, mask=m, other=0.).to(ACC)
+            sz = _sigmoid(z)
+            tl.store(dz_ptr + r * D + c, (dy * xhat * w * sz * (1. + z * (1. - sz))).to(dz_ptr.dtype.element_ty),
+                     mask=m)
+            dy = dy * z * sz
+        dw += tl.sum(dy * xhat, 0)
+        g = dy * w
+        dx = rstd * (g - xhat * (tl.sum(g * xhat, 1) / D)[:, None])
+        tl.store(dx_ptr + r * D + c, dx.to(dx_ptr.dtype.element_ty), mask=m)
+    tl.store(dw_ptr + tl.program_id(0) * D + cols, dw, mask=cols < D)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    @no_autocast
+    def forward(ctx, x, weight, z, eps):
+        D = x.shape[-1]
+        x2, weight = x.reshape(-1, D).contiguous(), weight.contiguous()
+        z2 = _rows_of(z, D) if z is not None else x2                     # x2: an unread placeholder
+        R = x2.shape[0]
+        y = torch.empty_like(x2)
+        rstd = torch.empty(R, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
+        grid, BR, BD, _ = _norm_meta(R, D)
+        _rms_fwd_kernel[grid](x2, z2, weight, y, rstd, R, D, z2.stride(0), eps, HAS_Z=z is not None, BR=BR, BD=BD,
+                              ACC=_acc(x2))
+        ctx.save_for_backward(x2, weight, z2 if z is not None else None, rstd)
+        ctx.shapes = x.shape, None if z is None else z.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    @no_autocast
+    def backward(ctx, dy):
+        x2, weight, z2, rstd = ctx.saved_tensors
+        R, D = x2.shape
+        grid, BR, BD, blocks = _norm_meta(R, D, backward=True)
+        dx = torch.empty_like(x2)
+        dz = torch.empty(R, D, dtype=z2.dtype, device=x2.device) if z2 is not None else None
+        part = torch.empty(grid[0], D, dtype=rstd.dtype, device=x2.device)
+        _rms_bwd_kernel[grid](x2, z2 if z2 is not None else x2, weight, rstd, dy.reshape(R, D).contiguous(), dx,
+                              dz if dz is not None else dx, part, R, D, z2.stride(0) if z2 is not None else D,
+                              HAS_Z=z2 is not None, BLOCKS=blocks, BR=BR, BD=BD, ACC=_acc(x2))
+        x_shape, z_shape = ctx.shapes
+        return dx.view(x_shape), part.sum(0).to(weight.dtype), dz.view(z_shape) if dz is not None else None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, z: torch.Tensor | None = None, eps: float = 1e-5):
+    """RMSNorm over the last dimension, times SiLU(z) when a gate is given: ``x·rsqrt(mean(x²) + eps)·weight
+    (·SiLU(z))`` for x [..., D], weight [D], z of x's shape (any row stride, e.g. a split of a projection);
+    computed in fp32 (fp64 for fp64 x), returned in x's dtype. The backward keeps x, z and one fp32 rstd per
+    row."""
+    return _RMSNorm.apply(x, weight, z, eps)
+
+
+@triton.jit
+def _l2_fwd_kernel(x_ptr, y_ptr, R, D, eps, BR: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr):
+    r, c, m = _cols(tl.program_id(0) * BR, 0, R, D, BR, BD)
+    x = tl.load(x_ptr + r * D + c, mask=m, other=0.).to(ACC)
+    n = tl.maximum(tl.sqrt(tl.sum(x * x, 1)), eps)[:, None]
+    tl.store(y_ptr + r * D + c, (x / n).to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _l2_bwd_kernel(x_ptr, dy_ptr, dx_ptr, R, D, eps, BR: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr):
+    """y = x / max(‖x‖, eps): dx = (dy − y·Σ dy·y) / ‖x‖ where ‖x‖ > eps, dy / eps where the clamp holds."""
+    r, c, m = _cols(tl.program_id(0) * BR, 0, R, D, BR, BD)
+    x = tl.load(x_ptr + r * D + c, mask=m, other=0.).to(ACC)
+    dy = tl.load(dy_ptr + r * D + c, mask=m, other=0.).to(ACC)
+    norm = tl.sqrt(tl.sum(x * x, 1))[:, None]
+    n = tl.maximum(norm, eps)
+    y = x / n
+    dx = tl.where(norm > eps, (dy - y * tl.sum(dy * y, 1)[:, None]) / n, dy / n)
+    tl.store(dx_ptr + r * D + c, dx.to(dx_ptr.dtype.element_ty), mask=m)
+
+
+class _L2Normalize(torch.autograd.Function):
+    @staticmethod
+    @no_autocast
+    def forward(ctx, x, eps):
+        D = x.shape[-1]
+        x2 = _rows_of(x, D)
+        y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+        grid, BR, BD, _ = _norm_meta(x2.shape[0], D)
+        _l2_fwd_kernel[grid](x2, y, x2.shape[0], D, eps, BR=BR, BD=BD, ACC=_acc(x2))
+        ctx.save_for_backward(x2)
+        ctx.eps, ctx.shape = eps, x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    @no_autocast
+    def backward(ctx, dy):
+        (x2,) = ctx.saved_tensors
+        R, D = x2.shape
+        dx = torch.empty_like(x2)
+        grid, BR, BD, _ = _norm_meta(R, D)
+        _l2_bwd_kernel[grid](x2, dy.reshape(R, D).contiguous(), dx, R, D, ctx.eps, BR=BR, BD=BD, ACC=_acc(x2))
+        return dx.view(ctx.shape), None
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """``F.normalize(x, dim=-1, eps=eps)``, x / max(‖x‖, eps) over the last dimension, in one kernel each way:
+    x [..., D] (rows of any stride, e.g. a head view of a split); computed in fp32 (fp64 for fp64 x), returned in
+    x's dtype. The backward keeps x."""
+    return _L2Normalize.apply(x, eps)

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from kalmix.layers.base import MixerLayer
 from kalmix.layers.common import (DecayGate, GatedRMSNorm, ShortConv, check_int, check_layer, check_real,
-                                  gated_norm_out, head_size)
+                                  gated_norm_out, head_size, l2_normalize)
 from kalmix.layers.spec import MixerSpec
 from kalmix.ops import SPECS, gated_kalmanet
 
@@ -90,8 +89,8 @@ class GatedKalmaNet(MixerLayer):
         pre = dict(zip(self.proj_gates, pre))
         qkv, conv_state = self.conv(qkv, conv_state, docs)
         q, k, v = qkv.view(B, T, 3, H, D).unbind(2)
-        q = F.normalize(q, dim=-1, eps=1e-6)
-        k = F.normalize(k, dim=-1, eps=1e-6)
+        q = l2_normalize(q, eps=1e-6)
+        k = l2_normalize(k, eps=1e-6)
         gates = {}
         if "beta" in pre:
             beta = torch.sigmoid(pre["beta"] + self.beta_bias)

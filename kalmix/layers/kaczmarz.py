@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from kalmix.layers.base import MixerLayer
 from kalmix.layers.common import (DecayGate, GatedRMSNorm, ShortConv, check_int, check_layer, check_real,
-                                  gated_norm_out, head_size)
+                                  gated_norm_out, head_size, l2_normalize)
 from kalmix.layers.spec import MixerSpec
 from kalmix.ops import SPECS, kaczmarz_attention
 
@@ -63,10 +62,10 @@ class KaczmarzAttention(MixerLayer):
         qkv, gate, eta, dt = self.in_proj(x).split(self.splits, dim=-1)
         qkv, conv_state = self.conv(qkv, conv_state, docs)
         q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
-        q = F.normalize(q.view(B, T, H, K), dim=-1, eps=1e-6)
+        q = l2_normalize(q.view(B, T, H, K), eps=1e-6)
         k = k.view(B, T, H, K)
         if self.normalize_keys:
-            k = F.normalize(k, dim=-1, eps=1e-6)
+            k = l2_normalize(k, eps=1e-6)
         eta = torch.sigmoid(eta + self.eta_bias)
         g = self.decay(dt)                                             # fp32 (at least)
         return [q, k, v.view(B, T, H, V), g, eta], gate, conv_state

@@ -1,14 +1,16 @@
 """The layers' fused kernels (kalmix/layers/fused.py, interpreter on CPU) against the torch chains they replace
 (the Kalman layer's sensor split, OU dynamics and gated skip, and ShortConv's convolution): values and every
 gradient, in fp64 and fp32, with the edge cases of each formula."""
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kalmix.layers import KalmanAttention
-from kalmix.layers.common import upcast
-from kalmix.layers.fused import gated_skip, ou_dynamics, sensor_split
-from kalmix.ops.common.testing import assert_close, random_functional_grads
+from kalmix.layers.common import GatedRMSNorm, upcast
+from kalmix.layers.fused import gated_skip, l2_normalize, ou_dynamics, rms_norm, sensor_split
+from kalmix.ops.common.testing import assert_close, random_functional_grads, rel_err
 
 TOL = {torch.float64: 1e-12, torch.float32: 2e-6}
 
@@ -154,3 +156,69 @@ def test_short_conv_state_keeps_the_last_kernel_minus_one_inputs():
         assert torch.equal(state, want.transpose(1, 2)), K
         y2, _ = conv(x[:, 3:], conv(x[:, :3])[1])          # chaining through the state continues exactly
         assert_close(f"K={K} chained", y2, conv(x)[0][:, 3:], 1e-15)
+
+
+def _rms_torch(x, w, z, eps):
+    return [GatedRMSNorm._norm(types.SimpleNamespace(eps=eps), x, w, z)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("D,rows,gate", [(128, 600, True), (5, 37, True), (300, 21, False), (1024, 9, False)])
+def test_rms_norm(dtype, D, rows, gate):
+    """The gated RMSNorm's kernels against its torch chain (``GatedRMSNorm._norm``): output and the gradients of
+    x, the weight and the gate, the gate a strided half of a wider projection as in the layers. 600 rows of 128
+    span several row tiles of one backward program and a partial last program; D = 5 and 300 pad the tile; one
+    row of x is zero (rstd = eps^-1/2) and one gate reaches ±30."""
+    gen = torch.Generator().manual_seed(D)
+    x = torch.randn(rows, D, generator=gen, dtype=dtype) * 3
+    x[1] = 0
+    w = 1 + 0.5 * torch.randn(D, generator=gen, dtype=dtype)
+    zw = torch.randn(rows, 2 * D, generator=gen, dtype=dtype) * 4
+    zw[2, D:D + 2] = torch.tensor([30.0, -30.0], dtype=dtype)
+    eps = 1e-5
+
+    def run(norm):
+        def fn(x, w, zw):
+            return norm(x.view(rows // 1, 1, D), w, zw[:, D:].view(rows, 1, D) if gate else None, eps)
+        return fn
+
+    ref_out, ref_grad = _grads(run(lambda x, w, z, e: _rms_torch(x, w, z, e)), [x, w, zw], 8)
+    out, grad = _grads(run(lambda x, w, z, e: [rms_norm(x, w, z, e)]), [x, w, zw], 8)
+    for name, a, b in zip(("y", "dx", "dweight", "dgate"), out + grad, ref_out + ref_grad):
+        assert_close(name, a, b, TOL[dtype] * (10 if name == "dweight" else 1))
+
+
+def test_rms_norm_bf16_with_fp32_weight():
+    """Under autocast the layers hand bf16 activations and gates with an fp32 weight: the kernels compute in fp32
+    and return x's dtype, like the chain, and are no further from the fp64 chain than the chain at these dtypes
+    (the output's gradient reaches both rounded to bf16)."""
+    gen = torch.Generator().manual_seed(11)
+    x, z = (torch.randn(3, 50, 4, 64, generator=gen).bfloat16() for _ in range(2))
+    w = torch.rand(64, generator=gen) + 0.5
+    ref64 = _grads(lambda x, w, z: _rms_torch(x.double(), w.double(), z.double(), 1e-5), [x, w, z], 9)
+    chain = _grads(lambda x, w, z: _rms_torch(x, w, z, 1e-5), [x, w, z], 9)
+    out, grad = _grads(lambda x, w, z: [rms_norm(x, w, z, 1e-5)], [x, w, z], 9)
+    assert out[0].dtype == torch.bfloat16 and [g.dtype for g in grad] == [torch.bfloat16, torch.float32,
+                                                                          torch.bfloat16]
+    for name, a, b, r in zip(("y", "dx", "dweight", "dgate"), out + grad, chain[0] + chain[1], ref64[0] + ref64[1]):
+        rounding = 2.2 if a.dtype == torch.bfloat16 else 1.1     # the interpreter truncates to bf16 (GPUs round)
+        assert rel_err(a, r) <= rounding * rel_err(b, r) + 1e-6, (name, rel_err(a, r), rel_err(b, r))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("eps", [1e-6, 1e-12])
+def test_l2_normalize(dtype, eps):
+    """``l2_normalize`` against ``F.normalize`` on a head view of a split (rows of two strides), with a zero row
+    and a row whose norm is below eps (the clamp's branch, where the gradient is dy / eps)."""
+    gen = torch.Generator().manual_seed(12)
+    qkv = torch.randn(2, 13, 3 * 4 * 48, generator=gen, dtype=dtype)
+    qkv[0, 3, :48] = 0
+    qkv[1, 5, 48:96] *= 1e-13
+
+    def run(normalize):
+        return lambda qkv: [normalize(qkv[..., :4 * 48].view(2, 13, 4, 48))]
+
+    ref_out, ref_grad = _grads(run(lambda q: F.normalize(q, dim=-1, eps=eps)), [qkv], 13)
+    out, grad = _grads(run(lambda q: l2_normalize(q, eps)), [qkv], 13)
+    for name, a, b in zip(("y", "dqkv"), out + grad, ref_out + ref_grad):
+        assert_close(name, a, b, TOL[dtype])
