@@ -1,11 +1,16 @@
-"""Models on the GPU: a training step of every mixer under CUDA autocast and with bf16 weights, and the
-CUDA-graphed decode step against the eager one and against the full forward."""
+"""Models on the GPU: the LM loss's kernels against its torch chain, a training step of every mixer under CUDA
+autocast and with bf16 weights, and the CUDA-graphed decode step against the eager one and against the full
+forward."""
 import pytest
 import torch
+import torch.nn.functional as F
+
+import kalmix.models.loss as loss
 
 from kalmix.layers import MIXER_SPECS, MIXERS
 from kalmix.models import KalmixConfig, KalmixForCausalLM
 from kalmix.models.decoding import Decoder
+from kalmix.ops.common.testing import rel_err
 
 HYBRID = ["kalman", "attention", "gka", "vla", "kaczmarz", "gdn"]
 
@@ -15,6 +20,37 @@ def lm(mixers, dev, dtype=torch.float32, d=256):
     kw = {m: MIXER_SPECS[m].size_kwargs(heads=4) for m in set(mixers)}
     cfg = KalmixConfig(vocab_size=512, hidden_size=d, num_hidden_layers=len(mixers), mixers=mixers, mixer_kwargs=kw)
     return KalmixForCausalLM(cfg).to(dev, dtype)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("S", [1, 2])
+def test_loss_kernels_against_the_torch_chain(S, autocast, dev, monkeypatch):
+    """``linear_cross_entropy`` on CUDA (its Triton kernels) and through the torch chain (the CPU path) against
+    the fp64 cross-entropy of the logits, at the LM's sizes (8,192 tokens, vocabulary 32,000, width 1024; a tenth
+    of the targets ignored): the loss and the gradients of h and W no further from fp64 than the chain's."""
+    from kalmix.models.modeling import mc_marginal
+    g = torch.Generator(device=dev).manual_seed(S)
+    N, d, V = 8192, 1024, 32000
+    h = torch.randn(S * N, d, device=dev, generator=g, requires_grad=True)
+    w = (torch.randn(V, d, device=dev, generator=g) / d ** 0.5).requires_grad_()
+    y = torch.randint(0, V, (N,), device=dev, generator=g)
+    y[torch.rand(N, device=dev, generator=g) < 0.1] = -100
+    runs = {}
+    for name, kernels in (("kernels", loss._kernels(h)), ("chain", None)):
+        monkeypatch.setattr(loss, "_kernels", lambda h, k=kernels: k)
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+            out = loss.linear_cross_entropy(h, w, y, S)
+        runs[name] = [out, *torch.autograd.grad(out, (h, w))]
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    logits = F.linear(h64, w64)
+    out = F.cross_entropy(logits if S == 1 else mc_marginal(logits, S), y)
+    exact = [out, *torch.autograd.grad(out, (h64, w64))]
+    errs = {n: (rel_err(a, t), rel_err(b, t)) for n, a, b, t in zip(("loss", "dh", "dW"), *runs.values(), exact)}
+    print(f"loss kernels S={S} autocast={autocast}: kernels / chain vs fp64",
+          " ".join(f"{n} {a:.1e}/{b:.1e}" for n, (a, b) in errs.items()))
+    for a, b in errs.values():
+        assert a <= 1.1 * b + (1e-6 if autocast else 1e-7)
 
 
 @pytest.mark.parametrize("mixer", list(MIXERS))

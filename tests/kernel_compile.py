@@ -170,10 +170,11 @@ def _layer_calls(spec, **options):
 
 def _other_calls():
     """The launchers no op or layer reaches on a CPU: the short convolution's (CUDA only in ShortConv), the
-    norms' (CUDA only in GatedRMSNorm and l2_normalize), the Kaczmarz step's (fla's engine, CUDA only) and
-    ``kalmix speed``'s FMA rate."""
+    norms' (CUDA only in GatedRMSNorm and l2_normalize), the LM loss's (CUDA only in linear_cross_entropy), the
+    Kaczmarz step's (fla's engine, CUDA only) and ``kalmix speed``'s FMA rate."""
     from kalmix.bench.fma import run_chains
     from kalmix.layers.fused import l2_normalize, rms_norm, short_conv
+    from kalmix.models.loss_kernels import row_lse, softmax_grad_
     from kalmix.ops.kaczmarz.beta_triton import kaczmarz_step, step_extrema
     for dtype in DTYPES:
         params = torch.float64 if dtype == torch.float64 else torch.float32
@@ -186,6 +187,9 @@ def _other_calls():
         for z in (None, torch.randn(2, 9, 2 * D_MODEL, dtype=dtype)[..., D_MODEL:].requires_grad_()):
             _backward([rms_norm(x, w[:, 0], z)], [x, w] + ([] if z is None else [z]))
         _backward([l2_normalize(x, 1e-6)], [x])
+        z, idx = torch.randn(6, 37, dtype=dtype), torch.randint(0, 37, (6,))
+        lse, _ = row_lse(z, idx)
+        softmax_grad_(z, idx, lse, torch.rand(6, dtype=lse.dtype))
         k = torch.randn(2, 5, H, K, dtype=dtype, requires_grad=True)
         eta, g = torch.rand(2, 5, H, dtype=dtype, requires_grad=True), -torch.rand(2, 5, H, dtype=dtype)
         for ext in (None, step_extrema(eta.numel(), k.device)):

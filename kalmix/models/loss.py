@@ -15,6 +15,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from kalmix.layers.common import describe, require
+from kalmix.ops.common.checks import triton_module
 
 # the logits one chunk holds (S samples × rows × V), about 256 MiB in fp32
 CHUNK_ELEMENTS = 2 ** 26
@@ -78,6 +79,11 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
     return _LinearCrossEntropy.apply(h, weight, targets, samples, reduction, ignore_index, chunk, dtype, grads)
 
 
+def _kernels(h: torch.Tensor):
+    """``kalmix.models.loss_kernels`` for tensors on CUDA (imported at first use), else None: the torch chain."""
+    return triton_module("kalmix.models.loss_kernels") if h.is_cuda else None
+
+
 def _compute_dtype(name: str, h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The logits' dtype: ``F.linear``'s under autocast (which leaves fp64 alone), else h's and weight's one."""
     device = h.device.type
@@ -107,24 +113,34 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dh = torch.empty_like(h, memory_format=torch.contiguous_format) if need_h else None
         dw = torch.zeros(weight.shape, dtype=acc, device=h.device) if need_w else None
         total = torch.zeros((), dtype=acc, device=h.device)
+        kernels = _kernels(h)
         with torch.autocast(h.device.type, enabled=False):
             w = weight.to(dtype)
             for a in range(0, N, chunk):
                 hc = hs[:, a:a + chunk].to(dtype)                                   # [S, c, d]
                 y, kept = targets[a:a + chunk], keep[a:a + chunk]                   # [c]
-                z = (hc @ w.T).to(acc)                                              # [S, c, V]
-                lse = torch.logsumexp(z, -1)                                        # [S, c]
-                idx = y.masked_fill(~kept, 0).expand(S, -1).unsqueeze(-1)           # [S, c, 1]
-                logp = z.gather(-1, idx).squeeze(-1) - lse                          # [S, c] log p_s(y)
+                c = y.shape[0]
+                z = (hc @ w.T).view(S * c, -1)                                      # [S·c, V] in dtype
+                idx = y.masked_fill(~kept, 0).repeat(S)                             # [S·c]
+                if kernels is not None:
+                    lse, zy = kernels.row_lse(z, idx)
+                else:
+                    z = z.to(acc)
+                    lse, zy = torch.logsumexp(z, -1), z.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
+                logp = (zy - lse).view(S, c)                                        # [S, c] log p_s(y)
                 nll = math.log(S) - torch.logsumexp(logp, 0)                        # [c]
                 total += nll.masked_fill(~kept, 0).sum()
                 if not grads:
                     continue
                 # d nll / d z_s = q_s (softmax(z_s) - onehot(y)), q_s = the samples' posterior weights of y
-                q = torch.softmax(logp, 0) * kept * scale                           # [S, c]
-                g = z.sub_(lse.unsqueeze(-1)).exp_()
-                g.scatter_add_(-1, idx, torch.full_like(idx, -1, dtype=acc))
-                g = g.mul_(q.unsqueeze(-1)).to(dtype)                               # [S, c, V]
+                q = (torch.softmax(logp, 0) * kept * scale).flatten()               # [S·c]
+                if kernels is not None:
+                    g = kernels.softmax_grad_(z, idx, lse, q)
+                else:
+                    g = z.sub_(lse.unsqueeze(-1)).exp_()
+                    g.scatter_add_(-1, idx.unsqueeze(-1), torch.full_like(idx, -1, dtype=acc).unsqueeze(-1))
+                    g = g.mul_(q.unsqueeze(-1)).to(dtype)
+                g = g.view(S, c, -1)                                                # [S, c, V]
                 if need_h:
                     dh.view(S, N, d)[:, a:a + chunk] = g @ w
                 if need_w:

@@ -91,6 +91,57 @@ def test_without_gradients_only_the_loss_is_computed():
     assert torch.autograd.grad(only_w, w)[0].shape == w.shape
 
 
+@pytest.fixture
+def loss_kernels(monkeypatch):
+    """The CUDA path on CPU: ``linear_cross_entropy``'s chunks through its Triton kernels (under the interpreter)."""
+    import kalmix.models.loss as loss
+    from kalmix.models import loss_kernels as kernels
+    monkeypatch.setattr(loss, "_kernels", lambda h: kernels)
+    return kernels
+
+
+@pytest.mark.parametrize("S", [1, 3])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("N, V, chunk", [(37, 29, 5), (9, 4096 + 37, 4), (1, 3, None)])
+def test_the_kernels_equal_the_plain_cross_entropy_in_fp64(loss_kernels, S, reduction, N, V, chunk):
+    """The chunks through the kernels: V = 4,133 spans two of their vocabulary blocks (the second partial), V = 3
+    pads one; a quarter of the targets ignored (their rows' q = 0, target index 0)."""
+    h, w, y = inputs(S, N, 12, V, seed=N + V + S)
+    y[0] = V - 1                                        # a scored token in the last (masked) block
+    got = linear_cross_entropy(h, w, y, S, reduction, chunk_size=chunk)
+    want = plain(h, w, y, S, reduction)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(got * 1.7, (h, w)), torch.autograd.grad(want * 1.7, (h, w))):
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-13)
+
+
+def test_the_kernels_under_bf16_autocast_match_the_torch_chain(loss_kernels, monkeypatch):
+    """bf16 logits: the kernels read them as they are and compute in fp32 like the chain's upcast copy, so the loss
+    agrees to fp32 rounding; the gradients, from logits' gradients rounded to bf16 by both (the interpreter
+    truncates where a GPU rounds), are within twice the chain's distance of the fp64 gradients."""
+    import kalmix.models.loss as loss
+    h, w, y = inputs(1, 300, 32, 64, seed=5, dtype=torch.float32)
+    runs = []
+    for kernels in (loss_kernels, None):
+        monkeypatch.setattr(loss, "_kernels", lambda h, k=kernels: k)
+        with torch.autocast("cpu", torch.bfloat16):
+            got = linear_cross_entropy(h, w, y, chunk_size=7)
+        runs.append([got, *torch.autograd.grad(got, (h, w))])
+    torch.testing.assert_close(runs[0][0], runs[1][0], rtol=1e-6, atol=0)
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    exact = torch.autograd.grad(plain(h64, w64, y), (h64, w64))
+    for a, b, t in zip(runs[0][1:], runs[1][1:], exact):
+        err = lambda g, t=t: ((g.double() - t).norm() / t.norm()).item()   # noqa: E731
+        assert err(a) <= 2 * err(b) + 1e-4 and err(b) < 1e-2, (err(a), err(b))
+
+
+def test_the_kernels_refuse_a_bad_layout():
+    from kalmix.models import loss_kernels
+    z = torch.zeros(4, 6)
+    with pytest.raises(ValueError, match=r"z must be a contiguous \[R, V\] tensor and idx int64 \[R\]"):
+        loss_kernels.row_lse(z.t(), torch.zeros(6, dtype=torch.int64))
+
+
 H, W, Y = inputs(1, 6, 4, 5, seed=0)
 
 
