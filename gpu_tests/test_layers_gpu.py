@@ -2,10 +2,12 @@
 training step finite in bf16, and prefill-then-decode equal to one full forward."""
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from kalmix.layers import MIXERS, KalmanAttention
 from kalmix.layers.common import GatedRMSNorm, ShortConv, l2_normalize
+from kalmix.models.modeling import RMSNorm
 from kalmix.ops.common.testing import rel_err
 
 
@@ -51,6 +53,12 @@ def test_norm_kernels_against_torch_chains(rows, D, gate, dtype, dev):
           " ".join(f"{n} {a:.1e}/{b:.1e}" for n, (a, b) in errs.items()))
     for a, b in errs.values():      # bf16: a few elements round the other way from fp32 values a few ulp apart
         assert a <= (1e-5 if dtype == torch.float32 else 1.1 * b + 5e-5)
+    if not gate:                        # the models' block norm: nn.RMSNorm's module on the same kernel
+        block, plain = RMSNorm(D, eps=1e-5).to(dev), nn.RMSNorm(D, eps=1e-5).to(dev)
+        block.weight.data.copy_(norm.weight.data)
+        plain.load_state_dict(block.state_dict())
+        ys = [m(x) for m in (block, plain)]
+        assert ys[0].dtype == ys[1].dtype and rel_err(*ys) <= (1e-6 if dtype == torch.float32 else 1e-2)
     q = torch.randn(rows, D, device=dev, dtype=dtype, requires_grad=True)
     res = []
     for fn in (lambda: l2_normalize(q, 1e-6), lambda: F.normalize(q.double(), dim=-1, eps=1e-6)):

@@ -23,7 +23,8 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from kalmix.layers import ALL_MIXERS as MIXERS
 from kalmix.layers.cache import KalmixCache
-from kalmix.layers.common import check_mask, check_mask_values, describe, is_integer, recompute, require, upcast
+from kalmix.layers.common import (check_mask, check_mask_values, describe, fused_kernels, is_integer, recompute, require,
+                                  upcast)
 from kalmix.layers.documents import Documents
 from kalmix.models.configuration import KalmixConfig
 from kalmix.models.decoding import check_sampling
@@ -71,9 +72,19 @@ class GeluMLP(nn.Module):
         return self.down(F.gelu(self.up(x)))
 
 
+class RMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` whose forward on CUDA is one Triton kernel each way (``kalmix.layers.fused.rms_norm``:
+    computed in fp32, returned in x's dtype, keeping x and a rstd per row for the backward)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and self.weight is not None and self.eps is not None:
+            return fused_kernels().rms_norm(x, self.weight, None, self.eps)
+        return super().forward(x)
+
+
 def make_norm(config: KalmixConfig) -> nn.Module:
-    """The block and final norm ``config.norm`` over hidden_size: nn.RMSNorm or nn.LayerNorm (with bias)."""
-    cls = nn.LayerNorm if config.norm == "layernorm" else nn.RMSNorm
+    """The block and final norm ``config.norm`` over hidden_size: ``RMSNorm`` or nn.LayerNorm (with bias)."""
+    cls = nn.LayerNorm if config.norm == "layernorm" else RMSNorm
     return cls(config.hidden_size, eps=config.norm_eps)
 
 

@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kalmix.models import KalmixConfig, KalmixForCausalLM
-from kalmix.models.modeling import GeluMLP, SwiGLU
+from kalmix.models.modeling import GeluMLP, RMSNorm, SwiGLU
 from kalmix.ops.common.testing import assert_close, random_functional_grads
 from tests.host_reads import HostReads
 from tests.layers.test_notebook_baselines import deltanet_notebook, deltanet_weights, softmax_notebook
@@ -43,7 +43,7 @@ def test_defaults_build_todays_model(mixer, mlp):
     model = implicit.model
     assert not hasattr(model, "embed_positions")
     norms = [m for m in model.modules() if isinstance(m, (nn.RMSNorm, nn.LayerNorm))]
-    assert norms and all(type(m) is nn.RMSNorm for m in norms)
+    assert norms and all(type(m) is RMSNorm for m in norms)
     assert all(type(b.mlp) is SwiGLU for b in model.layers) if mlp else all(b.mlp is None for b in model.layers)
     # the residual-out projections at σ/√(2L) = σ/2 of the other linears (a fixed σ = 0.02 to read it off)
     fixed = lm(mixer, mlp=mlp, initializer_range=0.02).model.layers[0].mixer

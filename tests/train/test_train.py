@@ -144,7 +144,7 @@ def test_backbone_options_reach_the_model(capsys):
     LayerNorm, a GELU MLP, learned positions, no residual init scale; the defaults keep kalmix's."""
     import torch.nn as nn
     from kalmix.models import KalmixForCausalLM
-    from kalmix.models.modeling import GeluMLP, SwiGLU
+    from kalmix.models.modeling import GeluMLP, RMSNorm, SwiGLU
     assert cli(["train", "cpu-tiny", "--print-config", "--model.norm", "layernorm", "--model.mlp_act", "gelu",
                 "--model.position", "learned", "--model.max_position_embeddings", "4096",
                 "--model.residual_init_scale", "false"]) == 0
@@ -155,7 +155,7 @@ def test_backbone_options_reach_the_model(capsys):
             "model.mixer_kwargs": {"notebook_deltanet": {"num_heads": 2}}, "train.seq_len": 8}
     notebook = {"model.norm": "layernorm", "model.mlp_act": "gelu", "model.position": "learned",
                 "model.max_position_embeddings": 8, "model.residual_init_scale": False}
-    for extra, norm, mlp in (({}, nn.RMSNorm, SwiGLU), (notebook, nn.LayerNorm, GeluMLP)):
+    for extra, norm, mlp in (({}, RMSNorm, SwiGLU), (notebook, nn.LayerNorm, GeluMLP)):
         cfg = load_config(None, {**over, **extra}).model.kalmix_config(64)
         model = KalmixForCausalLM(cfg)
         block = model.model.layers[0]
