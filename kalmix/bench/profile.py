@@ -20,6 +20,7 @@ step; the top kernels; a Chrome trace.
 """
 from __future__ import annotations
 
+import contextlib
 import gzip
 import math
 import os
@@ -196,25 +197,60 @@ def module_ranges(model: torch.nn.Module):
             h.remove()
 
 
+class Recording:
+    """A ``torch.profiler`` recording of ``steps`` steps of ``model`` on ``device``, each run inside ``step()``
+    (a ``STEP_RANGE`` range), with every module's forward a range (``module_ranges``). ``finish(trace)`` writes the
+    Chrome trace (gzipped JSON) and returns the ``Breakdown``."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, steps: int):
+        self.device, self.steps, self.done = device, steps, 0
+        self._sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self._sync()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(module_ranges(model))
+        self.prof = self._stack.enter_context(profile(activities=activities))
+
+    @contextmanager
+    def step(self):
+        with record_function(STEP_RANGE):
+            yield
+        self.done += 1
+
+    def finish(self, trace: str) -> Breakdown:
+        self._sync()
+        self._stack.close()
+        plain = trace.removesuffix(".gz")
+        self.prof.export_chrome_trace(plain)
+        with open(plain, "rb") as src, gzip.open(trace, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(plain)
+        return breakdown(self.prof.events(), self.done, self.device.type)
+
+
 def record(model: torch.nn.Module, step, device: torch.device, warmup: int, steps: int, trace: str) -> Breakdown:
     """Run ``step`` ``warmup`` times, then record ``steps`` more; write the Chrome trace to ``trace`` (gzipped
     JSON) and return their ``Breakdown``."""
     for _ in range(warmup):
         step()
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with module_ranges(model), profile(activities=activities) as prof:
-        for _ in range(steps):
-            with record_function(STEP_RANGE):
-                step()
-        sync()
-    plain = trace.removesuffix(".gz")
-    prof.export_chrome_trace(plain)
-    with open(plain, "rb") as src, gzip.open(trace, "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    os.remove(plain)
-    return breakdown(prof.events(), steps, device.type)
+    recording = Recording(model, device, steps)
+    for _ in range(steps):
+        with recording.step():
+            step()
+    return recording.finish(trace)
+
+
+def format_breakdown(b: Breakdown, device_type: str, title: str) -> str:
+    """One recording's milliseconds per step by category, its wall, host and idle figures and host syncs, then its
+    ``TOP_KERNELS`` kernels (``format_table`` and ``format_kernels`` for one row)."""
+    what = "GPU kernel time" if device_type == "cuda" else "CPU op self time"
+    lines = [f"{title}: ms per step by category ({what})"]
+    lines += [f"  {_SHORT[c]:12s}{b.categories[c]:10.3f}" for c in CATEGORIES]
+    lines += [f"  {'busy':12s}{b.busy_ms:10.3f}", f"  {'step':12s}{b.step_ms:10.3f}",
+              f"  {'host':12s}{b.host_ms:10.3f}", f"  {'idle %':12s}{_fmt(100 * b.idle_fraction, 10)}",
+              f"  {'syncs':12s}{_fmt(b.syncs, 10)}", "",
+              f"top {TOP_KERNELS} {'kernels by GPU time' if device_type == 'cuda' else 'ops by CPU self time'}:"]
+    return "\n".join(lines + format_kernels({(title, 0, "", ""): b}, device_type).split("\n")[1:]) + "\n"
 
 
 def run(cfg) -> int:

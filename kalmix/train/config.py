@@ -193,6 +193,11 @@ class LogSection(StrictConfig):
                                              "transformers, tokenizers, datasets or the HF hub)")
     peak_tflops: Float | None = Field(None, gt=0, description="peak TFLOP/s per device for MFU (default: the "
                                                               "bf16 dense peak of a known GPU; none on CPU)")
+    profile: int = Field(0, ge=0, description="record up to this many training steps with torch.profiler on "
+                                              "every process, from the first log line on (stopping before the "
+                                              "next log line, evaluation or checkpoint): RUN/profile/rank<R>.txt "
+                                              "(ms per step by category, host time, the GPU's idle share, host "
+                                              "syncs, the top kernels) and a Chrome trace beside it (0: none)")
 
 
 class TrainConfig(StrictConfig):

@@ -608,6 +608,32 @@ class Trainer:
         self.env.barrier()
         return out
 
+    def _start_profile(self):
+        """A ``Recording`` of the next ``log.profile`` steps, fewer where a log line, an evaluation, a checkpoint
+        or the run's end comes first (their work would be recorded with the steps)."""
+        from kalmix.bench.profile import Recording
+        cfg = self.cfg
+        nxt = [(self.step // every + 1) * every for every in (cfg.log.every, cfg.eval.every, cfg.checkpoint.every)]
+        steps = min(cfg.log.profile, min(nxt + [cfg.train.steps]) - self.step)
+        return Recording(self.raw, self.env.device, steps)
+
+    def _finish_profile(self, recording) -> None:
+        """Write the recording's table (RUN/profile/rank<R>.txt) and Chrome trace; log where they are."""
+        from kalmix.bench.profile import format_breakdown
+        env = self.env
+        folder = self.run_dir / "profile"
+        folder.mkdir(exist_ok=True)
+        first = self.step - recording.steps + 1
+        b = recording.finish(str(folder / f"rank{env.rank}.trace.json.gz"))
+        title = f"rank {env.rank} of {env.world}, steps {first}-{self.step}"
+        atomic_write(folder / f"rank{env.rank}.txt", lambda f: f.write(format_breakdown(b, env.device.type,
+                                                                                         title).encode()))
+        self._log({"kind": "profile", "steps": [first, self.step], "folder": str(folder),
+                   "step_ms": b.step_ms, "busy_ms": b.busy_ms, "host_ms": b.host_ms})
+        if env.main:
+            tqdm.write(f"profile of steps {first}-{self.step} in {folder}: {b.step_ms:.1f} ms per step (host "
+                       f"{b.host_ms:.1f} ms, kernels {b.busy_ms:.1f} ms)")
+
     def _stop_signal(self, signals: _Signals) -> int | None:
         """The signal every process agrees to stop on (SIGTERM over SIGINT), or None: one collective."""
         ints, terms = self.env.sum(signals.signum == signal.SIGINT, signals.signum == signal.SIGTERM)
@@ -653,16 +679,25 @@ class Trainer:
         if signals is not None:
             signals.defer()
         t0, tokens0, step0 = time.perf_counter(), 0.0, self.step
+        profile_at = (self.step // cfg.log.every + 1) * cfg.log.every if cfg.log.profile else None
+        recording = None
         if env.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(env.device)
         while self.step < cfg.train.steps:
-            signum = self._stop_signal(signals) if signals is not None else None
-            if signum is not None:
-                bar.close()
-                path = self.save() if saved != self.step else ckpt.checkpoints(self.run_dir)[-1]
-                self._log({"kind": "interrupt", "step": self.step, "signal": signal.Signals(signum).name})
-                raise TrainingInterrupted(signum, self.step, path)
-            last = self.train_step()
+            if self.step == profile_at:
+                recording = self._start_profile()
+            with recording.step() if recording is not None else contextlib.nullcontext():
+                signum = self._stop_signal(signals) if signals is not None else None
+                if signum is not None:
+                    bar.close()
+                    path = self.save() if saved != self.step else ckpt.checkpoints(self.run_dir)[-1]
+                    self._log({"kind": "interrupt", "step": self.step, "signal": signal.Signals(signum).name})
+                    raise TrainingInterrupted(signum, self.step, path)
+                last = self.train_step()
+            if recording is not None and recording.done == recording.steps:
+                self._finish_profile(recording)
+                recording = None
+                t0, step0 = time.perf_counter(), self.step       # the log window leaves the recorded steps out
             tokens0 += last["tokens"]
             bar.update(1)
             if self.step % cfg.log.every == 0 or self.step == cfg.train.steps:

@@ -371,6 +371,22 @@ def full_losses(corpus, tmp_path_factory):
     return _losses(run)
 
 
+def test_profiled_steps_train_as_the_others_and_stop_before_an_evaluation(corpus, tmp_path, full_losses):
+    """``log.profile``: the steps after the first log line (step 2 here) are recorded, up to the next evaluation
+    (after step 3), so step 3 alone; the run's losses are those of the unprofiled run, and the table and trace
+    are written."""
+    run = tmp_path / "run"
+    train(_cfg(corpus, run, **{"log.every": 2, "log.profile": 5}))
+    assert _losses(run) == {k: v for k, v in full_losses.items() if k % 2 == 0 or k == 6}
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    (prof,) = [r for r in rows if r["kind"] == "profile"]
+    assert prof["steps"] == [3, 3] and prof["step_ms"] > 0
+    table = (run / "profile" / "rank0.txt").read_text()
+    assert table.startswith("rank 0 of 1, steps 3-3: ms per step by category (CPU op self time)")
+    assert "GEMM" in table and "top 20 ops by CPU self time" in table
+    assert (run / "profile" / "rank0.trace.json.gz").stat().st_size > 0
+
+
 def test_killed_run_resumes_exactly(corpus, tmp_path, monkeypatch, full_losses):
     killed = tmp_path / "killed"
     step = Trainer.train_step
@@ -770,8 +786,8 @@ def _flags(cfg_over: dict) -> list[str]:
 def test_two_processes_follow_one_process_curve(corpus, tmp_path, parallel, dtype):
     """Two processes training on the fused loss (no logits; under FSDP2 the LM head's weight gathered in the
     model's forward) follow one process's losses and gradient norms from the logits (fp32: to 2e-5 and 1e-4;
-    under bf16 autocast, where they differ by about 1e-4 and 2e-3: to 1e-3 and 1e-2), and an FSDP2 run resumes
-    exactly."""
+    under bf16 autocast, where they differ by about 1e-4 and 2e-3: to 1e-3 and 1e-2), each recording its step 2
+    (``log.profile``) on the way, and an FSDP2 run resumes exactly."""
     tol = {"fp32": (2e-5, 1e-4), "bf16": (1e-3, 1e-2)}[dtype]
     common = {"data_dir": str(corpus / "data"), "data.source": str(corpus / "docs.jsonl"), "data.text_field": "body",
               "data.val_fraction": 0.2, "tokenizer.vocab_size": 300, "model.mixer": "kaczmarz",
@@ -784,7 +800,10 @@ def test_two_processes_follow_one_process_curve(corpus, tmp_path, parallel, dtyp
     train(load_config(None, {**common, "run_dir": str(one), "train.micro_batch_size": 4,
                              "model.fuse_cross_entropy": False}))
     two = tmp_path / "two"
-    _torchrun(2, _flags({**common, "run_dir": str(two), "train.micro_batch_size": 2, "train.parallel": parallel}))
+    _torchrun(2, _flags({**common, "run_dir": str(two), "train.micro_batch_size": 2, "train.parallel": parallel,
+                         "log.profile": 1}))
+    assert [(two / "profile" / f"rank{r}.txt").read_text().split(":")[0] for r in (0, 1)] == [
+        "rank 0 of 2, steps 2-2", "rank 1 of 2, steps 2-2"]                # every process records step 2
     a, b = _losses(one), _losses(two)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
     norms = [[r["grad_norm"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
