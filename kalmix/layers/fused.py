@@ -627,22 +627,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, z: torch.Tensor | None = Non
 
 
 @triton.jit
-def _l2_fwd_kernel(x_ptr, y_ptr, R, D, eps, BR: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr):
+def _l2_fwd_kernel(x_ptr, y_ptr, norm_ptr, R, D, eps, BR: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr):
     r, c, m = _cols(tl.program_id(0) * BR, 0, R, D, BR, BD)
     x = tl.load(x_ptr + r * D + c, mask=m, other=0.).to(ACC)
-    n = tl.maximum(tl.sqrt(tl.sum(x * x, 1)), eps)[:, None]
-    tl.store(y_ptr + r * D + c, (x / n).to(y_ptr.dtype.element_ty), mask=m)
+    norm = tl.sqrt(tl.sum(x * x, 1))
+    tl.store(y_ptr + r * D + c, (x / tl.maximum(norm, eps)[:, None]).to(y_ptr.dtype.element_ty), mask=m)
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    tl.store(norm_ptr + rows, norm, mask=rows < R)
 
 
 @triton.jit
-def _l2_bwd_kernel(x_ptr, dy_ptr, dx_ptr, R, D, eps, BR: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr):
-    """y = x / max(‖x‖, eps): dx = (dy − y·Σ dy·y) / ‖x‖ where ‖x‖ > eps, dy / eps where the clamp holds."""
+def _l2_bwd_kernel(y_ptr, norm_ptr, dy_ptr, dx_ptr, R, D, eps, BR: tl.constexpr, BD: tl.constexpr,
+                   ACC: tl.constexpr):
+    """y = x / max(‖x‖, eps): dx = (dy − y·Σ dy·y) / ‖x‖ where ‖x‖ > eps, dy / eps where the clamp holds; from
+    the output y and ‖x‖, not x."""
     r, c, m = _cols(tl.program_id(0) * BR, 0, R, D, BR, BD)
-    x = tl.load(x_ptr + r * D + c, mask=m, other=0.).to(ACC)
+    y = tl.load(y_ptr + r * D + c, mask=m, other=0.).to(ACC)
     dy = tl.load(dy_ptr + r * D + c, mask=m, other=0.).to(ACC)
-    norm = tl.sqrt(tl.sum(x * x, 1))[:, None]
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    norm = tl.load(norm_ptr + rows, mask=rows < R, other=1.).to(ACC)[:, None]
     n = tl.maximum(norm, eps)
-    y = x / n
     dx = tl.where(norm > eps, (dy - y * tl.sum(dy * y, 1)[:, None]) / n, dy / n)
     tl.store(dx_ptr + r * D + c, dx.to(dx_ptr.dtype.element_ty), mask=m)
 
@@ -653,26 +657,30 @@ class _L2Normalize(torch.autograd.Function):
     def forward(ctx, x, eps):
         D = x.shape[-1]
         x2 = _rows_of(x, D)
-        y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-        grid, BR, BD, _ = _norm_meta(x2.shape[0], D)
-        _l2_fwd_kernel[grid](x2, y, x2.shape[0], D, eps, BR=BR, BD=BD, ACC=_acc(x2))
-        ctx.save_for_backward(x2)
+        R = x2.shape[0]
+        y = torch.empty(R, D, dtype=x.dtype, device=x.device)
+        norm = torch.empty(R, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
+        grid, BR, BD, _ = _norm_meta(R, D)
+        _l2_fwd_kernel[grid](x2, y, norm, R, D, eps, BR=BR, BD=BD, ACC=_acc(x2))
+        ctx.save_for_backward(y, norm)
         ctx.eps, ctx.shape = eps, x.shape
         return y.view(x.shape)
 
     @staticmethod
     @no_autocast
     def backward(ctx, dy):
-        (x2,) = ctx.saved_tensors
-        R, D = x2.shape
-        dx = torch.empty_like(x2)
+        y, norm = ctx.saved_tensors
+        R, D = y.shape
+        dx = torch.empty_like(y)
         grid, BR, BD, _ = _norm_meta(R, D)
-        _l2_bwd_kernel[grid](x2, dy.reshape(R, D).contiguous(), dx, R, D, ctx.eps, BR=BR, BD=BD, ACC=_acc(x2))
+        _l2_bwd_kernel[grid](y, norm, dy.reshape(R, D).contiguous(), dx, R, D, ctx.eps, BR=BR, BD=BD,
+                             ACC=_acc(y))
         return dx.view(ctx.shape), None
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
     """``F.normalize(x, dim=-1, eps=eps)``, x / max(‖x‖, eps) over the last dimension, in one kernel each way:
     x [..., D] (rows of any stride, e.g. a head view of a split); computed in fp32 (fp64 for fp64 x), returned in
-    x's dtype. The backward keeps x."""
+    x's dtype. The backward keeps the output (which the op that takes it usually keeps too) and ‖x‖ per row, not
+    x, as fla's l2norm does: in bf16 its gradient is computed from the rounded output."""
     return _L2Normalize.apply(x, eps)

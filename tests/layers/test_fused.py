@@ -222,3 +222,21 @@ def test_l2_normalize(dtype, eps):
     out, grad = _grads(run(lambda q: l2_normalize(q, eps)), [qkv], 13)
     for name, a, b in zip(("y", "dqkv"), out + grad, ref_out + ref_grad):
         assert_close(name, a, b, TOL[dtype])
+
+
+def test_l2_normalize_bf16_keeps_its_output_not_its_input():
+    """In bf16 the backward works from the rounded output and the fp32 norms (what it keeps, as fla's l2norm does):
+    the output as close to fp64 as the chain's (the interpreter truncates to bf16, GPUs round), the gradient within
+    bf16's rounding; what autograd saved is the output's storage and the [R] norms, not a copy of the input."""
+    gen = torch.Generator().manual_seed(14)
+    x = (torch.randn(2, 33, 4, 48, generator=gen) * 3).bfloat16()
+    ref = _grads(lambda x: [F.normalize(x.double(), dim=-1, eps=1e-6)], [x], 15)
+    chain = _grads(lambda x: [F.normalize(x, dim=-1, eps=1e-6)], [x], 15)
+    out, grad = _grads(lambda x: [l2_normalize(x, 1e-6)], [x], 15)
+    assert rel_err(out[0], ref[0][0]) <= 2.2 * rel_err(chain[0][0], ref[0][0])
+    assert rel_err(grad[0], ref[1][0]) <= 1e-2
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = l2_normalize(x.clone().requires_grad_(), 1e-6)
+    assert [(t.dtype, tuple(t.shape)) for t in saved] == [(torch.bfloat16, (264, 48)), (torch.float32, (264,))]
+    assert saved[0].untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
