@@ -10,13 +10,13 @@ parameter's own storage costs nothing.
 ``account`` runs the forward at T and at 2T tokens per row and splits each module's bytes into bytes per token
 (the growth from T to 2T over the B·T tokens added) and fixed bytes (what does not grow with T: bf16 casts of the
 weights under autocast, initial and final states, the LM head's gradient the fused loss keeps). They are
-device-independent for the same impl and shapes, with two exceptions: on CPU the layers run the torch chains of
-their short convolutions and gates where CUDA runs ``kalmix.layers.fused``, and torch's RMSNorm runs as a chain
-of ops that saves x and x·rstd where CUDA's fused kernel saves x and rstd. The ops themselves run the impl asked
-for, the Triton one on CPU under ``TRITON_INTERPRET=1``.
+device-independent for the same impl and shapes. With ``--impl triton`` on CPU the ops run their Triton kernels
+and the layers and the loss their fused ones (``kalmix.layers.common.fused_kernels_everywhere``), all under
+``TRITON_INTERPRET=1``: what a GPU keeps. With ``--impl torch`` everything runs the torch chains of the CPU path.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections import defaultdict
@@ -163,6 +163,7 @@ def run(cfg) -> int:
     by part and dtype. Returns 0 (1 if a model failed)."""
     from kalmix.bench.lm import _inputs, build, matched_specs, packed_cu_seqlens
     from kalmix.bench.speed import versions, write_csv
+    from kalmix.layers.common import fused_kernels_everywhere
     from kalmix.ops.common.checks import check_device
     from kalmix.train.optim import autocast
     device = check_device(cfg.device)
@@ -188,7 +189,8 @@ def run(cfg) -> int:
                 ids = torch.randint(0, shape.vocab_size, (B, length), device=device)
                 cu = packed_cu_seqlens(B, length, cfg.doc_median).to(device) if packing == "packed" else None
                 kw = _inputs(spec, ids, cu)
-                with autocast(device.type, "bf16"):
+                fused = fused_kernels_everywhere() if cfg.impl == "triton" else contextlib.nullcontext()
+                with autocast(device.type, "bf16"), fused:
                     return model(**kw, labels=kw["input_ids"]).loss
             saved = account(model, forward, B, T)
         except Exception as err:  # noqa: BLE001 (reported in the output and the exit status; the run goes on)

@@ -2,6 +2,7 @@
 padding masks to packed sequences, the activation dtype under mixed precision."""
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from typing import Callable
@@ -19,6 +20,28 @@ def fused_kernels():
     """``kalmix.layers.fused``, the layers' Triton kernels (run on CUDA), imported at first use: kalmix imports
     without triton, and a layer on CUDA without it raises an ImportError saying so."""
     return triton_module("kalmix.layers.fused")
+
+
+_fused_everywhere = False
+
+
+def runs_fused(x: torch.Tensor) -> bool:
+    """Whether the fused Triton kernels of the work around the ops run for x (the short convolution, the norms,
+    the LM loss's chunks): on CUDA, and on any device inside ``fused_kernels_everywhere()``."""
+    return x.is_cuda or _fused_everywhere
+
+
+@contextlib.contextmanager
+def fused_kernels_everywhere():
+    """The CUDA paths of ``runs_fused`` on every device while open: on CPU they run in Triton's interpreter
+    (TRITON_INTERPRET=1 set before triton is imported), which is how the tests and ``kalmix bench lm --memory``
+    see what a GPU runs and keeps."""
+    global _fused_everywhere
+    before, _fused_everywhere = _fused_everywhere, True
+    try:
+        yield
+    finally:
+        _fused_everywhere = before
 
 
 def check_int(owner: str, name: str, value, minimum: int = 1, note: str = "") -> int:
@@ -150,9 +173,9 @@ class ShortConv(nn.Module):
             if doc_pos.shape != (B, T) or doc_pos.dtype not in (torch.int32, torch.int64):
                 raise ValueError(f"ShortConv: `docs.doc_pos` must be an int32 or int64 [B, T] = {[B, T]} tensor, got "
                                  f"{doc_pos.dtype} of shape {list(doc_pos.shape)}")
-        if state is None and (x.is_cuda or doc_pos is not None):
+        if state is None and (runs_fused(x) or doc_pos is not None):
             last = F.pad(xt[..., T - min(T, keep):], (keep - min(T, keep), 0))
-            if x.is_cuda:
+            if runs_fused(x):
                 return fused_kernels().short_conv(x, self.weight, self.bias, self.activation, doc_pos), last
             y = self._conv_documents(xt, doc_pos, max_starts)
             return (F.silu(y) if self.activation else y), last
@@ -239,7 +262,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
-        if x.is_cuda:
+        if runs_fused(x):
             return fused_kernels().rms_norm(x, self.weight, z, self.eps)
         if z is None:
             return recompute(self._norm, x, self.weight)
@@ -254,7 +277,7 @@ class GatedRMSNorm(nn.Module):
 def l2_normalize(x: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
     """``F.normalize(x, dim=-1, eps=eps)`` for x [..., D]; on CUDA one Triton kernel each way (``layers/fused.py``),
     which keeps only x for the backward."""
-    if x.is_cuda:
+    if runs_fused(x):
         return fused_kernels().l2_normalize(x, eps)
     return F.normalize(x, dim=-1, eps=eps)
 

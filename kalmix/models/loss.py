@@ -14,7 +14,7 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-from kalmix.layers.common import describe, require
+from kalmix.layers.common import describe, require, runs_fused
 from kalmix.ops.common.checks import triton_module
 
 # the logits one chunk holds (S samples × rows × V), about 256 MiB in fp32
@@ -80,8 +80,9 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
 
 
 def _kernels(h: torch.Tensor):
-    """``kalmix.models.loss_kernels`` for tensors on CUDA (imported at first use), else None: the torch chain."""
-    return triton_module("kalmix.models.loss_kernels") if h.is_cuda else None
+    """``kalmix.models.loss_kernels`` where the fused kernels run (``runs_fused``: CUDA; imported at first use),
+    else None: the torch chain."""
+    return triton_module("kalmix.models.loss_kernels") if runs_fused(h) else None
 
 
 def _compute_dtype(name: str, h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:

@@ -24,7 +24,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from kalmix.layers import ALL_MIXERS as MIXERS
 from kalmix.layers.cache import KalmixCache
 from kalmix.layers.common import (check_mask, check_mask_values, describe, fused_kernels, is_integer, recompute, require,
-                                  upcast)
+                                  runs_fused, upcast)
 from kalmix.layers.documents import Documents
 from kalmix.models.configuration import KalmixConfig
 from kalmix.models.decoding import check_sampling
@@ -77,7 +77,7 @@ class RMSNorm(nn.RMSNorm):
     computed in fp32, returned in x's dtype, keeping x and a rstd per row for the backward)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and self.weight is not None and self.eps is not None:
+        if runs_fused(x) and self.weight is not None and self.eps is not None:
             return fused_kernels().rms_norm(x, self.weight, None, self.eps)
         return super().forward(x)
 

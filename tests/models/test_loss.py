@@ -92,12 +92,12 @@ def test_without_gradients_only_the_loss_is_computed():
 
 
 @pytest.fixture
-def loss_kernels(monkeypatch):
+def loss_kernels():
     """The CUDA path on CPU: ``linear_cross_entropy``'s chunks through its Triton kernels (under the interpreter)."""
-    import kalmix.models.loss as loss
+    from kalmix.layers.common import fused_kernels_everywhere
     from kalmix.models import loss_kernels as kernels
-    monkeypatch.setattr(loss, "_kernels", lambda h: kernels)
-    return kernels
+    with fused_kernels_everywhere():
+        yield kernels
 
 
 @pytest.mark.parametrize("S", [1, 3])
