@@ -7,7 +7,9 @@ memory.
     python benchmarks/scaling.py table OUT/scaling.jsonl            # the markdown table, from committed rows
 
 ``run`` launches the runs (one-GPU runs side by side, one per free GPU), appends one JSON row per run to
-OUT/scaling.jsonl (skipping runs already there, so a cut call resumes) and prints the table. Every run shares
+OUT/scaling.jsonl (skipping runs already there, so a cut call resumes) and prints the table. ``--profile N``
+records N steps of every run with torch.profiler (each process's table in OUT/<run>/profile/), which says where
+a multi-GPU step's time goes that the one-GPU step does not spend. Every run shares
 one data cache (OUT/data: the standard library's sources, the preset's 32,768-token BPE), prepared first.
 """
 from __future__ import annotations
@@ -36,14 +38,15 @@ def _git(*args: str) -> str:
         return "unknown"
 
 
-def _cmd(out: Path, mixer: str, size: str, parallel: str, gpus: int, steps: int, run_dir: Path) -> list[str]:
+def _cmd(out: Path, mixer: str, size: str, parallel: str, gpus: int, steps: int, run_dir: Path,
+         profile: int = 0) -> list[str]:
     base = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
             "-m", "kalmix.cli"] if gpus > 1 else [sys.executable, "-m", "kalmix.cli"]
     return base + ["train", "gpu-125m", "--model.mixer", mixer, "--run_dir", str(run_dir),
                    "--data_dir", str(out / "data"), "--data.source", "stdlib", "--data.val_fraction", "0.05", "--train.steps", str(steps),
                    "--train.parallel", parallel, "--log.every", "10", "--log.progress", "false",
                    "--eval.every", "100000", "--eval.rows", "64", "--checkpoint.every", "100000",
-                   "--optim.warmup_steps", "10", "--resume", "never"] + SIZES[size]
+                   "--optim.warmup_steps", "10", "--resume", "never", "--log.profile", str(profile)] + SIZES[size]
 
 
 def _summary(run_dir: Path) -> dict:
@@ -52,10 +55,12 @@ def _summary(run_dir: Path) -> dict:
     train = [r for r in rows if r["kind"] == "train"][1:]            # the first window holds compilation
     if not train:
         raise RuntimeError(f"{run_dir}: no timed window after the first; train longer")
+    profile = next(({k: r[k] for k in ("steps", "step_ms", "busy_ms", "host_ms")} for r in rows
+                    if r["kind"] == "profile"), None)
     return {"params": start["params"], "tok_s": statistics.median(r["tok_s"] for r in train),
             "mfu": statistics.median(r["mfu"] for r in train) if train[0]["mfu"] is not None else None,
             "mem_gib": max(r["mem_gib"] or 0 for r in train), "loss": train[-1]["loss"],
-            "tokens_per_step": start["tokens_per_step"]}
+            "tokens_per_step": start["tokens_per_step"], **({"profile": profile} if profile else {})}
 
 
 def prepare(out: Path) -> None:
@@ -94,7 +99,7 @@ def run(args) -> None:
         for (mixer, size, parallel, gpus), first in batch:
             run_dir = out / f"{mixer}-{size}-{parallel}-{gpus}"
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(first + i) for i in range(gpus)))
-            cmd = _cmd(out, mixer, size, parallel, gpus, args.steps, run_dir)
+            cmd = _cmd(out, mixer, size, parallel, gpus, args.steps, run_dir, args.profile)
             log = open(out / f"{run_dir.name}.log", "w")
             procs.append(((mixer, size, parallel, gpus), run_dir, subprocess.Popen(cmd, stdout=log, stderr=log,
                                                                                    env=env), time.time()))
@@ -143,6 +148,9 @@ def main(argv=None) -> None:
     r.add_argument("--parallel", nargs="+", choices=["ddp", "fsdp"], default=["ddp"])
     r.add_argument("--size", nargs="+", choices=list(SIZES), default=["125m"])
     r.add_argument("--steps", type=int, default=40)
+    r.add_argument("--profile", type=int, default=0, help="record this many steps of each run with torch.profiler "
+                   "(`kalmix train --log.profile`): OUT/<run>/profile/rank<R>.txt, and the rank-0 figures in "
+                   "its row")
     r.add_argument("--commit", default=None, help="the commit the rows are stamped with (default: git's HEAD; "
                    "give it where the tree was copied without its history)")
     pr = sub.add_parser("prepare")
