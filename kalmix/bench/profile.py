@@ -213,8 +213,14 @@ class Recording:
 
     @contextmanager
     def step(self):
-        with record_function(STEP_RANGE):
-            yield
+        """One recorded step; an exception out of it (an interrupted run) ends the recording: the profiler stops
+        and the module ranges' hooks come off the model."""
+        try:
+            with record_function(STEP_RANGE):
+                yield
+        except BaseException:
+            self._stack.close()
+            raise
         self.done += 1
 
     def finish(self, trace: str) -> Breakdown:
@@ -250,7 +256,7 @@ def format_breakdown(b: Breakdown, device_type: str, title: str) -> str:
               f"  {'host':12s}{b.host_ms:10.3f}", f"  {'idle %':12s}{_fmt(100 * b.idle_fraction, 10)}",
               f"  {'syncs':12s}{_fmt(b.syncs, 10)}", "",
               f"top {TOP_KERNELS} {'kernels by GPU time' if device_type == 'cuda' else 'ops by CPU self time'}:"]
-    return "\n".join(lines + format_kernels({(title, 0, "", ""): b}, device_type).split("\n")[1:]) + "\n"
+    return "\n".join(lines + _top_kernels(b)) + "\n"
 
 
 def run(cfg) -> int:
@@ -355,8 +361,14 @@ def format_kernels(results: dict, device_type: str) -> str:
         if isinstance(b, str):
             continue
         out += ["", f"{name}, {mode}, {packing} rows, T = {T}: top {TOP_KERNELS} {unit} (busy {b.busy_ms:.3f} ms "
-                    f"per step)", f"{'ms/step':>9s} {'calls':>6s} {'share':>6s}  {'category':11s} name"]
-        top = sorted(b.kernels.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
-        for (kernel, cat), (calls, ms) in top:
-            out.append(f"{ms:9.3f} {calls:6.1f} {100 * ms / b.busy_ms:5.1f}%  {cat:11s} {kernel[:100]}")
+                    f"per step)", *_top_kernels(b)]
     return "\n".join(out).lstrip("\n")
+
+
+def _top_kernels(b: Breakdown) -> list[str]:
+    """A header and one line per kernel (op) of ``b``'s ``TOP_KERNELS``: ms and calls per step, share of the busy
+    time, category, name (cut at 100 characters)."""
+    top = sorted(b.kernels.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
+    return [f"{'ms/step':>9s} {'calls':>6s} {'share':>6s}  {'category':11s} name"] + [
+        f"{ms:9.3f} {calls:6.1f} {100 * ms / b.busy_ms:5.1f}%  {cat:11s} {kernel[:100]}"
+        for (kernel, cat), (calls, ms) in top]

@@ -49,18 +49,21 @@ def current(rows: list[dict]) -> tuple[Recipe, list[dict], int]:
     the shipped recipe of that name runs this same version, its prose (``PROSE``) replaces the rows': a description
     edited after the runs shows without rerunning them."""
     recipe = Recipe.model_validate(max(rows, key=lambda r: r["time"])["spec"])
-    same = [r for r in rows if r["mixer"] in recipe.mixers
-            and r["key"] == run_key(recipe.at(r["point"]), r["point"], r["mixer"], r["lr"], r["seed"])]
+    same = [r for r in rows if _ran(recipe, r)]
     if same:
         ran = {"lrs": sorted({r["lr"] for r in same}), "seeds": sorted({r["seed"] for r in same})}
         recipe = Recipe.model_validate(recipe.model_dump() | {"train": recipe.train.model_dump() | ran})
         if recipe.name in recipe_names():
             shipped = load_recipe(resolve_recipe(recipe.name))
-            if all(r["mixer"] in shipped.mixers and r["key"] == run_key(shipped.at(r["point"]), r["point"],
-                                                                        r["mixer"], r["lr"], r["seed"])
-                   for r in same):
+            if all(_ran(shipped, r) for r in same):
                 recipe = recipe.model_copy(update={f: getattr(shipped, f) for f in PROSE})
     return recipe, same, len(rows) - len(same)
+
+
+def _ran(recipe: Recipe, row: dict) -> bool:
+    """Whether ``row`` is a run of this version of ``recipe`` (its mixer is the recipe's and its key matches)."""
+    return row["mixer"] in recipe.mixers and row["key"] == run_key(recipe.at(row["point"]), row["point"],
+                                                                   row["mixer"], row["lr"], row["seed"])
 
 
 def _key(point: dict) -> str:

@@ -276,7 +276,7 @@ class GatedRMSNorm(nn.Module):
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
     """``F.normalize(x, dim=-1, eps=eps)`` for x [..., D]; on CUDA one Triton kernel each way (``layers/fused.py``),
-    which keeps only x for the backward."""
+    which keeps its output and the norms for the backward."""
     if runs_fused(x):
         return fused_kernels().l2_normalize(x, eps)
     return F.normalize(x, dim=-1, eps=eps)

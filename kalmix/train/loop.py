@@ -613,7 +613,7 @@ class Trainer:
         or the run's end comes first (their work would be recorded with the steps)."""
         from kalmix.bench.profile import Recording
         cfg = self.cfg
-        nxt = [(self.step // every + 1) * every for every in (cfg.log.every, cfg.eval.every, cfg.checkpoint.every)]
+        nxt = [_next_multiple(self.step, every) for every in (cfg.log.every, cfg.eval.every, cfg.checkpoint.every)]
         steps = min(cfg.log.profile, min(nxt + [cfg.train.steps]) - self.step)
         return Recording(self.raw, self.env.device, steps)
 
@@ -679,7 +679,7 @@ class Trainer:
         if signals is not None:
             signals.defer()
         t0, tokens0, step0 = time.perf_counter(), 0.0, self.step
-        profile_at = (self.step // cfg.log.every + 1) * cfg.log.every if cfg.log.profile else None
+        profile_at = _next_multiple(self.step, cfg.log.every) if cfg.log.profile else None
         recording = None
         if env.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(env.device)
@@ -734,6 +734,11 @@ class Trainer:
         if env.main:
             tqdm.write(f"model written to {out}")
         return last
+
+
+def _next_multiple(step: int, every: int) -> int:
+    """The first step after ``step`` at which something done every ``every`` steps happens."""
+    return (step // every + 1) * every
 
 
 def train(cfg: TrainConfig) -> dict:
