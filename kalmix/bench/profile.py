@@ -58,6 +58,7 @@ _COMPILED = tuple((cat, where, re.compile(pattern, re.IGNORECASE)) for cat, wher
 _BACKWARD = "autograd::engine::evaluate_function: "
 _LAUNCHES = re.compile(r"^cu(da)?[A-Z]")               # the host's CUDA runtime and driver calls
 _SYNCS = re.compile(r"^cuda(Stream|Device|Event)Synchronize$|^cudaMemcpy$")
+_KERNEL_LAUNCHES = re.compile(r"^cu(da)?LaunchKernel")
 
 
 def categorise(leaf: list[str], scope: list[str]) -> str:
@@ -73,7 +74,8 @@ class Breakdown:
     """One row's recorded steps, per step: ``categories`` {category: ms} (GPU kernel time; CPU: op self time),
     ``kernels`` {(kernel or op name, category): [calls, ms]}, ``step_ms`` (wall time), ``host_ms`` (the host's time
     inside the step ranges), ``busy_ms`` (the categories' sum), ``idle_fraction`` (of the wall time, no kernel
-    running; NaN on CPU) and ``syncs`` (host synchronisations; NaN on CPU)."""
+    running; NaN on CPU), ``syncs`` (host synchronisations; NaN on CPU) and ``launches`` (kernel launches the host
+    made; NaN on CPU): a step whose GPU idles while the host launches thousands of kernels is host-bound."""
     categories: dict[str, float]
     kernels: dict[tuple[str, str], list[float]] = field(repr=False)
     step_ms: float
@@ -81,6 +83,7 @@ class Breakdown:
     busy_ms: float
     idle_fraction: float
     syncs: float
+    launches: float
 
 
 def _chain(e) -> list[str]:
@@ -160,13 +163,14 @@ def breakdown(events, steps: int, device_type: str) -> Breakdown:
         busy = _union_us([(max(k.time_range.start, start), min(k.time_range.end, end)) for k in kernels
                           if k.time_range.end > start and k.time_range.start < end])
         idle = 1 - busy / (end - start) if end > start else math.nan
-        syncs = sum(1 for e in cpu if _SYNCS.match(e.name) and any(
+        syncs, launches = (sum(1 for e in cpu if pattern.match(e.name) and any(
             r.time_range.start <= e.time_range.start < r.time_range.end for r in step_ranges)) / steps
+            for pattern in (_SYNCS, _KERNEL_LAUNCHES))
     else:
         for e in cpu:
             if e.self_cpu_time_total > 0:
                 timed.append(([e.name], scopes(e), e.name, e.self_cpu_time_total))
-        idle = syncs = math.nan
+        idle = syncs = launches = math.nan
     categories = dict.fromkeys(CATEGORIES, 0.0)
     per_kernel: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
     for leaf, scope, name, us in timed:
@@ -175,7 +179,7 @@ def breakdown(events, steps: int, device_type: str) -> Breakdown:
         per_kernel[(name, cat)][0] += 1 / steps
         per_kernel[(name, cat)][1] += us / steps / 1e3
     return Breakdown(categories, dict(per_kernel), (end - start) / steps / 1e3, host_us / steps / 1e3,
-                     sum(categories.values()), idle, syncs)
+                     sum(categories.values()), idle, syncs, launches)
 
 
 @contextmanager
@@ -254,7 +258,7 @@ def format_breakdown(b: Breakdown, device_type: str, title: str) -> str:
     lines += [f"  {_SHORT[c]:12s}{b.categories[c]:10.3f}" for c in CATEGORIES]
     lines += [f"  {'busy':12s}{b.busy_ms:10.3f}", f"  {'step':12s}{b.step_ms:10.3f}",
               f"  {'host':12s}{b.host_ms:10.3f}", f"  {'idle %':12s}{_fmt(100 * b.idle_fraction, 10)}",
-              f"  {'syncs':12s}{_fmt(b.syncs, 10)}", "",
+              f"  {'syncs':12s}{_fmt(b.syncs, 10)}", f"  {'launches':12s}{_fmt(b.launches, 10)}", "",
               f"top {TOP_KERNELS} {'kernels by GPU time' if device_type == 'cuda' else 'ops by CPU self time'}:"]
     return "\n".join(lines + _top_kernels(b)) + "\n"
 

@@ -415,6 +415,7 @@ class Trainer:
         self.optimizer = self.opt.optimizer
         self.peak = peak_flops(env.device, cfg.log.peak_tflops)
         self.step = 0
+        self._eval_plan()
         self._check_shapes()
         if resume is not None:
             # the checkpoint's optimizer state, with this config's hyperparameters (lr, betas, eps, weight decay)
@@ -457,18 +458,24 @@ class Trainer:
     def _to_device(self, batch: dict) -> dict:
         return {k: v.to(self.env.device, non_blocking=True) for k, v in batch.items()}
 
+    def _eval_plan(self) -> tuple[int, int]:
+        """(rows, rows per forward) of an evaluation: ``eval.rows`` of the split (at most all of it) in forwards of
+        at most ``train.micro_batch_size`` rows, every process running the same number of forwards (FSDP);
+        checked before the first step."""
+        rows = min(self.cfg.eval.rows, len(self.val_set))
+        per = min(self.cfg.train.micro_batch_size, rows // self.dp_world)
+        if per == 0:
+            raise ValueError(f"the validation split holds {len(self.val_set)} rows of {self.cfg.train.seq_len} "
+                             f"tokens and eval.rows = {self.cfg.eval.rows}: fewer than one row for each of "
+                             f"{self.dp_world} data-parallel processes; raise eval.rows or data.val_fraction")
+        return rows - rows % (per * self.dp_world), per
+
     def val_batches(self):
         """This process's validation batches: the data-parallel groups take turns, a context-parallel group's
         processes the same batches."""
         from kalmix.train.data import val_batches
-        mbs = self.cfg.train.micro_batch_size
-        rows = min(self.cfg.eval.rows, len(self.val_set))
-        rows -= rows % (mbs * self.dp_world)        # every process runs the same number of forwards (FSDP)
-        if rows == 0:
-            raise ValueError(f"the validation split holds {len(self.val_set)} rows of {self.cfg.train.seq_len} "
-                             f"tokens: fewer than one batch of {mbs} × {self.dp_world} processes")
-        batches = val_batches(self.val_set, mbs, rows)
-        for i, batch in enumerate(batches):
+        rows, per = self._eval_plan()
+        for i, batch in enumerate(val_batches(self.val_set, per, rows)):
             if i % self.dp_world == self.dp_rank:
                 yield self._to_device(batch)
 
@@ -629,7 +636,9 @@ class Trainer:
         atomic_write(folder / f"rank{env.rank}.txt", lambda f: f.write(format_breakdown(b, env.device.type,
                                                                                          title).encode()))
         self._log({"kind": "profile", "steps": [first, self.step], "folder": str(folder),
-                   "step_ms": b.step_ms, "busy_ms": b.busy_ms, "host_ms": b.host_ms})
+                   "step_ms": b.step_ms, "busy_ms": b.busy_ms, "host_ms": b.host_ms,
+                   **{k: None if v != v else v for k, v in (("idle_fraction", b.idle_fraction),
+                                                            ("launches", b.launches))}})
         if env.main:
             tqdm.write(f"profile of steps {first}-{self.step} in {folder}: {b.step_ms:.1f} ms per step (host "
                        f"{b.host_ms:.1f} ms, kernels {b.busy_ms:.1f} ms)")

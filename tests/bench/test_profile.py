@@ -176,7 +176,7 @@ def test_gpu_recording_by_hand():
                                 "loss": 2, "optimizer": 8, "copy_cast": 3, "other": 1})
     assert 1e3 * b.busy_ms == pytest.approx(91) and 1e3 * b.step_ms == pytest.approx(120)
     assert 1e3 * b.host_ms == pytest.approx(100)
-    assert b.idle_fraction == pytest.approx(1 - 91 / 120) and b.syncs == 1
+    assert b.idle_fraction == pytest.approx(1 - 91 / 120) and b.syncs == 1 and b.launches == 10
     assert b.kernels[("_kalman_bwd_kernel", "mixer_op")] == pytest.approx([1, 0.030])
     assert b.kernels[("_kalman_fwd_kernel", "mixer_op")] == pytest.approx([1, 0.020])      # not the call's list
     assert b.kernels[("_conv_fwd_kernel", "short_conv")] == pytest.approx([1, 0.002])      # not op 14's

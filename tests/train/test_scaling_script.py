@@ -18,16 +18,33 @@ def test_the_command_passes_the_profile_and_the_row_keeps_its_figures(tmp_path):
     rows = [{"kind": "start", "params": 117e6, "tokens_per_step": 65536},
             {"kind": "train", "step": 10, "tok_s": 1.0, "mfu": 0.1, "mem_gib": 10.0, "loss": 5.0},
             {"kind": "profile", "steps": [11, 15], "folder": "x", "step_ms": 152.0, "busy_ms": 140.0,
-             "host_ms": 90.0},
+             "host_ms": 90.0, "idle_fraction": 0.08, "launches": 4100.0},
             {"kind": "train", "step": 20, "tok_s": 400e3, "mfu": 0.08, "mem_gib": 11.1, "loss": 4.0},
             {"kind": "train", "step": 30, "tok_s": 420e3, "mfu": 0.08, "mem_gib": 11.1, "loss": 3.5}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     row = scaling._summary(run)
     assert row["tok_s"] == 410e3 and row["profile"] == {"steps": [11, 15], "step_ms": 152.0, "busy_ms": 140.0,
-                                                         "host_ms": 90.0}
+                                                         "host_ms": 90.0, "idle_fraction": 0.08, "launches": 4100.0}
     one = {"mixer": "gdn", "size": "125m", "parallel": "ddp", "gpus": 1, "commit": "c", "gpu": "H100",
            **row, "tok_s": 120e3}
     four = {**one, "gpus": 4, "tok_s": 410e3}
     path = tmp_path / "scaling.jsonl"
     path.write_text(json.dumps(one) + "\n" + json.dumps(four) + "\n")
-    assert "| gdn | 125m | 117M | ddp | 4 | 410,000 | 85% |" in scaling.table(path)
+    assert "| gdn | 125m | 117M | ddp | 32 | 4 | 410,000 | 85% |" in scaling.table(path)
+
+
+def test_rows_per_gpu_sets_the_micro_batch_and_the_global_batch_and_has_its_own_baseline(tmp_path):
+    cmd = scaling._cmd(tmp_path, "gdn", "125m", "ddp", 4, 30, tmp_path / "run", rows_per_gpu=32)
+    assert cmd[cmd.index("--train.micro_batch_size") + 1] == "32"
+    assert cmd[cmd.index("--train.global_batch_size") + 1] == "128"
+    assert "--train.global_batch_size" not in scaling._cmd(tmp_path, "gdn", "125m", "ddp", 4, 30, tmp_path / "r")
+    base = {"mixer": "gdn", "size": "125m", "parallel": "ddp", "commit": "c", "gpu": "H100", "params": 117e6,
+            "mfu": 0.1, "mem_gib": 9.8}
+    rows = [{**base, "gpus": 1, "tok_s": 120e3}, {**base, "gpus": 4, "tok_s": 383e3},
+            {**base, "gpus": 1, "rows_per_gpu": 32, "tok_s": 235e3},
+            {**base, "gpus": 4, "rows_per_gpu": 32, "tok_s": 820e3}]
+    path = tmp_path / "scaling.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = scaling.table(path)
+    assert "| gdn | 125m | 117M | ddp | 32 | 4 | 383,000 | 80% |" in text
+    assert "| gdn | 125m | 117M | ddp | 32/GPU | 4 | 820,000 | 87% |" in text

@@ -706,6 +706,24 @@ def test_missing_or_empty_data(corpus, tmp_path):
     assert _no_step(run)
 
 
+def test_evaluation_takes_fewer_rows_than_a_micro_batch_and_a_split_too_small_stops_before_the_first_step(
+        corpus, tmp_path):
+    run = tmp_path / "run"
+    train(_cfg(corpus, run, **{"eval.rows": 1, "train.steps": 3}))
+    ev = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    ev = [r for r in ev if r["kind"] == "eval"]
+    assert ev and all(r["val_loss"] > 0 for r in ev)
+    assert sum(b["tokens"] for b in ev[-1]["loss_by_position"]) <= 32          # one row of 32 tokens
+
+    def plan(rows, val_rows, world, mbs=8):
+        cfg = SimpleNamespace(eval=SimpleNamespace(rows=rows), train=SimpleNamespace(micro_batch_size=mbs, seq_len=32))
+        return Trainer._eval_plan(SimpleNamespace(cfg=cfg, val_set=range(val_rows), dp_world=world))
+    assert plan(64, 47, 4) == (32, 8) and plan(64, 47, 4, mbs=32) == (44, 11) and plan(3, 100, 1) == (3, 3)
+    with pytest.raises(ValueError, match=r"holds 3 rows of 32 tokens and eval.rows = 64: fewer than one row for "
+                                         r"each of 4 data-parallel processes"):
+        plan(64, 3, 4)
+
+
 def test_vocabulary_that_does_not_fit(corpus, tmp_path):
     with pytest.raises(ValueError, match="smaller than the tokenizer's vocabulary"):
         train(_cfg(corpus, tmp_path / "run", **{"model.vocab_size": 100}))
