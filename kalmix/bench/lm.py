@@ -54,6 +54,8 @@ from kalmix.ops.common.cost import DELTA, SDPA, Shape
 KALMIX_MODELS = tuple(name for name, spec in MIXER_SPECS.items() if spec.headline)
 MODELS = (*KALMIX_MODELS, "hybrid", "fla_deltanet", "llama")
 HYBRID_ATTENTION_EVERY = 4                # the hybrid: gka, softmax attention in layers 3, 7, ...
+RECOMPUTE = "+recompute"                  # a kalmix model's variant with KalmixConfig(recompute_mixers=True)
+RECOMPUTABLE = (*(m for m in KALMIX_MODELS if m != "attention"), "hybrid")
 REFERENCES = ("fla_deltanet", "llama")    # tokens/s ratios are taken against these; Llama's count is the target
 # the model shapes: the issue's (8 blocks of width 1024, 8 heads of 128), `kalmix train gpu-125m`'s and that of
 # benchmarks/scaling.py's `--size 1b` (18 blocks of width 2048, 16 heads of 128)
@@ -74,7 +76,9 @@ class LMBenchConfig(BaseModel):
 
     models: list[str] = Field(default_factory=lambda: list(MODELS), min_length=1,
                               description=f"models to time, any of {', '.join(MODELS)} (default: all; hybrid: gka "
-                              f"with attention in every {HYBRID_ATTENTION_EVERY}th layer; fla_deltanet needs CUDA)")
+                              f"with attention in every {HYBRID_ATTENTION_EVERY}th layer; fla_deltanet needs CUDA; "
+                              f"MODEL{RECOMPUTE}, e.g. gdn{RECOMPUTE}: that kalmix model with its mixers recomputed "
+                              f"in the backward, KalmixConfig(recompute_mixers=True))")
     preset: Literal["default", "125m", "1b"] = Field(
         "default", description="model shape: default (8 blocks, width 1024, 8 heads of 128, vocabulary 32,000), 125m "
         "(12 blocks, width 768, vocabulary 32,768: `kalmix train gpu-125m`'s) or 1b (18 blocks, width 2048, 16 "
@@ -135,9 +139,12 @@ class LMBenchConfig(BaseModel):
                 raise ValueError("bench lm: --longest times plain rows only; --packing packed does not apply with it")
             self.packing = ["plain"]
             self.seq_lens = sorted(set(self.seq_lens))
-        unknown = [m for m in self.models if m not in MODELS]
+        unknown = [m for m in self.models if m not in MODELS and not (m.endswith(RECOMPUTE)
+                                                                      and m.removesuffix(RECOMPUTE) in RECOMPUTABLE)]
         if unknown:
-            raise ValueError(f"bench lm: unknown model(s) {unknown}; expected any of {', '.join(MODELS)}")
+            raise ValueError(f"bench lm: unknown model(s) {unknown}; expected any of {', '.join(MODELS)}, or one of "
+                             f"{', '.join(RECOMPUTABLE)} followed by {RECOMPUTE} (its mixers recomputed in the "
+                             f"backward)")
         for T in self.seq_lens:
             if T < 2:
                 raise ValueError(f"bench lm: T = {T} is too short; a row holds T >= 2 tokens")
@@ -188,6 +195,7 @@ class Spec:
     attention_every: int | None = None
     mixer_kwargs: dict = field(default_factory=dict)
     sized: str = ""
+    recompute: bool = False
 
     def layers(self, shape: LMShape) -> str:
         """What its blocks hold, e.g. "gka ×6, attention ×2"."""
@@ -196,7 +204,8 @@ class Spec:
         if self.source == "transformers":
             return f"Llama SDPA attention ×{shape.layers}"
         n_attn = shape.layers // self.attention_every if self.attention_every else 0
-        return f"{self.mixer} ×{shape.layers - n_attn}" + (f", attention ×{n_attn}" if n_attn else "")
+        return (f"{self.mixer} ×{shape.layers - n_attn}" + (" recomputed" if self.recompute else "")
+                + (f", attention ×{n_attn}" if n_attn else ""))
 
 
 def specs(shape: LMShape, names=MODELS) -> dict[str, Spec]:
@@ -208,7 +217,10 @@ def specs(shape: LMShape, names=MODELS) -> dict[str, Spec]:
     attn = {"num_heads": shape.attention_heads}
     out = {}
     for name in dict.fromkeys([*names, "llama"]):
-        if name in KALMIX_MODELS:
+        if name.endswith(RECOMPUTE):
+            out[name] = replace(specs(shape, [name.removesuffix(RECOMPUTE)])[name.removesuffix(RECOMPUTE)],
+                                name=name, recompute=True)
+        elif name in KALMIX_MODELS:
             heads = shape.attention_heads if name == "attention" else shape.num_heads
             out[name] = Spec(name, "kalmix", width, mixer=name,
                              mixer_kwargs={name: MIXER_SPECS[name].size_kwargs(heads=heads)})
@@ -230,7 +242,7 @@ def build(spec: Spec, shape: LMShape, max_len: int = 65536, impl: str | None = N
         from kalmix.train.loop import build_model
         model = dict(mixer=spec.mixer, attention_every=spec.attention_every, hidden_size=shape.d_model,
                      num_hidden_layers=shape.layers, intermediate_size=spec.intermediate_size,
-                     mixer_kwargs=spec.mixer_kwargs, impl=impl)
+                     mixer_kwargs=spec.mixer_kwargs, impl=impl, recompute_mixers=spec.recompute)
         return build_model(TrainConfig(model=model), shape.vocab_size)
     if spec.source == "fla":
         from fla.models import DeltaNetConfig, DeltaNetForCausalLM

@@ -5,7 +5,10 @@ under ``torch.autograd.graph.saved_tensors_hooks`` and module hooks and attribut
 innermost module running when it was saved (the autograd Functions of the Triton kernels included: what their
 ``ctx.save_for_backward`` keeps). Each storage is counted once, at its first save, with its whole size (a saved
 view keeps all of it); a later save of the same storage is counted as "shared" at no cost, and a save of a
-parameter's own storage costs nothing.
+parameter's own storage costs nothing. The tensor inputs of a ``torch.utils.checkpoint.checkpoint`` region (a
+recomputing mixer's, ``KalmixConfig.recompute_mixers``), which the checkpoint keeps outside autograd's saved
+tensors until its backward, count as saved by the module that opens the region; what the region saves does not
+(it is recomputed).
 
 ``account`` runs the forward at T and at 2T tokens per row and splits each module's bytes into bytes per token
 (the growth from T to 2T over the B·T tokens added) and fixed bytes (what does not grow with T: bf16 casts of the
@@ -24,6 +27,7 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 
 from kalmix.bench.speed import read_csvs
 
@@ -85,12 +89,22 @@ def saved_tensors(model: nn.Module, forward: Callable[[], object]) -> list[dict]
     def leave(module, args, out):
         stack.pop()
 
+    checkpoint = torch.utils.checkpoint.checkpoint
+
+    def counted_checkpoint(fn, *args, **kwargs):    # a region's inputs stay alive until its backward reruns it
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.requires_grad:
+                pack(a)
+        return checkpoint(fn, *args, **kwargs)
+
     handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(enter),
                                                      m.register_forward_hook(leave, always_call=True))]
+    torch.utils.checkpoint.checkpoint = counted_checkpoint
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             forward()
     finally:
+        torch.utils.checkpoint.checkpoint = checkpoint
         for h in handles:
             h.remove()
     del keep

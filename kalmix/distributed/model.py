@@ -47,7 +47,8 @@ Packed documents cost one all-gather of the pieces' lengths per forward (of the 
 
 Refused with a ValueError, since the pieces would not compose exactly or the ranks' messages would fall out of
 step: a cache (``use_cache`` defaults to False inside the switch), padding masks (an all-ones mask is fine),
-gradient checkpointing (its recomputation repeats the point-to-point messages), empty pieces, KLA+'s
+gradient checkpointing and ``KalmixConfig.recompute_mixers`` with gradients (their recomputation repeats the
+point-to-point messages, after the switch may be off), empty pieces, KLA+'s
 ``mc_samples`` with packed documents. A model with a mixer that cannot be split (fla's
 ``deltanet``) raises NotImplementedError when the switch is turned on. As for any collective, every rank runs
 the same calls (forward and backward) in the same order.

@@ -5,6 +5,7 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 from torch.profiler import record_function
 
 from kalmix.layers.cache import KalmixCache
@@ -41,6 +42,11 @@ class MixerLayer(nn.Module):
     Mixed precision: the op's activations (its [B, T, H, *] inputs) enter in one dtype, the autocast dtype
     inside an autocast region and the hidden states' dtype otherwise; gates stay fp32; the op keeps its state
     math in fp32 with autocast off.
+
+    Recomputation: with ``recompute`` set (``KalmixConfig(recompute_mixers=True)``), a call that trains (gradients
+    on, no cache) keeps only ``project_in``'s output for the backward and runs the rest of ``project`` (short
+    convolution, normalisations, gates) and the op again there (``torch.utils.checkpoint``): the same values and
+    gradients, without the op's inputs and what the op saves.
     """
 
     d_model: int
@@ -48,6 +54,7 @@ class MixerLayer(nn.Module):
     impl: str | None
     op_spec: OpSpec             # the op it runs (``kalmix.ops.SPECS``)
     context_split = None        # a sequence split across ranks (kalmix.distributed.ContextSplit) or None
+    recompute = False           # run project's rest and the op again in the backward (see the class docstring)
 
     def run_op(self, op, *args, **kwargs):
         """``op(*args, **kwargs)``, or on this rank's piece through ``context_split`` when the sequence is split.
@@ -63,9 +70,14 @@ class MixerLayer(nn.Module):
         impl = self.impl or ("triton" if device.type == "cuda" else "torch")
         return impl if impl in self.op_spec.step_impls else "naive"
 
-    def project(self, x: torch.Tensor, conv_state, docs: Documents | None = None):
-        """x [B, T, d_model] -> (list of op inputs [B, T, ...], readout context, new conv state); packed
-        documents ``docs`` restart the short convolution at each document (``ShortConv``)."""
+    def project_in(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, d_model] -> what ``project`` starts from: the layer's input projection (its GEMM on x, which a
+        recomputing layer keeps rather than runs again); x itself by default."""
+        return x
+
+    def project(self, h: torch.Tensor, conv_state, docs: Documents | None = None):
+        """``project_in``'s output h [B, T, *] -> (list of op inputs [B, T, ...], readout context, new conv state);
+        packed documents ``docs`` restart the short convolution at each document (``ShortConv``)."""
         raise NotImplementedError
 
     def mix(self, inputs, initial_state, output_final_state, cu_seqlens, impl, **kwargs):
@@ -75,6 +87,22 @@ class MixerLayer(nn.Module):
     def readout(self, o: torch.Tensor, extra, ctx, **kwargs):
         """(o, extra, ctx) -> (out [B, T, d_model], second return value)."""
         raise NotImplementedError
+
+    def _project_mix(self, h, conv_state, docs, packer, rec_state, use_cache, act, impl, kwargs):
+        """``project`` from h and the op on its inputs (packed and unpacked around the op where ``packer`` is set)
+        (the op's activations in dtype ``act``) -> (o [B, T, H, V], extra, final state, readout context, new conv
+        state)."""
+        inputs, ctx, conv_state = self.project(h, conv_state, docs)
+        inputs = [a.to(act) if a.dim() == 4 else a for a in inputs]
+        cu_seqlens = None
+        if packer is not None:
+            inputs = [packer.pack(a) if a.dim() >= 3 else a for a in inputs]
+            cu_seqlens = docs.offsets if docs is not None else packer.cu_seqlens     # checked offsets: no read
+        o, extra, state = self.mix(inputs, rec_state, use_cache, cu_seqlens, impl, **kwargs)
+        if packer is not None:
+            o = packer.unpack(o)
+            extra = None if extra is None else packer.unpack(extra)
+        return o, extra, state, ctx, conv_state
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 past_key_values: KalmixCache | None = None, use_cache: bool = False, **kwargs):
@@ -99,20 +127,16 @@ class MixerLayer(nn.Module):
         elif attention_mask is not None and not bool(attention_mask.all()):
             x = torch.where(attention_mask.bool()[..., None], x, 0)   # padding enters the convolutions as zeros
             packer = Packer(attention_mask)
-        inputs, ctx, conv_state = self.project(x, conv_state, docs)
-        act = activation_dtype(hidden_states)
-        inputs = [a.to(act) if a.dim() == 4 else a for a in inputs]
-        cu_seqlens = None
         if docs is not None:
             packer = docs
-        if packer is not None:
-            inputs = [packer.pack(a) if a.dim() >= 3 else a for a in inputs]
-            cu_seqlens = docs.offsets if docs is not None else packer.cu_seqlens     # checked offsets: no read
+        h = self.project_in(x)
         impl = self.step_impl(x.device) if T == 1 else self.impl
-        o, extra, state = self.mix(inputs, rec_state, use_cache, cu_seqlens, impl, **kwargs)
-        if packer is not None:
-            o = packer.unpack(o)
-            extra = None if extra is None else packer.unpack(extra)
+        args = (conv_state, docs, packer, rec_state, use_cache, activation_dtype(hidden_states), impl, kwargs)
+        if self.recompute and torch.is_grad_enabled() and not use_cache and rec_state is None:
+            o, extra, state, ctx, conv_state = torch.utils.checkpoint.checkpoint(self._project_mix, h, *args,
+                                                                                 use_reentrant=False)
+        else:
+            o, extra, state, ctx, conv_state = self._project_mix(h, *args)
         if keep is not None:
             o = torch.where(keep[..., None], o, 0)                      # o [B, 1, H, V]; NaN-safe, unlike o · keep
             if state is not None:

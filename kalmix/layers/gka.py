@@ -82,10 +82,13 @@ class GatedKalmaNet(MixerLayer):
         self.o_norm = GatedRMSNorm(self.head_dim, eps=norm_eps)
         self.o_proj = nn.Linear(width, d_model, bias=False)
 
-    def project(self, x, conv_state, docs=None):
-        B, T, _ = x.shape
+    def project_in(self, x):
+        return self.in_proj(x)
+
+    def project(self, h, conv_state, docs=None):
+        B, T, _ = h.shape
         H, D = self.num_heads, self.head_dim
-        qkv, gate, *pre = self.in_proj(x).split(self.splits, dim=-1)
+        qkv, gate, *pre = h.split(self.splits, dim=-1)
         pre = dict(zip(self.proj_gates, pre))
         qkv, conv_state = self.conv(qkv, conv_state, docs)
         q, k, v = qkv.view(B, T, 3, H, D).unbind(2)

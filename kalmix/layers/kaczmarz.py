@@ -56,10 +56,13 @@ class KaczmarzAttention(MixerLayer):
         self.o_norm = GatedRMSNorm(self.head_v_dim, eps=norm_eps)
         self.o_proj = nn.Linear(vw, d_model, bias=False)
 
-    def project(self, x, conv_state, docs=None):
-        B, T, _ = x.shape
+    def project_in(self, x):
+        return self.in_proj(x)
+
+    def project(self, h, conv_state, docs=None):
+        B, T, _ = h.shape
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
-        qkv, gate, eta, dt = self.in_proj(x).split(self.splits, dim=-1)
+        qkv, gate, eta, dt = h.split(self.splits, dim=-1)
         qkv, conv_state = self.conv(qkv, conv_state, docs)
         q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
         q = l2_normalize(q.view(B, T, H, K), eps=1e-6)

@@ -98,13 +98,16 @@ class KalmanAttention(MixerLayer):
         noise = scale / (2 * a) * -torch.expm1(-2 * a * dt)
         return decay, noise
 
-    def project(self, x, conv_state, docs=None):
-        B, T, _ = x.shape
+    def project_in(self, x):
+        return self.in_proj(x)
+
+    def project(self, h, conv_state, docs=None):
+        B, T, _ = h.shape
         H, N, D = self.num_heads, self.d_state, self.head_dim
-        z, gate = self.in_proj(x).chunk(2, dim=-1)
+        z, gate = h.chunk(2, dim=-1)
         gate = gate.contiguous()    # what the readout saves for the backward, rather than a view keeping z's half too
         z, conv_state = self.conv(z, conv_state, docs)
-        if self.fused(x.device):
+        if self.fused(h.device):
             v, w, k, q = fused_kernels().sensor_split(self.sensor_proj(z), H, N)
             return [q, k, v.view(B, T, H, D), w.view(B, T, H, D)], (z, gate), conv_state
         v, s, k, q = self.sensor_proj(z).split([self.d_inner, self.d_inner, H * N, H * N], dim=-1)

@@ -80,9 +80,11 @@ class VariationalLinearAttention(MixerLayer):
         self.o_norm = nn.LayerNorm(width) if out_norm else None
         self.o_proj = nn.Linear(width, d_model, bias=bias)
 
-    def project(self, x, conv_state, docs=None):
-        B, T, _ = x.shape
-        qkv = self.qkv_proj(x)
+    def project_in(self, x):
+        return self.qkv_proj(x)
+
+    def project(self, qkv, conv_state, docs=None):
+        B, T, _ = qkv.shape
         if self.conv is not None:
             qkv, conv_state = self.conv(qkv, conv_state, docs)
         q, k, v = qkv.view(B, T, 3, self.num_heads, self.head_dim).unbind(2)

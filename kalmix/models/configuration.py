@@ -89,6 +89,11 @@ class KalmixConfig(PretrainedConfig):
             the logits, and returns ``logits=None`` (fla's flag of the same name; the same loss and gradients, the
             summation order of the LM head's gradient aside). False: the logits are returned and the loss computed
             from them. Evaluation mode and calls without labels always return the logits.
+        recompute_mixers: in training (gradients on, no cache), each kalmix mixer keeps only its input projection's
+            output for the backward and runs its short convolution, normalisations, gates and op again there
+            (``kalmix.layers.base.MixerLayer``): the same loss and gradients with less activation memory, for one
+            more forward of those parts (False, the default: everything the op and the layers around it save is
+            kept). Softmax attention layers are not affected.
     """
 
     model_type = "kalmix"
@@ -100,7 +105,7 @@ class KalmixConfig(PretrainedConfig):
                  norm_eps: float = 1e-5, position: str = "none", max_position_embeddings: int | None = None,
                  residual_init_scale: bool = True, initializer_range: float | None = None,
                  embedding_init_std: float | None = None, tie_word_embeddings: bool = True, impl: str | None = None, use_cache: bool = True,
-                 mc_samples: int = 0, fuse_cross_entropy: bool = True, **kwargs):
+                 mc_samples: int = 0, fuse_cross_entropy: bool = True, recompute_mixers: bool = False, **kwargs):
         vocab_size, hidden_size, num_hidden_layers = (check_int("KalmixConfig", arg, value) for arg, value in (
             ("vocab_size", vocab_size), ("hidden_size", hidden_size), ("num_hidden_layers", num_hidden_layers)))
         if mixers is None:
@@ -142,7 +147,8 @@ class KalmixConfig(PretrainedConfig):
             intermediate_size = -(-8 * hidden_size // 3 // 64) * 64
         intermediate_size = check_int("KalmixConfig", "intermediate_size", intermediate_size)
         for arg, value in (("mlp", mlp), ("tie_word_embeddings", tie_word_embeddings), ("use_cache", use_cache),
-                           ("residual_init_scale", residual_init_scale), ("fuse_cross_entropy", fuse_cross_entropy)):
+                           ("residual_init_scale", residual_init_scale), ("fuse_cross_entropy", fuse_cross_entropy),
+                           ("recompute_mixers", recompute_mixers)):
             if not isinstance(value, bool):
                 raise ValueError(f"KalmixConfig: `{arg}` must be True or False, got {value!r}")
         for arg, value, allowed in (("mlp_act", mlp_act, MLP_ACTS), ("norm", norm, NORMS),
@@ -181,6 +187,7 @@ class KalmixConfig(PretrainedConfig):
         self.use_cache = use_cache
         self.mc_samples = mc_samples
         self.fuse_cross_entropy = fuse_cross_entropy
+        self.recompute_mixers = recompute_mixers
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     def layer_kwargs(self, layer_idx: int) -> dict:

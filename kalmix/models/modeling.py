@@ -22,6 +22,7 @@ from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from kalmix.layers import ALL_MIXERS as MIXERS
+from kalmix.layers.base import MixerLayer
 from kalmix.layers.cache import KalmixCache
 from kalmix.layers.common import (check_mask, check_mask_values, describe, fused_kernels, is_integer, recompute, require,
                                   runs_fused, upcast)
@@ -97,6 +98,8 @@ class KalmixBlock(nn.Module):
         self.mixer_type = config.mixers[layer_idx]
         self.mixer_norm = make_norm(config)
         self.mixer = MIXERS[self.mixer_type](d, **config.layer_kwargs(layer_idx))
+        if isinstance(self.mixer, MixerLayer):
+            self.mixer.recompute = config.recompute_mixers
         self.mlp_norm = make_norm(config) if config.mlp else None
         mlp = GeluMLP if config.mlp_act == "gelu" else SwiGLU
         self.mlp = mlp(d, config.intermediate_size) if config.mlp else None
@@ -194,7 +197,8 @@ class KalmixModel(KalmixPreTrainedModel):
         see ``KalmanAttention`` and ``KalmixConfig.mc_samples``).
 
         Inside ``kalmix.distributed.context_parallel_model`` the input is this rank's piece of a sequence split
-        across ranks: no cache (``use_cache`` defaults to False), padding or gradient checkpointing; packed
+        across ranks: no cache (``use_cache`` defaults to False), padding, gradient checkpointing or
+        ``recompute_mixers`` with gradients; packed
         documents as ``cu_seqlens`` of the whole batch [B, S] or ``position_ids`` of the piece (see
         ``context_parallel_model``).
 
@@ -231,7 +235,9 @@ class KalmixModel(KalmixPreTrainedModel):
             refused = {"a cache": cache is not None, "padding": attn_mask is not None or rec_mask is not None,
                        "an empty piece": x.shape[1] == 0,
                        "gradient checkpointing": self.gradient_checkpointing and self.training
-                       and torch.is_grad_enabled()}
+                       and torch.is_grad_enabled(),
+                       "recompute_mixers": torch.is_grad_enabled() and any(
+                           getattr(block.mixer, "recompute", False) for block in self.layers)}
             if any(refused.values()):
                 raise ValueError(f"KalmixModel: a context-parallel forward (kalmix.distributed.context_parallel_model) "
                                  f"takes a plain batch of at least one token per rank and no cache; got "

@@ -78,6 +78,9 @@ class ModelSection(StrictConfig):
     fuse_cross_entropy: bool = Field(True, description="train on the loss computed from the last hidden states a "
                                                        "chunk of tokens at a time, without the [tokens, vocab] "
                                                        "logits (false: from the logits; the same loss)")
+    recompute_mixers: bool = Field(False, description="each kalmix mixer runs its short convolution, norms, gates "
+                                                      "and op again in the backward rather than keeping their "
+                                                      "activations (less memory, one more forward of those parts)")
 
     @field_validator("mixer")
     @classmethod
@@ -114,7 +117,7 @@ class ModelSection(StrictConfig):
                   tie_word_embeddings=self.tie_word_embeddings, impl=self.impl, mlp_act=self.mlp_act,
                   norm=self.norm, position=self.position, max_position_embeddings=self.max_position_embeddings,
                   residual_init_scale=self.residual_init_scale, embedding_init_std=self.embedding_init_std,
-                  fuse_cross_entropy=self.fuse_cross_entropy)
+                  fuse_cross_entropy=self.fuse_cross_entropy, recompute_mixers=self.recompute_mixers)
         if self.mixers is not None:
             kw["mixers"] = self.mixers
         else:

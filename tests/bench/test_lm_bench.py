@@ -180,6 +180,18 @@ def test_mismatched_set_is_refused(capsys):
     assert e.value.code == 2 and "kalman 219,251,720" in capsys.readouterr().err
 
 
+def test_a_recomputed_variant_is_its_model_sized_alike_with_recompute_set():
+    cfg = LMBenchConfig(device="cpu", models=["kalman", "kalman+recompute", "hybrid+recompute"])
+    sized, counts = matched_specs(cfg)
+    assert sized["kalman+recompute"] == lm.replace(sized["kalman"], name="kalman+recompute", recompute=True)
+    assert counts["kalman+recompute"] == counts["kalman"]
+    shape = cfg.shape()
+    assert sized["hybrid+recompute"].layers(shape) == "gka ×6 recomputed, attention ×2"
+    with torch.device("meta"):
+        model = lm.build(sized["hybrid+recompute"], shape)
+    assert model.config.recompute_mixers and model.model.layers[0].mixer.recompute
+
+
 def test_check_matched_by_hand():
     check_matched({"a": 100, "b": 95, "c": 105}, 100, 0.05)
     with pytest.raises(ParamMismatchError, match=r"c 106 \(1.060×\) are not") as e:
@@ -238,6 +250,8 @@ def test_failing_row_is_reported_and_the_exit_status_says_so(monkeypatch, tmp_pa
     (["--steps", "0"], r"steps"),
     (["--seq-lens"], r"expected at least one argument"),
     (["--preset", "7b"], r"--preset: Input should be 'default', '125m' or '1b' \(got '7b'\)"),
+    (["--models", "attention+recompute"], r"unknown model\(s\) \['attention\+recompute'\]; .* or one of gdn, "
+                                          r"kaczmarz, gka, vla, kalman, hybrid followed by \+recompute"),
 ])
 def test_bad_arguments_are_named(args, message, capsys):
     with pytest.raises(SystemExit) as e:

@@ -184,6 +184,13 @@ def _refusals(rank: int, world: int) -> str:
         model.train()
         with pytest.raises(ValueError, match="gradient checkpointing"):
             model(input_ids=ids)
+        model.gradient_checkpointing_disable()
+        model.model.layers[0].mixer.recompute = True
+        with pytest.raises(ValueError, match="got recompute_mixers"):
+            model(input_ids=ids)
+        with torch.no_grad():
+            model(input_ids=ids)                    # nothing is recomputed without gradients
+        model.model.layers[0].mixer.recompute = False
         model.eval()
         model(input_ids=ids, attention_mask=torch.ones_like(ids))       # an all-ones mask is no padding
     return "ok"

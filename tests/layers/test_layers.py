@@ -84,7 +84,7 @@ def test_kalman_variance_through_output_projection():
     assert var.shape == o.shape and (var > 0).all()
     # Monte Carlo at the last token: draw each lane from its posterior N(μ, 1/λ), push through gate and out_proj
     from kalmix.ops import kalman_attention
-    (q, k, v, w), (z, gate), _ = layer.project(x, None)
+    (q, k, v, w), (z, gate), _ = layer.project(layer.project_in(x), None)
     decay, noise = layer.dynamics()
     _, _, (lam, mu) = kalman_attention(q, k, v, w, decay, noise, output_final_state=True)
     gen = torch.Generator().manual_seed(0)

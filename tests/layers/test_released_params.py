@@ -75,7 +75,7 @@ def test_vla_feature_write_key_is_the_released_recurrence(impl):
     layer = VariationalLinearAttention(16, num_heads=2, eps=1e-6, write_key="feature", impl=impl).double()
     x = torch.randn(2, 13, 16, dtype=torch.float64)
     with torch.no_grad():
-        q, k, v, u = layer.project(x, None)[0]
+        q, k, v, u = layer.project(layer.project_in(x), None)[0]
         ref = layer.readout(vla_released(q, k, v, u), None, None)[0]
         out = layer(x)[0]
         assert_close("out", out, ref, TOL)
@@ -287,7 +287,7 @@ def test_gka_squared_beta_is_the_released_recurrence(impl, num_iters):
         layer.beta_bias.normal_()                         # β spread over (0, 1)
     x = torch.randn(2, 11, 16, dtype=torch.float64)
     with torch.no_grad():
-        (q, k, v, g, _, alpha), gate, _ = layer.project(x, None)
+        (q, k, v, g, _, alpha), gate, _ = layer.project(layer.project_in(x), None)
         beta = torch.sigmoid(layer.in_proj(x).split(layer.splits, dim=-1)[2] + layer.beta_bias)
         o = gka_released(q, k, v, g, beta, alpha, layer.ridge, num_iters)
         ref = layer.readout(o, None, gate)[0]
@@ -310,7 +310,7 @@ def test_gka_without_gates_is_the_papers_mqar_layer(impl):
     assert layer.in_proj.out_features == 4 * 16
     x = torch.randn(2, 11, 16, dtype=torch.float64)
     with torch.no_grad():
-        (q, k, v), gate, _ = layer.project(x, None)
+        (q, k, v), gate, _ = layer.project(layer.project_in(x), None)
         one = torch.ones_like(q[..., 0])
         o = gka_released(q, k, v, torch.zeros_like(one), one - 1e-6, one, layer.ridge, 30)
         ref = layer.readout(o, None, gate)[0]
@@ -386,7 +386,7 @@ def test_kalman_linear_noise_is_the_released_recurrence(impl):
         layer.p.copy_(p.T[None])
     x = torch.randn(2, 9, 8, dtype=torch.float64)
     with torch.no_grad():
-        (q, k, v, w), (z, gate), _ = layer.project(x, None)
+        (q, k, v, w), (z, gate), _ = layer.project(layer.project_in(x), None)
         ref = kalman_released(q[:, :, 0], k[:, :, 0], v.flatten(2), w.flatten(2), lambda_log, delta, p, z, gate,
                               layer.skip, layer.out_proj.weight)
         out, var, _ = layer(x, output_variance=True)

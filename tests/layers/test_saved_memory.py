@@ -96,9 +96,9 @@ def test_recompute_gives_the_functions_gradients_and_refuses_nothing_plain_autog
 class ViewsVLA(VariationalLinearAttention):
     """The VLA layer as it split its convolved q, k, v before: views of one [B, T, 3·H·K] tensor."""
 
-    def project(self, x, conv_state, docs=None):
-        B, T, _ = x.shape
-        qkv, conv_state = self.conv(self.qkv_proj(x), conv_state, docs)
+    def project(self, qkv, conv_state, docs=None):
+        B, T, _ = qkv.shape
+        qkv, conv_state = self.conv(qkv, conv_state, docs)
         q, k, v = qkv.view(B, T, 3, self.num_heads, self.head_dim).unbind(2)
         return [q, k, v, self.u_proj(k.flatten(2)).view_as(k)], None, conv_state
 
@@ -158,12 +158,12 @@ def test_vla_triton_copies_views_once(dtype):
 class ViewsKalman(KalmanAttention):
     """The Kalman layer as it kept its gate before: a view of the input projection's [B, T, 2·d_inner] output."""
 
-    def project(self, x, conv_state, docs=None):
-        B, T, _ = x.shape
+    def project(self, h, conv_state, docs=None):
+        B, T, _ = h.shape
         H, N, D = self.num_heads, self.d_state, self.head_dim
-        z, gate = self.in_proj(x).chunk(2, dim=-1)
+        z, gate = h.chunk(2, dim=-1)
         z, conv_state = self.conv(z, conv_state, docs)
-        if self.fused(x.device):
+        if self.fused(h.device):
             v, w, k, q = fused_kernels().sensor_split(self.sensor_proj(z), H, N)
             return [q, k, v.view(B, T, H, D), w.view(B, T, H, D)], (z, gate), conv_state
         v, s, k, q = self.sensor_proj(z).split([self.d_inner, self.d_inner, H * N, H * N], dim=-1)

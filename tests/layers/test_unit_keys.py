@@ -71,8 +71,8 @@ def test_op_default_eps_is_gdn_to_one_part_in_a_million(impl):
 class UnitKeyKaczmarz(KaczmarzAttention):
     """The Kaczmarz layer with its projected keys L2-normalised (the one line GatedDeltaNet adds)."""
 
-    def project(self, x, conv_state, docs=None):
-        inputs, gate, conv_state = super().project(x, conv_state, docs)
+    def project(self, h, conv_state, docs=None):
+        inputs, gate, conv_state = super().project(h, conv_state, docs)
         inputs[1] = F.normalize(inputs[1], dim=-1, eps=1e-6)
         return inputs, gate, conv_state
 
@@ -104,7 +104,7 @@ def test_layer_with_unit_keys_is_gdn(impl):
     for name, a, b in zip(names, got, ref, strict=True):
         assert_close(f"{impl} {name}", a, b, TOL)
     with torch.no_grad():
-        (q, k, v, g, eta), gate, _ = gdn.project(x, None)
+        (q, k, v, g, eta), gate, _ = gdn.project(gdn.project_in(x), None)
         assert_close("unit keys", k.norm(dim=-1), torch.ones_like(k[..., 0]), TOL)
         o, _ = gdn_loop(q, k, v, g, eta, q.new_zeros(2, 2, 12, 12), scale=12 ** -0.5)
         assert_close("GDN loop", gdn(x)[0], gdn.readout(o, None, gate)[0], TOL)

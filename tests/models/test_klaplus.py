@@ -95,7 +95,7 @@ def test_sampled_readout_is_the_mean_plus_scaled_noise():
     x = torch.randn(1, 6, 24, dtype=torch.float64)
     eps = torch.randn(1, 6, 2, 24, dtype=torch.float64)
     layer.readout_noise = lambda var: eps
-    (q, k, v, w), ctx, _ = layer.project(x, None)
+    (q, k, v, w), ctx, _ = layer.project(layer.project_in(x), None)
     o, var, _ = kalman_attention(q, k, v, w, *layer.dynamics(), output_variance=True)
     torch.testing.assert_close(layer(x, sample_readout=True)[0], layer.readout(o + var.sqrt() * eps, None, ctx)[0])
     del layer.readout_noise

@@ -294,10 +294,11 @@ def test_run_writes_metrics_checkpoints_and_a_loadable_model(corpus, tmp_path):
 
 @pytest.mark.parametrize("option, value, steps, rel", [("train.activation_checkpointing", True, 3, 1e-6),
                                                       ("train.compile", True, 2, 1e-5),
-                                                      ("model.fuse_cross_entropy", False, 3, 1e-6)])
+                                                      ("model.fuse_cross_entropy", False, 3, 1e-6),
+                                                      ("model.recompute_mixers", True, 3, 0)])
 def test_option_trains_the_same(corpus, tmp_path, option, value, steps, rel):
-    """Activation checkpointing, the compiled MLPs and the loss from the logits (no fused loss) give the losses of
-    the default run."""
+    """Activation checkpointing, the compiled MLPs, the loss from the logits (no fused loss) and the recomputed
+    mixers (exactly) give the losses of the default run."""
     a, b = tmp_path / "a", tmp_path / "b"
     train(_cfg(corpus, a, **{"train.steps": steps}))
     train(_cfg(corpus, b, **{"train.steps": steps, option: value}))
