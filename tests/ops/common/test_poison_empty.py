@@ -23,3 +23,11 @@ def test_a_model_built_on_the_meta_device_under_the_poison_stays_there():
                        env=dict(os.environ, PYTHONPATH=ROOT))        # a fresh process: no device block ran before
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["meta", "cpu"]
+
+
+def test_a_leaf_that_requires_grad_is_poisoned_too():
+    """torch.utils.checkpoint (torch 2.11) makes a leaf with ``torch.empty(..., requires_grad=True)``: poisoning
+    it must not be an in-place operation autograd refuses (the suites' autouse fixture is on here)."""
+    import torch
+    x = torch.empty(3, requires_grad=True)
+    assert x.is_leaf and x.requires_grad and x.isnan().all()
