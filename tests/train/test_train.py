@@ -189,6 +189,21 @@ def test_cli_config_errors_are_one_message_before_any_data(tmp_path, capsys):
     assert not data_dir.exists() and not (tmp_path / "r").exists()
 
 
+def test_a_run_dir_or_data_dir_that_is_a_file_is_named(corpus, tmp_path, capsys):
+    """The message names the key and the file (it had been ``FILE/.lock: Not a directory``); nothing is made."""
+    (tmp_path / "file").write_text("")
+    flags = [f"--{k}={v}" for k, v in _over(corpus, tmp_path / "run", data_dir=str(tmp_path / "data")).items()
+             if k not in ("model.mixer_kwargs",)]
+    cases = {("run_dir", "file"): f"run_dir '{tmp_path / 'file'}' is a file, not a folder",
+             ("run_dir", "file/run"): f"run_dir '{tmp_path / 'file' / 'run'}': {tmp_path / 'file'} is a file, not a "
+                                      "folder",
+             ("data_dir", "file"): f"data_dir '{tmp_path / 'file'}' is a file, not a folder"}
+    for (key, name), message in cases.items():
+        assert cli(["train", *flags, f"--{key}", str(tmp_path / name)]) == 2
+        assert capsys.readouterr().err == f"kalmix train: error: {message}\n"
+    assert sorted(os.listdir(tmp_path)) == ["file"]
+
+
 def test_a_layer_that_refuses_its_arguments_stops_before_the_data(corpus, tmp_path):
     data_dir = tmp_path / "data"
     with pytest.raises(ValueError, match="`num_heads` = 3 must divide"):
