@@ -18,7 +18,7 @@ import typing
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from kalmix.bench.checks import validation_lines
+from kalmix.bench.checks import check_out, validation_lines
 from kalmix.ops.common.checks import check_device
 
 
@@ -243,8 +243,11 @@ def _run_lm(args) -> int:
     if args.table:
         if vars(args).get("cfg:memory"):
             from kalmix.bench.memory import markdown_table
+        plots = "cfg:out" in vars(args) and not vars(args).get("cfg:memory")
+        if plots:
+            check_out(vars(args)["cfg:out"], folder=True)
         print(markdown_table(*args.table))
-        if "cfg:out" in vars(args) and not vars(args).get("cfg:memory"):
+        if plots:
             plot_csvs(args.table, vars(args)["cfg:out"])
         return 0
     return run_lm(_config_from_flags(LMBenchConfig, args))

@@ -152,6 +152,12 @@ CASES = [
     (SPEED.replace("{tmp}/speed", "{good}"), "output folder '{good}' is a file"),
     (SPEED.replace("{tmp}/speed", "''"), "the output folder is an empty path"),
     (SPEED.replace("{tmp}/speed", "{good}/speed"), "output folder '{good}/speed': {good} is a file, not a folder"),
+    # kalmix bench lm
+    ("bench lm --device cpu --out {good}", "output folder '{good}' is a file"),
+    ("bench lm --device cpu --memory --out {good}/lm", "output folder '{good}/lm': {good} is a file, not a folder"),
+    ("bench lm --device cpu --profile --out ''", "the output folder is an empty path"),
+    ("bench lm --table " + os.path.join(ROOT, "docs", "results", "speed-lm", "lm_64k.csv") + " --out {good}",
+     "output folder '{good}' is a file"),
     # kalmix bench run
     ("bench run nope --dry-run", "recipe 'nope' is neither a file nor a shipped recipe; shipped: gka_mqar"),
     ("bench run {tmp} --dry-run", "recipe '{tmp}' is a folder"),
