@@ -452,6 +452,8 @@ def _run_tokenizer(args) -> int:
     from kalmix.train.tokenizer import train_tokenizer
     if not args.source:
         raise ValueError("--source is empty; give 'stdlib', 'python' or a path")
+    if not args.out:
+        raise ValueError("--out is empty; give the folder to write the tokenizer to")
     data = _flag_config(DataConfig, {"source": args.source, "format": args.format, "text_field": args.text_field})
     train_tokenizer(iter_documents(data), args.vocab_size, args.out)
     print(f"tokenizer written to {args.out}")

@@ -202,6 +202,8 @@ CASES = [
     ("tokenizer train --out {model}", "{model} already exists and is not an empty directory"),
     ("tokenizer train --source '' --out {tmp}/tok", "--source is empty"),
     ("tokenizer train --source stdlib --format text --out {tmp}/tok", "leave format 'auto'"),
+    ("tokenizer train --out ''", "--out is empty; give the folder to write the tokenizer to"),
+    ("tokenizer train --source {good} --format parquet --out {tmp}/tok", "{good}: not a parquet file ("),
     # kalmix plot
     ("plot {run} --out {tmp}/p.png", "{run}: no metrics.jsonl"),
     ("plot {startonly} --out {tmp}/p.png", "{startonly}: no train or eval rows yet"),

@@ -307,7 +307,10 @@ def _read_parquet(files: list[Path], column: str) -> Iterator[str]:
         raise ImportError("reading parquet needs pyarrow: pip install pyarrow") from e
     opened = []
     for f in files:  # every schema is checked up front, before any tokenising
-        pf = pq.ParquetFile(f)
+        try:
+            pf = pq.ParquetFile(f)
+        except pa.ArrowInvalid as e:
+            raise ValueError(f"{f}: not a parquet file ({e}); set format to how it is written") from None
         schema = pf.schema_arrow
         if column not in schema.names:
             raise ValueError(f"{f}: no column {column!r} (columns: {schema.names}); set text_field")
