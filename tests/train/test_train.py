@@ -70,6 +70,18 @@ def _losses(run_dir):
 # ---------------------------------------------------------------- config
 
 
+def test_an_empty_folder_source_or_field_name_is_refused(tmp_path, capsys):
+    """'' as run_dir (the current folder), data.source, text_field or split is refused, from a file or a flag
+    (which had read it as null: `got None`)."""
+    (tmp_path / "c.yaml").write_text('run_dir: ""\n')
+    with pytest.raises(ValueError, match=r"run_dir: String should have at least 1 character \(got ''\)"):
+        load_config(str(tmp_path / "c.yaml"))
+    for key in ("run_dir", "data.source", "data.text_field", "data.split"):
+        assert cli(["train", f"--{key}", "", "--print-config"]) == 2
+        assert f"{key}: String should have at least 1 character (got '')" in capsys.readouterr().err
+    assert cli(["train", "--data_dir", "", "--print-config"]) == 0        # optional: '' is unset, as before
+
+
 def test_unknown_keys_are_errors_naming_them(tmp_path):
     with pytest.raises(ValueError, match=r"optim\.lrr"):
         load_config(None, {"optim.lrr": 1e-3})
