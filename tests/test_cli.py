@@ -171,6 +171,7 @@ CASES = [
     (RUN + " --set =3", "override '=3' is not PATH=VALUE"),
     (RUN + " --set train.steps=-1", "train.steps: Input should be greater than 0 (got -1)"),
     (RUN + " --set train.steps=[", "override 'train.steps=[': VALUE is not valid YAML"),
+    (RUN + " --set task.eval_lengths=[-3]", "task.eval_lengths[0]: Input should be greater than 0 (got -3)"),
     (RUN + " --set train.optimizer=sgd", "train.optimizer: Extra inputs are not permitted"),
     (RUN + " --set train.steps.x=1", "'train.steps.x': 'steps' holds a value, not fields"),
     (RUN + " --set task.params.num_kv_pairs=40", "need 4 * num_kv_pairs <= seq_len"),
