@@ -205,7 +205,7 @@ class TrainConfig(StrictConfig):
     change is in this module's docstring."""
 
     run_dir: str = Field("runs/train", min_length=1, description="the run's folder: config, metrics.jsonl, checkpoints, model")
-    seed: int = Field(0, description="seed of the initialisation and the data order")
+    seed: int = Field(0, ge=0, description="seed of the initialisation and the data order")
     data_dir: str | None = Field(None, description="folder of the tokenizer and token shards (default: "
                                                    "runs/data/<hash of the data and tokenizer settings and of the "
                                                    "source files' paths, sizes and modification times>)")

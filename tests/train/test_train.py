@@ -82,6 +82,12 @@ def test_an_empty_folder_source_or_field_name_is_refused(tmp_path, capsys):
     assert cli(["train", "--data_dir", "", "--print-config"]) == 0        # optional: '' is unset, as before
 
 
+def test_a_negative_seed_is_refused_with_the_config(capsys):
+    """Before any data (the data loader had refused it, after the tokenizer and shards were made)."""
+    assert cli(["train", "--seed", "-1", "--print-config"]) == 2
+    assert "seed: Input should be greater than or equal to 0 (got -1)" in capsys.readouterr().err
+
+
 def test_unknown_keys_are_errors_naming_them(tmp_path):
     with pytest.raises(ValueError, match=r"optim\.lrr"):
         load_config(None, {"optim.lrr": 1e-3})
