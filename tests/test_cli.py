@@ -44,6 +44,7 @@ def files(tmp_path_factory):
     (d / "llama" / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 300}))
     (d / "norecipe.jsonl").write_text('{"mixer": "gdn", "accuracy": 0.5}\n')
     (d / "empty.jsonl").write_text("")
+    (d / "cut.jsonl").write_text('{"mixer": "gdn"}\n{"mixer": "kal')
     (d / "nonjson.jsonl").write_text("{not json\n")
     (d / "list.jsonl").write_text("[1, 2]\n")
     (d / "startonly.jsonl").write_text('{"kind": "start", "step": 0}\n')
@@ -61,7 +62,7 @@ def files(tmp_path_factory):
         "tmp": ".", "model": "model", "notok": "notok", "small": "small", "llama": "llama", "nope": "nope",
         "norecipe": "norecipe.jsonl", "empty": "empty.jsonl", "nonjson": "nonjson.jsonl", "list": "list.jsonl",
         "startonly": "startonly.jsonl", "noloss": "noloss.jsonl", "good": "good.jsonl", "badyaml": "bad.yaml",
-        "recipe": "recipe.yaml", "run": "run", "badjson": "badjson", "badspec": "badspec.jsonl"}.items()}
+        "recipe": "recipe.yaml", "run": "run", "badjson": "badjson", "badspec": "badspec.jsonl", "cut": "cut.jsonl"}.items()}
 
 
 G = "generate --model {model} --prompt the --device cpu"
@@ -116,6 +117,7 @@ CASES = [
     (MQAR + " --impl cuda", "--impl: Input should be 'naive', 'torch' or 'triton'"),
     (MQAR + " --out {tmp}", "output file '{tmp}' is a folder"),
     (MQAR + " --out ''", "the output file is an empty path"),
+    (MQAR.replace("{tmp}/m.jsonl", "{cut}"), "output file '{cut}' ends in a cut-off line (no newline after it)"),
     (MQAR + " --out {good}/m.jsonl", "output file '{good}/m.jsonl': {good} is a file, not a folder"),
     (MQAR + " --seed 9223372036854775808", "--seed: Input should be less than 9223372036854775808"),
     (MQAR + " --mixers gdn --d-model 99999999999999999999999", "`num_heads` = 2 must divide d_model = "
@@ -184,6 +186,8 @@ CASES = [
     (RUN.replace("{tmp}/r.jsonl", "{norecipe}"), "{norecipe}:1: not a `kalmix bench run` result row"),
     (RUN.replace("{tmp}/r.jsonl", "{tmp}"), "output file '{tmp}' is a folder"),
     (RUN.replace("{tmp}/r.jsonl", "''"), "the output file is an empty path"),
+    (RUN.replace("{tmp}/r.jsonl", "{cut}"), "output file '{cut}' ends in a cut-off line (no newline after it), which "
+     "the rows appended would join; complete or remove that line"),
     # kalmix bench report
     ("bench report {norecipe} --out {tmp}/rep", "{norecipe}:1: not a `kalmix bench run` result row (it lacks recipe"),
     ("bench report {list} --out {tmp}/rep", "{list}:1: not a `kalmix bench run` result row"),

@@ -859,7 +859,7 @@ def plan(recipe: Recipe, out_path: str, device: str = "cpu", impl: str | None = 
     unknown = sorted(set(labels) - set(recipe.mixers))
     if unknown:
         raise ValueError(f"recipe {recipe.name} has no mixer(s) {unknown}; it has {sorted(recipe.mixers)}")
-    check_out(out_path)
+    check_out(out_path, append=True)
     done = recorded(out_path)
     runs = {}                                           # key -> (point, recipe at it, label, seed, lr)
     for point in recipe.points():
