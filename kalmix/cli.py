@@ -334,6 +334,10 @@ def _check_generate(args) -> None:
     if not isinstance(saved, dict) or saved.get("model_type") != "kalmix":
         kind = saved.get("model_type") if isinstance(saved, dict) else None
         raise ValueError(f"--model {args.model!r} holds a {kind!r} model, not a kalmix one")
+    weights = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+    if not any(os.path.isfile(os.path.join(args.model, f)) for f in weights):
+        raise ValueError(f"--model {args.model!r} holds a config but no weights (model.safetensors); "
+                         "KalmixForCausalLM.save_pretrained writes both")
     vocab = saved.get("vocab_size", 0)
     if args.top_k is not None and args.top_k > vocab:
         raise ValueError(f"--top-k {args.top_k} exceeds the model's vocabulary of {vocab}")

@@ -52,6 +52,10 @@ def files(tmp_path_factory):
     (d / "good.jsonl").write_text('{"kind": "train", "step": 1, "loss": 2.0}\n')
     (d / "bad.yaml").write_text("name: x\n  bad: [\n")
     (d / "recipe.yaml").write_text(yaml.safe_dump(tiny()))
+    (d / "noweights").mkdir()
+    for f in os.listdir(d / "model"):
+        if not f.endswith(".safetensors"):
+            (d / "noweights" / f).write_bytes((d / "model" / f).read_bytes())
     (d / "badjson").mkdir()
     (d / "badjson" / "config.json").write_text("{model_type")
     row = {"recipe": "tiny", "spec": {**tiny(), "train": {"steps": 0, "lrs": [1e-3]}}, "key": "k", "point": {},
@@ -62,7 +66,7 @@ def files(tmp_path_factory):
         "tmp": ".", "model": "model", "notok": "notok", "small": "small", "llama": "llama", "nope": "nope",
         "norecipe": "norecipe.jsonl", "empty": "empty.jsonl", "nonjson": "nonjson.jsonl", "list": "list.jsonl",
         "startonly": "startonly.jsonl", "noloss": "noloss.jsonl", "good": "good.jsonl", "badyaml": "bad.yaml",
-        "recipe": "recipe.yaml", "run": "run", "badjson": "badjson", "badspec": "badspec.jsonl", "cut": "cut.jsonl"}.items()}
+        "recipe": "recipe.yaml", "run": "run", "badjson": "badjson", "badspec": "badspec.jsonl", "cut": "cut.jsonl", "noweights": "noweights"}.items()}
 
 
 G = "generate --model {model} --prompt the --device cpu"
@@ -94,6 +98,7 @@ CASES = [
     (G.replace("{model}", "{nope}"), "--model '{nope}': no such folder"),
     (G.replace("{model}", "{tmp}"), "is not a saved model folder (no config.json there"),
     (G.replace("{model}", "{llama}"), "holds a 'llama' model, not a kalmix one"),
+    (G.replace("{model}", "{noweights}"), "--model '{noweights}' holds a config but no weights (model.safetensors)"),
     (G.replace("{model}", "{notok}"), "--model '{notok}' holds no tokenizer"),
     (G.replace("{model}", "{notok}") + " --tokenizer {nope}", "--tokenizer '{nope}': no such folder"),
     (G.replace("{model}", "{small}") + " --prompt 'the quick'", "outside the model's vocabulary of 256"),
