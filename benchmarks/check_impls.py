@@ -9,16 +9,24 @@ import argparse
 
 import torch
 
+from kalmix.bench.checks import check_impl
 from kalmix.ops import SPECS
+from kalmix.ops.common.checks import check_device
 from kalmix.ops.common.testing import outputs_and_grads, rel_err
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="check_impls.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="device to test")
-    parser.add_argument("--impl", default="torch", help="impl to test against the naive fp64 loop")
-    args = parser.parse_args()
-    dev = torch.device(args.device)
+    parser.add_argument("--impl", default="torch", choices=sorted({i for s in SPECS.values() for i in s.impls}),
+                        help="impl to test against the naive fp64 loop")
+    args = parser.parse_args(argv)
+    try:
+        dev = check_device(args.device)
+        check_impl(args.impl, dev)
+    except ValueError as e:
+        parser.error(str(e))
     print(torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch", torch.__version__)
     print(f"{'op':9s} {'dtype':14s} {'outputs':>9s} {'grads':>9s}   (max relative RMS error vs fp64 loop)")
     for name, case in SPECS.items():

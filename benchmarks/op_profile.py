@@ -16,7 +16,7 @@ from collections import defaultdict
 import torch
 from triton.testing import do_bench
 
-from kalmix.bench.speed import SpeedConfig, _shape, targets
+from kalmix.bench.speed import Shape, SpeedConfig, targets
 
 
 def profile(fn, leaves, mode: str, rows: int, host: bool, reps: int = 5) -> None:
@@ -61,22 +61,34 @@ def profile(fn, leaves, mode: str, rows: int, host: bool, reps: int = 5) -> None
         pstats.Stats(prof).sort_stats("tottime").print_stats(rows)
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1; got {text!r}")
+    return int(text)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="op_profile.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("targets", nargs="+", help="NAME/IMPL, e.g. kaczmarz_attention/triton")
     p.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--tokens", type=int, default=32768)
-    p.add_argument("--rows", type=int, default=15)
+    p.add_argument("--seq-len", type=_positive, default=2048)
+    p.add_argument("--tokens", type=_positive, default=32768)
+    p.add_argument("--rows", type=_positive, default=15)
     p.add_argument("--host", action="store_true", help="also cProfile 20 calls (host time by function)")
-    a = p.parse_args()
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("op_profile.py: error: profiles CUDA kernels, and this machine has no CUDA device")
     dev = torch.device("cuda")
     cfg = SpeedConfig()
     all_t = {f"{t.name}/{t.impl}": t for t in targets((), (), cfg.d_model, cfg.heads, cfg.head_dim, cfg.d_state, dev)}
+    unknown = [name for name in a.targets if name not in all_t]
+    if unknown:
+        p.error(f"unknown target(s) {unknown}; the targets: {', '.join(all_t)}")
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     for name in a.targets:
         t = all_t[name]
-        s = _shape(t, cfg, max(1, a.tokens // a.seq_len), a.seq_len)
+        s = Shape(max(1, a.tokens // a.seq_len), a.seq_len, *t.heads)
         fn, leaves = t.build(s, torch.bfloat16, dev)
         for mode in a.modes:
             print(f"== {name} {mode} bf16 {s}")

@@ -76,18 +76,43 @@ def prepare(out: Path) -> None:
         "--train.dtype", "fp32", "--model.mixer_kwargs", "{gdn: {num_heads: 1}}"], check=True)
 
 
+ROW_KEYS = ("mixer", "size", "parallel", "gpus", "commit", "gpu")
+
+
+def read_rows(path) -> list[dict]:
+    """The rows of a scaling.jsonl (blank lines skipped); a ValueError naming the file (and line) when it cannot be
+    read or holds a line that is not a row of ``run``."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror}; give the scaling.jsonl that `run` wrote") from None
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+            missing = [k for k in ROW_KEYS if k not in row] if isinstance(row, dict) else list(ROW_KEYS)
+            if missing:
+                raise ValueError(f"{path}:{n}: not a row of `scaling.py run` (it lacks {', '.join(missing)})")
+            rows.append(row)
+    return rows
+
+
 def run(args) -> None:
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"OUT {args.out!r} is a file; give a folder")
     results = out / "scaling.jsonl"
     done = set()
     if results.exists():
-        done = {(r["mixer"], r["size"], r["parallel"], r["gpus"], r.get("rows_per_gpu"))
-                for r in map(json.loads, results.open())}
+        done = {(r["mixer"], r["size"], r["parallel"], r["gpus"], r.get("rows_per_gpu")) for r in read_rows(results)}
     import torch
     n_gpus = torch.cuda.device_count()
     if max(args.gpus) > n_gpus:
         raise SystemExit(f"scaling.py: --gpus {max(args.gpus)} asked for but {n_gpus} GPU(s) are visible")
+    out.mkdir(parents=True, exist_ok=True)
     prepare(out)
     todo = [(m, s, p, g) for s in args.size for p in args.parallel for g in sorted(args.gpus) for m in args.mixers
             if (m, s, p, g, args.rows_per_gpu) not in done]
@@ -127,7 +152,9 @@ def table(path) -> str:
     """The markdown table of a scaling.jsonl: one line per run, its efficiency against the one-GPU run of the same
     mixer, size and batch setting (the same parallelism where there is one); "batch" is the global batch in rows,
     or N/GPU for the runs at N rows per GPU."""
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    rows = read_rows(path)
+    if not rows:
+        raise ValueError(f"{path}: no rows (an empty file)")
     one = {(r["mixer"], r["size"], r.get("rows_per_gpu"), r["parallel"]): r for r in rows
            if r["gpus"] == 1 and "tok_s" in r}
     one_any = {(r["mixer"], r["size"], r.get("rows_per_gpu")): r for r in rows if r["gpus"] == 1 and "tok_s" in r}
@@ -152,20 +179,32 @@ def table(path) -> str:
     return "\n".join(lines)
 
 
+def _whole(least: int):
+    """An argparse type: a whole number >= ``least``."""
+    def parse(text: str) -> int:
+        if not text.isdigit() or int(text) < least:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {least}; got {text!r}")
+        return int(text)
+    return parse
+
+
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from kalmix.layers import ALL_MIXERS
+    p = argparse.ArgumentParser(prog="scaling.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
     r = sub.add_parser("run")
     r.add_argument("out")
-    r.add_argument("--mixers", nargs="+", default=["attention", "gdn", "kaczmarz", "gka", "vla", "kalman"])
-    r.add_argument("--gpus", nargs="+", type=int, default=[1, 2, 4])
+    r.add_argument("--mixers", nargs="+", choices=sorted(ALL_MIXERS),
+                   default=["attention", "gdn", "kaczmarz", "gka", "vla", "kalman"])
+    r.add_argument("--gpus", nargs="+", type=_whole(1), default=[1, 2, 4])
     r.add_argument("--parallel", nargs="+", choices=["ddp", "fsdp"], default=["ddp"])
     r.add_argument("--size", nargs="+", choices=list(SIZES), default=["125m"])
-    r.add_argument("--steps", type=int, default=40)
-    r.add_argument("--rows-per-gpu", type=int, default=None, help="the same work per GPU: one micro-batch of this "
+    r.add_argument("--steps", type=_whole(1), default=40)
+    r.add_argument("--rows-per-gpu", type=_whole(1), default=None, help="the same work per GPU: one micro-batch of this "
                    "many rows on each GPU, rows × GPUs per step (default: the preset's 32 rows per step on any "
                    "number of GPUs, one GPU accumulating micro-batches)")
-    r.add_argument("--profile", type=int, default=0, help="record this many steps of each run with torch.profiler "
+    r.add_argument("--profile", type=_whole(0), default=0, help="record this many steps of each run with torch.profiler "
                    "(`kalmix train --log.profile`): OUT/<run>/profile/rank<R>.txt, and the rank-0 figures in "
                    "its row")
     r.add_argument("--commit", default=None, help="the commit the rows are stamped with (default: git's HEAD; "
@@ -175,12 +214,15 @@ def main(argv=None) -> None:
     t = sub.add_parser("table")
     t.add_argument("results")
     args = p.parse_args(argv)
-    if args.what == "run":
-        run(args)
-    elif args.what == "prepare":
-        prepare(Path(args.out))
-    else:
-        print(table(args.results))
+    try:
+        if args.what == "run":
+            run(args)
+        elif args.what == "prepare":
+            prepare(Path(args.out))
+        else:
+            print(table(args.results))
+    except ValueError as e:
+        sub.choices[args.what].error(str(e))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,15 @@
-# Sourced by reproduce.sh and train_lm.sh: jobs spread over slots that run side by side.
+# Sourced by reproduce.sh and train_lm.sh: jobs spread over slots that run side by side, and a check of their
+# numeric environment variables.
+
+# whole NAME VALUE MIN: print VALUE as a decimal number; fail (status 1) with a message naming NAME and VALUE
+#   unless VALUE is a whole number >= MIN. Use as `x=$(whole NAME "$value" MIN) || exit 1`.
+whole() {
+  if [[ ! $2 =~ ^[0-9]+$ ]] || (( 10#$2 < $3 )); then
+    echo "$(basename "$0"): $1 = '$2' must be a whole number >= $3" >&2; return 1
+  fi
+  echo $(( 10#$2 ))
+}
+
 # spread N_JOBS N_SLOTS RUNNER [ARGS...]: slot s runs jobs s, s + N_SLOTS, ... one after another, each as
 #   `RUNNER JOB_INDEX SLOT_INDEX ARGS...`, which returns 0 (finished), 124 (cut by the time limit) or another status
 #   (failed). Returns 1 when a job failed, else 124 when one was cut, else 0. Its locals start with _spread_ (bash

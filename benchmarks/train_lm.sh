@@ -18,20 +18,22 @@
 set -uo pipefail
 source "$(dirname "$0")/spread.sh"
 out=${1:?output folder}; jobs=${2:-"attention gdn kaczmarz gka vla kalman"}; shift 2 || true
-mkdir -p "$out"
+limit=$(whole LIMIT "${LIMIT:-0}" 0) || exit 1
 if [[ -z ${GPUS+set} ]]; then GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | tr '\n' ' '); fi
 read -r -a gpus <<< "${GPUS:-}"
 per_run=${PER_RUN:-${#gpus[@]}}
+if (( ${#gpus[@]} )); then per_run=$(whole PER_RUN "$per_run" 1) || exit 1; fi
 if (( ${#gpus[@]} )) && ! (( per_run >= 1 && ${#gpus[@]} % per_run == 0 )); then
   echo "PER_RUN = $per_run must be at least 1 and divide the ${#gpus[@]} GPUs of GPUS = '${GPUS}'" >&2; exit 1
 fi
+mkdir -p "$out"
 groups=()
 if (( ${#gpus[@]} )); then
   for ((g = 0; g < ${#gpus[@]}; g += per_run)); do groups+=("$(IFS=,; echo "${gpus[*]:g:per_run}")"); done
 else
   groups=("")
 fi
-limit=${LIMIT:-0}; start=$(date +%s)
+start=$(date +%s)
 procs=$(( ${#gpus[@]} ? ${#gpus[@]} : 1 )); threads=$(( $(nproc) / procs ))
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}
 read -r -a all <<< "$jobs"

@@ -269,11 +269,38 @@ def _label(r):
     return r["model"] + (f" ({r['preset']})" if r.get("preset") else "")
 
 
+ROW_KEYS = ("model", "T", "gpus", "ms_1gpu", "ms_cp", "speedup", "mem_1gpu_gib", "mem_cp_gib", "gpu", "commit")
+
+
+def read_rows(path: str) -> list[dict]:
+    """``speed``'s rows in the JSONL file ``path`` (blank lines skipped); a ValueError naming the file (and line)
+    when it cannot be read, is empty, or holds a line that is not one of those rows."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror}; give the cp_speed.jsonl that `speed` wrote") from None
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+            missing = [k for k in ROW_KEYS if k not in row] if isinstance(row, dict) else list(ROW_KEYS)
+            if missing:
+                raise ValueError(f"{path}:{n}: not a row of `cp_nccl.py speed` (it lacks {', '.join(missing)})")
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"{path}: no rows (an empty file)")
+    return rows
+
+
 def table(path: str) -> str:
     """The markdown table of ``speed``'s JSON rows, one line per model, GPU count and T; rows of a run over several
     lengths (with statuses) add the longest T that ran per model and GPU count, on one GPU and under CP, with its
     tokens/s ("≥": no length tried ran out of memory)."""
-    rows = [json.loads(line) for line in open(path) if line.strip()]
+    rows = read_rows(path)
     lines = ["| model | T | GPUs | 1 GPU (ms) | CP (ms) | speed-up | memory 1 GPU / CP per GPU (GiB) |",
              "|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (_label(r), r["gpus"], r["T"])):
@@ -319,7 +346,7 @@ def _positive(text):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="cp_nccl.py", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="what")
+    sub = parser.add_subparsers(dest="what", required=True)
     sub.add_parser("check", help="CP equal to one device (fp32 and bf16), over NCCL")
     sp = sub.add_parser("speed", help="a training step at each length on one GPU and split over every rank")
     sp.add_argument("lengths", nargs="?", type=_lengths, default=[65536],
@@ -334,7 +361,10 @@ def main(argv=None):
     tp.add_argument("path")
     args = parser.parse_args(argv)
     if args.what == "table":
-        print(table(args.path))
+        try:
+            print(table(args.path))
+        except ValueError as e:
+            tp.error(str(e))
         return
     gloo = args.what == "speed" and args.gloo
     if args.what == "speed":
@@ -343,6 +373,12 @@ def main(argv=None):
         if uneven:
             sp.error(f"lengths {uneven} do not divide by the {world} ranks (equal pieces)")
         models = speed_models(args.preset, args.models.split(",") if args.models else None)
+    if not gloo and not torch.cuda.is_available():
+        raise SystemExit(f"cp_nccl.py {args.what}: error: runs on CUDA GPUs over NCCL, and this machine has no CUDA "
+                         f"device{' (speed --gloo runs on CPU processes)' if args.what == 'speed' else ''}")
+    if "RANK" not in os.environ:
+        raise SystemExit(f"cp_nccl.py {args.what}: error: runs one process per GPU; start it with torchrun "
+                         f"--nproc-per-node N gpu_tests/cp_nccl.py {args.what} ...")
     dist.init_process_group("gloo" if gloo else "nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     if gloo:

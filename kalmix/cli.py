@@ -18,7 +18,7 @@ import typing
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from kalmix.bench.checks import validation_lines
+from kalmix.bench.checks import check_out, validation_lines
 from kalmix.ops.common.checks import check_device
 
 
@@ -243,8 +243,11 @@ def _run_lm(args) -> int:
     if args.table:
         if vars(args).get("cfg:memory"):
             from kalmix.bench.memory import markdown_table
+        plots = "cfg:out" in vars(args) and not vars(args).get("cfg:memory")
+        if plots:
+            check_out(vars(args)["cfg:out"], folder=True)
         print(markdown_table(*args.table))
-        if "cfg:out" in vars(args) and not vars(args).get("cfg:memory"):
+        if plots:
             plot_csvs(args.table, vars(args)["cfg:out"])
         return 0
     return run_lm(_config_from_flags(LMBenchConfig, args))
@@ -331,6 +334,10 @@ def _check_generate(args) -> None:
     if not isinstance(saved, dict) or saved.get("model_type") != "kalmix":
         kind = saved.get("model_type") if isinstance(saved, dict) else None
         raise ValueError(f"--model {args.model!r} holds a {kind!r} model, not a kalmix one")
+    weights = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+    if not any(os.path.isfile(os.path.join(args.model, f)) for f in weights):
+        raise ValueError(f"--model {args.model!r} holds a config but no weights (model.safetensors); "
+                         "KalmixForCausalLM.save_pretrained writes both")
     vocab = saved.get("vocab_size", 0)
     if args.top_k is not None and args.top_k > vocab:
         raise ValueError(f"--top-k {args.top_k} exceeds the model's vocabulary of {vocab}")
@@ -449,6 +456,8 @@ def _run_tokenizer(args) -> int:
     from kalmix.train.tokenizer import train_tokenizer
     if not args.source:
         raise ValueError("--source is empty; give 'stdlib', 'python' or a path")
+    if not args.out:
+        raise ValueError("--out is empty; give the folder to write the tokenizer to")
     data = _flag_config(DataConfig, {"source": args.source, "format": args.format, "text_field": args.text_field})
     train_tokenizer(iter_documents(data), args.vocab_size, args.out)
     print(f"tokenizer written to {args.out}")

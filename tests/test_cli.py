@@ -44,6 +44,7 @@ def files(tmp_path_factory):
     (d / "llama" / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 300}))
     (d / "norecipe.jsonl").write_text('{"mixer": "gdn", "accuracy": 0.5}\n')
     (d / "empty.jsonl").write_text("")
+    (d / "cut.jsonl").write_text('{"mixer": "gdn"}\n{"mixer": "kal')
     (d / "nonjson.jsonl").write_text("{not json\n")
     (d / "list.jsonl").write_text("[1, 2]\n")
     (d / "startonly.jsonl").write_text('{"kind": "start", "step": 0}\n')
@@ -51,6 +52,10 @@ def files(tmp_path_factory):
     (d / "good.jsonl").write_text('{"kind": "train", "step": 1, "loss": 2.0}\n')
     (d / "bad.yaml").write_text("name: x\n  bad: [\n")
     (d / "recipe.yaml").write_text(yaml.safe_dump(tiny()))
+    (d / "noweights").mkdir()
+    for f in os.listdir(d / "model"):
+        if not f.endswith(".safetensors"):
+            (d / "noweights" / f).write_bytes((d / "model" / f).read_bytes())
     (d / "badjson").mkdir()
     (d / "badjson" / "config.json").write_text("{model_type")
     row = {"recipe": "tiny", "spec": {**tiny(), "train": {"steps": 0, "lrs": [1e-3]}}, "key": "k", "point": {},
@@ -61,7 +66,7 @@ def files(tmp_path_factory):
         "tmp": ".", "model": "model", "notok": "notok", "small": "small", "llama": "llama", "nope": "nope",
         "norecipe": "norecipe.jsonl", "empty": "empty.jsonl", "nonjson": "nonjson.jsonl", "list": "list.jsonl",
         "startonly": "startonly.jsonl", "noloss": "noloss.jsonl", "good": "good.jsonl", "badyaml": "bad.yaml",
-        "recipe": "recipe.yaml", "run": "run", "badjson": "badjson", "badspec": "badspec.jsonl"}.items()}
+        "recipe": "recipe.yaml", "run": "run", "badjson": "badjson", "badspec": "badspec.jsonl", "cut": "cut.jsonl", "noweights": "noweights"}.items()}
 
 
 G = "generate --model {model} --prompt the --device cpu"
@@ -93,6 +98,7 @@ CASES = [
     (G.replace("{model}", "{nope}"), "--model '{nope}': no such folder"),
     (G.replace("{model}", "{tmp}"), "is not a saved model folder (no config.json there"),
     (G.replace("{model}", "{llama}"), "holds a 'llama' model, not a kalmix one"),
+    (G.replace("{model}", "{noweights}"), "--model '{noweights}' holds a config but no weights (model.safetensors)"),
     (G.replace("{model}", "{notok}"), "--model '{notok}' holds no tokenizer"),
     (G.replace("{model}", "{notok}") + " --tokenizer {nope}", "--tokenizer '{nope}': no such folder"),
     (G.replace("{model}", "{small}") + " --prompt 'the quick'", "outside the model's vocabulary of 256"),
@@ -116,6 +122,7 @@ CASES = [
     (MQAR + " --impl cuda", "--impl: Input should be 'naive', 'torch' or 'triton'"),
     (MQAR + " --out {tmp}", "output file '{tmp}' is a folder"),
     (MQAR + " --out ''", "the output file is an empty path"),
+    (MQAR.replace("{tmp}/m.jsonl", "{cut}"), "output file '{cut}' ends in a cut-off line (no newline after it)"),
     (MQAR + " --out {good}/m.jsonl", "output file '{good}/m.jsonl': {good} is a file, not a folder"),
     (MQAR + " --seed 9223372036854775808", "--seed: Input should be less than 9223372036854775808"),
     (MQAR + " --mixers gdn --d-model 99999999999999999999999", "`num_heads` = 2 must divide d_model = "
@@ -152,6 +159,12 @@ CASES = [
     (SPEED.replace("{tmp}/speed", "{good}"), "output folder '{good}' is a file"),
     (SPEED.replace("{tmp}/speed", "''"), "the output folder is an empty path"),
     (SPEED.replace("{tmp}/speed", "{good}/speed"), "output folder '{good}/speed': {good} is a file, not a folder"),
+    # kalmix bench lm
+    ("bench lm --device cpu --out {good}", "output folder '{good}' is a file"),
+    ("bench lm --device cpu --memory --out {good}/lm", "output folder '{good}/lm': {good} is a file, not a folder"),
+    ("bench lm --device cpu --profile --out ''", "the output folder is an empty path"),
+    ("bench lm --table " + os.path.join(ROOT, "docs", "results", "speed-lm", "lm_64k.csv") + " --out {good}",
+     "output folder '{good}' is a file"),
     # kalmix bench run
     ("bench run nope --dry-run", "recipe 'nope' is neither a file nor a shipped recipe; shipped: gka_mqar"),
     ("bench run {tmp} --dry-run", "recipe '{tmp}' is a folder"),
@@ -165,6 +178,7 @@ CASES = [
     (RUN + " --set =3", "override '=3' is not PATH=VALUE"),
     (RUN + " --set train.steps=-1", "train.steps: Input should be greater than 0 (got -1)"),
     (RUN + " --set train.steps=[", "override 'train.steps=[': VALUE is not valid YAML"),
+    (RUN + " --set task.eval_lengths=[-3]", "task.eval_lengths[0]: Input should be greater than 0 (got -3)"),
     (RUN + " --set train.optimizer=sgd", "train.optimizer: Extra inputs are not permitted"),
     (RUN + " --set train.steps.x=1", "'train.steps.x': 'steps' holds a value, not fields"),
     (RUN + " --set task.params.num_kv_pairs=40", "need 4 * num_kv_pairs <= seq_len"),
@@ -177,6 +191,8 @@ CASES = [
     (RUN.replace("{tmp}/r.jsonl", "{norecipe}"), "{norecipe}:1: not a `kalmix bench run` result row"),
     (RUN.replace("{tmp}/r.jsonl", "{tmp}"), "output file '{tmp}' is a folder"),
     (RUN.replace("{tmp}/r.jsonl", "''"), "the output file is an empty path"),
+    (RUN.replace("{tmp}/r.jsonl", "{cut}"), "output file '{cut}' ends in a cut-off line (no newline after it), which "
+     "the rows appended would join; complete or remove that line"),
     # kalmix bench report
     ("bench report {norecipe} --out {tmp}/rep", "{norecipe}:1: not a `kalmix bench run` result row (it lacks recipe"),
     ("bench report {list} --out {tmp}/rep", "{list}:1: not a `kalmix bench run` result row"),
@@ -196,6 +212,8 @@ CASES = [
     ("tokenizer train --out {model}", "{model} already exists and is not an empty directory"),
     ("tokenizer train --source '' --out {tmp}/tok", "--source is empty"),
     ("tokenizer train --source stdlib --format text --out {tmp}/tok", "leave format 'auto'"),
+    ("tokenizer train --out ''", "--out is empty; give the folder to write the tokenizer to"),
+    ("tokenizer train --source {good} --format parquet --out {tmp}/tok", "{good}: not a parquet file ("),
     # kalmix plot
     ("plot {run} --out {tmp}/p.png", "{run}: no metrics.jsonl"),
     ("plot {startonly} --out {tmp}/p.png", "{startonly}: no train or eval rows yet"),

@@ -38,9 +38,11 @@ def check_model(make_config: Callable[[], object], what: str) -> None:
     check_builds(lambda: KalmixForCausalLM(make_config()), what)
 
 
-def check_out(path: str, folder: bool = False) -> None:
+def check_out(path: str, folder: bool = False, append: bool = False) -> None:
     """A ValueError unless ``path`` can be written as a file (``folder``: made as a folder): not empty, not
-    something of the other kind, under a writable folder. Nothing is created (the writer makes the folders)."""
+    something of the other kind, under a writable folder; ``append`` (JSONL rows added to the file): a file there
+    must end with a whole line, or the first row would join its last. Nothing is created (the writer makes the
+    folders)."""
     kind = "folder" if folder else "file"
     if not path:
         raise ValueError(f"the output {kind} is an empty path")
@@ -53,6 +55,12 @@ def check_out(path: str, folder: bool = False) -> None:
         raise ValueError(f"output {kind} {path!r}: {parent} is a file, not a folder")
     if not os.access(parent, os.W_OK):
         raise ValueError(f"output {kind} {path!r}: the folder {parent} is not writable")
+    if append and os.path.isfile(path) and os.path.getsize(path):
+        with open(path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                raise ValueError(f"output file {path!r} ends in a cut-off line (no newline after it), which the "
+                                 "rows appended would join; complete or remove that line")
 
 
 def _key(loc: tuple) -> str:

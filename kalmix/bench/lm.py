@@ -45,6 +45,7 @@ import torch
 import torch.nn as nn
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kalmix.bench.checks import check_out
 from kalmix.bench.models import lm_flops_per_token
 from kalmix.bench.speed import read_csvs, versions, write_csv
 from kalmix.layers import MIXER_SPECS
@@ -758,6 +759,7 @@ def plot_csvs(csv_paths, out_dir: str) -> list[str]:
     if importlib.util.find_spec("matplotlib") is None:
         raise ValueError("bench lm --table --out draws the plots with matplotlib, which is not installed: pip install "
                          "'kalmix[plots]' (or matplotlib)")
+    check_out(out_dir, folder=True)
     os.makedirs(out_dir, exist_ok=True)
     return plot(read_rows(*csv_paths), out_dir)
 
@@ -765,6 +767,7 @@ def plot_csvs(csv_paths, out_dir: str) -> list[str]:
 def main(cfg: LMBenchConfig) -> int:
     """``kalmix bench lm``: 1 if a row failed with an error, else 0. With ``cfg.memory`` the saved-tensor account
     of ``kalmix.bench.memory`` instead of timing, with ``cfg.profile`` the profile of ``kalmix.bench.profile``."""
+    check_out(cfg.out, folder=True)
     if cfg.memory:
         from kalmix.bench.memory import run as account
         return account(cfg)

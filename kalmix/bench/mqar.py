@@ -63,7 +63,7 @@ class MQARBenchConfig(BaseModel):
             check_model(lambda: self.lm_config(mixer), f"the {mixer} model of width {self.d_model}, {self.n_layers} "
                         f"layers and vocabulary {self.vocab_size}")
         if self.out is not None:
-            check_out(self.out)
+            check_out(self.out, append=True)
         return self
 
     def train_spec(self) -> TrainSpec:

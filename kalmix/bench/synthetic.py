@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, computed_field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, computed_field, field_validator, model_validator
 from tqdm.auto import tqdm
 
 from kalmix.ops.common.checks import check_device
@@ -82,7 +82,7 @@ class TaskSpec(BaseModel):
                                        "fresh batch every step (no sequence seen twice)")
     val_examples: int = Field(256, gt=0)
     test_examples: int = Field(gt=0)
-    eval_lengths: list[int] = Field([], description="also test at these values of the task's length field")
+    eval_lengths: list[PositiveInt] = Field([], description="also test at these values of the task's length field")
 
     def check(self) -> None:
         """The task config's own validation, at the training length and each evaluation length."""
@@ -859,7 +859,7 @@ def plan(recipe: Recipe, out_path: str, device: str = "cpu", impl: str | None = 
     unknown = sorted(set(labels) - set(recipe.mixers))
     if unknown:
         raise ValueError(f"recipe {recipe.name} has no mixer(s) {unknown}; it has {sorted(recipe.mixers)}")
-    check_out(out_path)
+    check_out(out_path, append=True)
     done = recorded(out_path)
     runs = {}                                           # key -> (point, recipe at it, label, seed, lr)
     for point in recipe.points():

@@ -55,6 +55,14 @@ class DirLock:
         self._created = False
 
     def acquire(self) -> DirLock:
+        """Take the lock (making the folder if need be); a ValueError naming ``what`` when the folder, or a folder
+        above it, is a file."""
+        above = self.folder.absolute()
+        while not above.exists() and above != above.parent:
+            above = above.parent
+        if above.exists() and not above.is_dir():
+            where = "" if above == self.folder.absolute() else f": {above}"
+            raise ValueError(f"{self.what} '{self.folder}'{where} is a file, not a folder")
         while True:         # the previous owner may remove the file (and an empty folder) between open and flock
             if not self.folder.exists():
                 self.folder.mkdir(parents=True, exist_ok=True)

@@ -207,8 +207,8 @@ class TrainConfig(StrictConfig):
     """Everything a run depends on. ``kalmix train CONFIG.yaml --section.key value ...``; what a resumed run may
     change is in this module's docstring."""
 
-    run_dir: str = Field("runs/train", description="the run's folder: config, metrics.jsonl, checkpoints, model")
-    seed: int = Field(0, description="seed of the initialisation and the data order")
+    run_dir: str = Field("runs/train", min_length=1, description="the run's folder: config, metrics.jsonl, checkpoints, model")
+    seed: int = Field(0, ge=0, description="seed of the initialisation and the data order")
     data_dir: str | None = Field(None, description="folder of the tokenizer and token shards (default: "
                                                    "runs/data/<hash of the data and tokenizer settings and of the "
                                                    "source files' paths, sizes and modification times>)")
@@ -380,8 +380,9 @@ def _flag_value(key: str, value, fields: dict):
         return value
     parsed = _parse_yaml(value, f"--{key} {value!r}")
     field = fields.get(key)
-    if field is not None and _is_text_field(field) and parsed is not None and not isinstance(parsed, str):
-        return value
+    if field is not None and _is_text_field(field) and not isinstance(parsed, str) and (
+            parsed is not None or (field.annotation is str and not value.strip())):
+        return value                                # '' stays '' where None is no value the field takes
     return parsed
 
 

@@ -76,14 +76,14 @@ class DataConfig(StrictConfig):
 
     model_config = ConfigDict(frozen=True)
 
-    source: str = Field(STDLIB, description="'stdlib' (the Python standard library's *.py files), 'python' (those "
+    source: str = Field(STDLIB, min_length=1, description="'stdlib' (the Python standard library's *.py files), 'python' (those "
                                             "and every installed package's *.py files) or a path: a file "
                                             "or a directory of *.txt / *.jsonl / *.parquet files, or a "
                                             "datasets.save_to_disk directory")
     format: Literal["auto", "text", "jsonl", "parquet", "datasets"] = Field(
         "auto", description="how to read source; 'auto' infers it from the path")
-    text_field: str = Field("text", description="jsonl field / parquet or datasets column holding the text")
-    split: str = Field("train", description="split of a saved datasets.DatasetDict (not the train / val split, "
+    text_field: str = Field("text", min_length=1, description="jsonl field / parquet or datasets column holding the text")
+    split: str = Field("train", min_length=1, description="split of a saved datasets.DatasetDict (not the train / val split, "
                                             "which prepare makes)")
     text_docs: Literal["file", "blocks"] = Field(
         "file", description="text sources: one document per file, or per block of lines between blank lines")
@@ -307,7 +307,10 @@ def _read_parquet(files: list[Path], column: str) -> Iterator[str]:
         raise ImportError("reading parquet needs pyarrow: pip install pyarrow") from e
     opened = []
     for f in files:  # every schema is checked up front, before any tokenising
-        pf = pq.ParquetFile(f)
+        try:
+            pf = pq.ParquetFile(f)
+        except pa.ArrowInvalid as e:
+            raise ValueError(f"{f}: not a parquet file ({e}); set format to how it is written") from None
         schema = pf.schema_arrow
         if column not in schema.names:
             raise ValueError(f"{f}: no column {column!r} (columns: {schema.names}); set text_field")

@@ -66,12 +66,17 @@ def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerFast:
     """Load a local Hugging Face tokenizer directory; it must be a fast (tokenizers-backed) one with an eos token,
     which ``prepare`` appends to every document."""
     p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"tokenizer directory {p} is a file, not a folder")
     if not p.is_dir():
         raise FileNotFoundError(f"tokenizer directory not found: {p}")
+    if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise ValueError(f"{p} is not a Hugging Face tokenizer directory: it holds no tokenizer.json or "
+                         "tokenizer_config.json (save_pretrained writes them)")
     try:
         tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
     except (OSError, ValueError) as e:
-        raise ValueError(f"{p} is not a Hugging Face tokenizer directory: {e}") from e
+        raise ValueError(f"{p} is not a Hugging Face tokenizer directory: {' '.join(str(e).split())}") from e
     if getattr(tok, "backend_tokenizer", None) is None:
         raise ValueError(f"tokenizer at {p} is not a fast (tokenizers-backed) tokenizer; kalmix needs its "
                          f"tokenizer.json")

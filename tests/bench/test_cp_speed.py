@@ -146,15 +146,40 @@ def test_preset_models_are_bench_lms(monkeypatch):
     (["speed", "64", "--preset", "7b"], {}, r"argument --preset: invalid choice: '7b' \(choose from '?default'?, "
                                             r"'?125m'?, '?1b'?\)"),
     (["speed", "64", "--reps", "0"], {}, r"argument --reps: must be a whole number >= 1; got '0'"),
+    ([], {}, r"cp_nccl.py: error: the following arguments are required: what"),
+    (["check"], {"CUDA": ""}, r"^cp_nccl.py check: error: runs on CUDA GPUs over NCCL, and this machine has no CUDA "
+                              r"device$"),
+    (["speed", "64"], {"CUDA": ""}, r"cp_nccl.py speed: error: runs on CUDA GPUs over NCCL, and this machine has no "
+                                    r"CUDA device \(speed --gloo runs on CPU processes\)"),
+    (["speed", "64", "--gloo"], {}, r"cp_nccl.py speed: error: runs one process per GPU; start it with torchrun "
+                                    r"--nproc-per-node N"),
+    (["table", "{tmp}/nope.jsonl"], {}, r"cp_nccl.py table: error: {tmp}/nope.jsonl: No such file or directory"),
+    (["table", "{tmp}"], {}, r"cp_nccl.py table: error: {tmp}: Is a directory"),
+    (["table", "{tmp}/empty.jsonl"], {}, r"cp_nccl.py table: error: {tmp}/empty.jsonl: no rows \(an empty file\)"),
+    (["table", "{tmp}/cut.jsonl"], {}, r"cp_nccl.py table: error: {tmp}/cut.jsonl:2: not JSON"),
+    (["table", "{tmp}/other.jsonl"], {}, r"cp_nccl.py table: error: {tmp}/other.jsonl:1: not a row of `cp_nccl.py "
+                                         r"speed` \(it lacks T, gpus"),
 ])
-def test_bad_arguments_are_named(argv, env, message, monkeypatch, capsys):
+def test_bad_arguments_are_named(argv, env, message, monkeypatch, capsys, tmp_path):
+    """One message naming the bad value: arguments, a machine without CUDA or a process outside torchrun (which had
+    ended in tracebacks), and results files that are missing, a folder, empty, cut short or of something else."""
     import re
+    import torch
+    row = json.dumps({"model": "gdn", "T": 64, "gpus": 2, "ms_1gpu": 2.0, "ms_cp": 1.0, "speedup": 2.0,
+                      "mem_1gpu_gib": 1.0, "mem_cp_gib": 0.5, "gpu": "cpu", "commit": "c"})
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "cut.jsonl").write_text(row + "\n" + row[:20])
+    (tmp_path / "other.jsonl").write_text('{"model": "gdn"}\n')
+    monkeypatch.delenv("RANK", raising=False)
+    if "CUDA" in env:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     with pytest.raises(SystemExit) as e:
-        cp_nccl.main(argv)
+        cp_nccl.main([a.format(tmp=tmp_path) for a in argv])
     said = capsys.readouterr().err + str(e.value.code)
-    assert re.search(message, said), said
+    assert re.search(message.format(tmp=re.escape(str(tmp_path))), said, re.M), said
+    assert "Traceback" not in said
 
 
 def test_a_step_out_of_memory_in_its_backward_leaves_no_gradients():

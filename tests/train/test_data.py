@@ -254,8 +254,17 @@ def test_tokenizer_errors(tmp_path, tok_dir):
     with pytest.raises(FileNotFoundError, match="tokenizer directory not found"):
         load_tokenizer(tmp_path / "missing")
     (tmp_path / "blank").mkdir()
-    with pytest.raises(ValueError, match="is not a Hugging Face tokenizer directory"):
+    with pytest.raises(ValueError, match=r"blank is not a Hugging Face tokenizer directory: it holds no "
+                       r"tokenizer.json or tokenizer_config.json \(save_pretrained writes them\)$"):
         load_tokenizer(tmp_path / "blank")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=f"tokenizer directory {tmp_path / 'file'} is a file, not a folder"):
+        load_tokenizer(tmp_path / "file")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="bad is not a Hugging Face tokenizer directory: ") as e:
+        load_tokenizer(tmp_path / "bad")
+    assert "\n" not in str(e.value)                     # one line, whatever transformers says
     no_eos = PreTrainedTokenizerFast(tokenizer_object=load_tokenizer(tok_dir).backend_tokenizer)
     no_eos.save_pretrained(tmp_path / "no_eos")
     with pytest.raises(ValueError, match="has no eos token; set eos_token"):

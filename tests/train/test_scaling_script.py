@@ -4,6 +4,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("scaling", ROOT / "benchmarks" / "scaling.py")
 scaling = importlib.util.module_from_spec(spec)
@@ -48,3 +50,34 @@ def test_rows_per_gpu_sets_the_micro_batch_and_the_global_batch_and_has_its_own_
     text = scaling.table(path)
     assert "| gdn | 125m | 117M | ddp | 32 | 4 | 383,000 | 80% |" in text
     assert "| gdn | 125m | 117M | ddp | 32/GPU | 4 | 820,000 | 87% |" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "{tmp}/out", "--gpus", "0"], "scaling.py run: error: argument --gpus: must be a whole number >= 1; got '0'"),
+    (["run", "{tmp}/out", "--steps", "-1"], "argument --steps: must be a whole number >= 1; got '-1'"),
+    (["run", "{tmp}/out", "--rows-per-gpu", "0"], "argument --rows-per-gpu: must be a whole number >= 1; got '0'"),
+    (["run", "{tmp}/out", "--profile", "x"], "argument --profile: must be a whole number >= 0; got 'x'"),
+    (["run", "{tmp}/out", "--mixers", "mamba"], "argument --mixers: invalid choice: 'mamba' (choose from 'attention'"),
+    (["run", "{tmp}/file"], "scaling.py run: error: OUT '{tmp}/file' is a file; give a folder"),
+    (["run", "{tmp}/cut", "--gpus", "1"], "scaling.py run: error: {tmp}/cut/scaling.jsonl:2: not JSON"),
+    (["table", "{tmp}/nope.jsonl"], "scaling.py table: error: {tmp}/nope.jsonl: No such file or directory"),
+    (["table", "{tmp}"], "scaling.py table: error: {tmp}: Is a directory"),
+    (["table", "{tmp}/file"], "scaling.py table: error: {tmp}/file: no rows (an empty file)"),
+    (["table", "{tmp}/cut/scaling.jsonl"], "scaling.py table: error: {tmp}/cut/scaling.jsonl:2: not JSON"),
+    (["table", "{tmp}/other.jsonl"], "scaling.py table: error: {tmp}/other.jsonl:1: not a row of `scaling.py run` "
+                                     "(it lacks size, parallel, gpus, commit, gpu)"),
+])
+def test_bad_arguments_and_files_are_one_message(argv, message, tmp_path, capsys):
+    """Each is refused before any run (it had run a data preparation, or ended in a traceback, or an empty file
+    gave an empty table); nothing is made."""
+    (tmp_path / "file").write_text("")
+    (tmp_path / "cut").mkdir()
+    row = json.dumps({"mixer": "gdn", "size": "125m", "parallel": "ddp", "gpus": 1, "commit": "c", "gpu": "g"})
+    (tmp_path / "cut" / "scaling.jsonl").write_text(row + "\n" + row[:30])
+    (tmp_path / "other.jsonl").write_text('{"mixer": "gdn"}\n')
+    with pytest.raises(SystemExit) as e:
+        scaling.main([a.format(tmp=tmp_path) for a in argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message.format(tmp=tmp_path) in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()

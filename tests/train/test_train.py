@@ -70,6 +70,24 @@ def _losses(run_dir):
 # ---------------------------------------------------------------- config
 
 
+def test_an_empty_folder_source_or_field_name_is_refused(tmp_path, capsys):
+    """'' as run_dir (the current folder), data.source, text_field or split is refused, from a file or a flag
+    (which had read it as null: `got None`)."""
+    (tmp_path / "c.yaml").write_text('run_dir: ""\n')
+    with pytest.raises(ValueError, match=r"run_dir: String should have at least 1 character \(got ''\)"):
+        load_config(str(tmp_path / "c.yaml"))
+    for key in ("run_dir", "data.source", "data.text_field", "data.split"):
+        assert cli(["train", f"--{key}", "", "--print-config"]) == 2
+        assert f"{key}: String should have at least 1 character (got '')" in capsys.readouterr().err
+    assert cli(["train", "--data_dir", "", "--print-config"]) == 0        # optional: '' is unset, as before
+
+
+def test_a_negative_seed_is_refused_with_the_config(capsys):
+    """Before any data (the data loader had refused it, after the tokenizer and shards were made)."""
+    assert cli(["train", "--seed", "-1", "--print-config"]) == 2
+    assert "seed: Input should be greater than or equal to 0 (got -1)" in capsys.readouterr().err
+
+
 def test_unknown_keys_are_errors_naming_them(tmp_path):
     with pytest.raises(ValueError, match=r"optim\.lrr"):
         load_config(None, {"optim.lrr": 1e-3})
@@ -187,6 +205,21 @@ def test_cli_config_errors_are_one_message_before_any_data(tmp_path, capsys):
     assert "config file '" + str(tmp_path / "nope.yaml") + "' does not exist; give a YAML file or a preset (cpu-tiny" \
         in capsys.readouterr().err
     assert not data_dir.exists() and not (tmp_path / "r").exists()
+
+
+def test_a_run_dir_or_data_dir_that_is_a_file_is_named(corpus, tmp_path, capsys):
+    """The message names the key and the file (it had been ``FILE/.lock: Not a directory``); nothing is made."""
+    (tmp_path / "file").write_text("")
+    flags = [f"--{k}={v}" for k, v in _over(corpus, tmp_path / "run", data_dir=str(tmp_path / "data")).items()
+             if k not in ("model.mixer_kwargs",)]
+    cases = {("run_dir", "file"): f"run_dir '{tmp_path / 'file'}' is a file, not a folder",
+             ("run_dir", "file/run"): f"run_dir '{tmp_path / 'file' / 'run'}': {tmp_path / 'file'} is a file, not a "
+                                      "folder",
+             ("data_dir", "file"): f"data_dir '{tmp_path / 'file'}' is a file, not a folder"}
+    for (key, name), message in cases.items():
+        assert cli(["train", *flags, f"--{key}", str(tmp_path / name)]) == 2
+        assert capsys.readouterr().err == f"kalmix train: error: {message}\n"
+    assert sorted(os.listdir(tmp_path)) == ["file"]
 
 
 def test_a_layer_that_refuses_its_arguments_stops_before_the_data(corpus, tmp_path):

@@ -1,10 +1,12 @@
 """benchmarks/train_lm.sh on CPU: jobs spread over groups of (here nominal) GPUs side by side, a group of two as
-one torchrun (gloo), a hybrid job (MIXER@K), finished runs skipped on a rerun, the loss plot, and a bad PER_RUN refused."""
+one torchrun (gloo), a hybrid job (MIXER@K), finished runs skipped on a rerun, the loss plot, and a bad PER_RUN refused (reproduce.sh's PER_GPU and LIMIT are checked by the same helper)."""
 import json
 import os
 import random
 import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "train_lm.sh"
@@ -58,3 +60,21 @@ def test_a_per_run_that_does_not_divide_the_gpus_is_refused(tmp_path):
     r = _run(tmp_path / "lm", "gdn", "0 1", "3", tmp_path / "none.jsonl")
     assert r.returncode == 1 and "PER_RUN = 3 must be at least 1 and divide the 2 GPUs of GPUS = '0 1'" in r.stderr
     assert not (tmp_path / "lm" / "gdn").exists()
+
+
+@pytest.mark.parametrize("script, env, message", [
+    ("train_lm.sh", {"LIMIT": "abc"}, "train_lm.sh: LIMIT = 'abc' must be a whole number >= 0"),
+    ("train_lm.sh", {"LIMIT": "-5"}, "train_lm.sh: LIMIT = '-5' must be a whole number >= 0"),
+    ("train_lm.sh", {"GPUS": "0 1", "PER_RUN": "0"}, "train_lm.sh: PER_RUN = '0' must be a whole number >= 1"),
+    ("train_lm.sh", {"GPUS": "0 1", "PER_RUN": "two"}, "train_lm.sh: PER_RUN = 'two' must be a whole number >= 1"),
+    ("reproduce.sh", {"PER_GPU": "0"}, "reproduce.sh: PER_GPU = '0' must be a whole number >= 1"),
+    ("reproduce.sh", {"PER_GPU": "x"}, "reproduce.sh: PER_GPU = 'x' must be a whole number >= 1"),
+    ("reproduce.sh", {"LIMIT": "1.5"}, "reproduce.sh: LIMIT = '1.5' must be a whole number >= 0"),
+])
+def test_a_bad_number_in_the_environment_is_refused(script, env, message, tmp_path):
+    """A value that is not a whole number in range is named before anything is made (it was read as 0: no limit,
+    or no slot to run a job in)."""
+    r = subprocess.run(["bash", str(ROOT / "benchmarks" / script), str(tmp_path / "out"), "gdn"], cwd=ROOT,
+                       env={**os.environ, "GPUS": "", **env}, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and r.stderr == message + "\n", r.stdout + r.stderr
+    assert not (tmp_path / "out").exists()
