@@ -669,6 +669,10 @@ class Trainer:
             tqdm.write(f"{self.n_params / 1e6:.2f}M parameters on {env.device} × {env.world} process"
                        f"{'es' if env.world > 1 else ''}{groups}, {self.threads} CPU thread"
                        f"{'s' if self.threads > 1 else ''} each; data in {self.data_dir}")
+            warmup, steps = cfg.optim.warmup_steps, cfg.train.steps
+            if warmup > steps:                      # allowed (a short run to time or try something), but said
+                tqdm.write(f"note: optim.warmup_steps = {warmup} exceeds train.steps = {steps}: the learning rate "
+                           f"is still warming up at the last step, at {steps}/{warmup} of optim.lr")
 
     def run(self, signals: _Signals | None = None) -> dict:
         """Train from ``self.step`` to ``train.steps``, export the model, write the final checkpoint; returns the

@@ -701,6 +701,15 @@ def test_progress_off_shows_no_third_party_bar(corpus, tmp_path, capfd):
     assert hf_logging.is_progress_bar_enabled()                            # the setting is restored after the run
 
 
+def test_a_warmup_longer_than_the_run_is_said(corpus, tmp_path, capsys):
+    """Allowed (short runs that time something keep a preset's warm-up), but not silently."""
+    train(_cfg(corpus, tmp_path / "run", **{"train.steps": 1}))         # optim.warmup_steps = 2
+    assert "note: optim.warmup_steps = 2 exceeds train.steps = 1: the learning rate is still warming up at the " \
+           "last step, at 1/2 of optim.lr" in capsys.readouterr().out
+    train(_cfg(corpus, tmp_path / "whole", **{"train.steps": 2}))
+    assert "warmup_steps" not in capsys.readouterr().out
+
+
 def test_cpu_threads_by_default_and_logged(corpus, tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     before = torch.get_num_threads()
