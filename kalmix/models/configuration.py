@@ -32,10 +32,16 @@ def layer_pattern(num_layers: int, mixer: str, attention_every: int | None = Non
             types[i] = "attention"
     if not isinstance(attention_layers, (list, tuple)):
         raise ValueError(f"layer_pattern: `attention_layers` must be a list of layer indices, got {attention_layers!r}")
+    given: dict[int, int] = {}
     for i in attention_layers:
         if isinstance(i, bool) or not isinstance(i, int) or not -num_layers <= i < num_layers:
             raise ValueError(f"layer_pattern: attention layer {i!r} is out of range for {num_layers} layers (allowed: "
                              f"ints in [{-num_layers}, {num_layers}))")
+        if i % num_layers in given:
+            first = given[i % num_layers]
+            same = "" if first == i else f" (as {first}: negative indices count from the end)"
+            raise ValueError(f"layer_pattern: attention layer {i} is given twice{same}; give each layer once")
+        given[i % num_layers] = i
         types[i] = "attention"
     return types
 

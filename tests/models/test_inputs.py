@@ -52,6 +52,8 @@ def test_config_refuses_bad_values_at_construction(kw, match):
     (dict(attention_layers=[2]), r"attention layer 2 is out of range for 2 layers \(allowed: ints in \[-2, 2\)\)"),
     (dict(attention_layers=[0.0]), "attention layer 0.0 is out of range"),
     (dict(attention_layers=1), "`attention_layers` must be a list of layer indices"),
+    (dict(attention_layers=[0, 0]), r"attention layer 0 is given twice; give each layer once"),
+    (dict(attention_layers=[1, -1]), r"attention layer -1 is given twice \(as 1: negative indices count from the end\)"),
 ])
 def test_layer_pattern_refuses_bad_positions(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -133,6 +133,8 @@ def test_a_yaml_file_that_does_not_parse_names_file_line_and_column(tmp_path, ca
     ({"optim.lr": "true"}, r"optim\.lr: Input should be a valid number \(got True\)"),
     ({"optim.lr": ".nan"}, r"optim\.lr: Input should be a finite number"),
     ({"model.attention_layers": ["0", "true"]}, r"model\.attention_layers\.1: Input should be a valid integer"),
+    ({"model.attention_layers": ["0", "0"]}, r"model: layer_pattern: attention layer 0 is given twice; give each "
+                                             r"layer once"),
     ({"data.max_docs": "yes"}, r"data\.max_docs: Input should be a valid integer \(got True\)"),
     ({"train.device": "tpu"}, r"train\.device: 'tpu' is not a device kalmix trains on; allowed: auto, cpu, cuda, "
                               r"cuda:N"),
