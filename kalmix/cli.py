@@ -414,7 +414,8 @@ def _add_train_parsers(sub) -> None:
     tt.add_argument("--format", default="auto", choices=typing.get_args(DataConfig.model_fields["format"].annotation),
                     help="how to read --source (auto: from its suffix or contents)")
     tt.add_argument("--text-field", default="text", help="JSONL field / parquet or datasets column of the text")
-    tt.add_argument("--vocab-size", type=int, default=8192, help="vocabulary size")
+    tt.add_argument("--vocab-size", type=int, default=8192, help="vocabulary size (at most: a small corpus "
+                    "gives fewer tokens, which is said)")
     tt.add_argument("--out", required=True, help="output folder")
     pl = sub.add_parser("plot", help="loss curves of training runs on one PNG",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter, parents=[_COMMON])
@@ -459,8 +460,11 @@ def _run_tokenizer(args) -> int:
     if not args.out:
         raise ValueError("--out is empty; give the folder to write the tokenizer to")
     data = _flag_config(DataConfig, {"source": args.source, "format": args.format, "text_field": args.text_field})
-    train_tokenizer(iter_documents(data), args.vocab_size, args.out)
+    tokenizer = train_tokenizer(iter_documents(data), args.vocab_size, args.out)
     print(f"tokenizer written to {args.out}")
+    if len(tokenizer) < args.vocab_size:            # the corpus decides: no more pairs seen twice to merge
+        print(f"kalmix tokenizer train: note: the vocabulary has {len(tokenizer)} tokens, not the --vocab-size "
+              f"{args.vocab_size} asked: the corpus has no more pairs of tokens seen twice to merge", file=sys.stderr)
     return 0
 
 

@@ -25,6 +25,7 @@ from kalmix.train import checkpoint as ckpt
 from kalmix.train.config import load_config, presets
 from kalmix.train.loop import Dist, Trainer, cpu_threads, data_cache_dir, resume_point, train
 from kalmix.train.optim import lr_factor, param_groups
+from kalmix.train.tokenizer import load_tokenizer
 
 WORDS = ("alpha beta gamma delta kalman filter state mean noise gain ridge solve chebyshev step key value query "
          "token layer model train loss").split()
@@ -256,6 +257,17 @@ def test_tokenizer_cli_errors(corpus, tmp_path, capsys):
     assert code(["tokenizer", "train", "--format", "jsonl", "--out", str(out)]) == 2
     assert "source 'stdlib' is read as Python files" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_tokenizer_cli_says_when_the_corpus_gives_a_smaller_vocabulary(corpus, tmp_path, capsys):
+    argv = ["tokenizer", "train", "--source", str(corpus / "docs.jsonl"), "--text-field", "body", "--out"]
+    assert cli([*argv, str(tmp_path / "big"), "--vocab-size", "100000000"]) == 0
+    size = len(load_tokenizer(tmp_path / "big"))
+    assert size < 1000 and capsys.readouterr().err.endswith(
+        f"\nkalmix tokenizer train: note: the vocabulary has {size} tokens, not the --vocab-size 100000000 asked: the "
+        f"corpus has no more pairs of tokens seen twice to merge\n")
+    assert cli([*argv, str(tmp_path / "small"), "--vocab-size", "270"]) == 0
+    assert len(load_tokenizer(tmp_path / "small")) == 270 and "note:" not in capsys.readouterr().err
 
 
 def test_batch_must_divide_over_processes():
