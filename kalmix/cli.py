@@ -338,7 +338,12 @@ def _check_generate(args) -> None:
     if not any(os.path.isfile(os.path.join(args.model, f)) for f in weights):
         raise ValueError(f"--model {args.model!r} holds a config but no weights (model.safetensors); "
                          "KalmixForCausalLM.save_pretrained writes both")
-    vocab = saved.get("vocab_size", 0)
+    if "vocab_size" not in saved:
+        raise ValueError(f"--model {args.model!r}: its config.json has no vocab_size; KalmixForCausalLM.save_pretrained "
+                         "writes it")
+    vocab = saved["vocab_size"]
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+        raise ValueError(f"--model {args.model!r}: its config.json has vocab_size {vocab!r}, not a whole number >= 1")
     if args.top_k is not None and args.top_k > vocab:
         raise ValueError(f"--top-k {args.top_k} exceeds the model's vocabulary of {vocab}")
     tokenizer = args.model if args.tokenizer is None else args.tokenizer

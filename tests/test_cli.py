@@ -56,6 +56,16 @@ def files(tmp_path_factory):
     for f in os.listdir(d / "model"):
         if not f.endswith(".safetensors"):
             (d / "noweights" / f).write_bytes((d / "model" / f).read_bytes())
+    for name, vocab in (("novocab", None), ("badvocab", "300")):
+        (d / name).mkdir()
+        for f in os.listdir(d / "model"):
+            (d / name / f).write_bytes((d / "model" / f).read_bytes())
+        config = json.loads((d / name / "config.json").read_text())
+        if vocab is None:
+            del config["vocab_size"]
+        else:
+            config["vocab_size"] = vocab
+        (d / name / "config.json").write_text(json.dumps(config))
     (d / "badjson").mkdir()
     (d / "badjson" / "config.json").write_text("{model_type")
     row = {"recipe": "tiny", "spec": {**tiny(), "train": {"steps": 0, "lrs": [1e-3]}}, "key": "k", "point": {},
@@ -66,7 +76,8 @@ def files(tmp_path_factory):
         "tmp": ".", "model": "model", "notok": "notok", "small": "small", "llama": "llama", "nope": "nope",
         "norecipe": "norecipe.jsonl", "empty": "empty.jsonl", "nonjson": "nonjson.jsonl", "list": "list.jsonl",
         "startonly": "startonly.jsonl", "noloss": "noloss.jsonl", "good": "good.jsonl", "badyaml": "bad.yaml",
-        "recipe": "recipe.yaml", "run": "run", "badjson": "badjson", "badspec": "badspec.jsonl", "cut": "cut.jsonl", "noweights": "noweights"}.items()}
+        "recipe": "recipe.yaml", "run": "run", "badjson": "badjson", "badspec": "badspec.jsonl", "cut": "cut.jsonl", "noweights": "noweights",
+        "novocab": "novocab", "badvocab": "badvocab"}.items()}
 
 
 G = "generate --model {model} --prompt the --device cpu"
@@ -100,6 +111,9 @@ CASES = [
     (G.replace("{model}", "{llama}"), "holds a 'llama' model, not a kalmix one"),
     (G.replace("{model}", "{noweights}"), "--model '{noweights}' holds a config but no weights (model.safetensors)"),
     (G.replace("{model}", "{notok}"), "--model '{notok}' holds no tokenizer"),
+    (G.replace("{model}", "{novocab}"), "--model '{novocab}': its config.json has no vocab_size"),
+    (G.replace("{model}", "{badvocab}"), "--model '{badvocab}': its config.json has vocab_size '300', not a whole "
+     "number >= 1"),
     (G.replace("{model}", "{notok}") + " --tokenizer {nope}", "--tokenizer '{nope}': no such folder"),
     (G.replace("{model}", "{small}") + " --prompt 'the quick'", "outside the model's vocabulary of 256"),
     (G + " --dtype fp8", "argument --dtype: invalid choice: 'fp8'"),
