@@ -6,18 +6,42 @@ import torch
 import torch.nn.functional as F
 
 
-def run(checks, timings, configs_help: str):
+def cuda_device(prog: str) -> torch.device:
+    """The CUDA device the scripts time; without one, the script ends with a one-line message (exit status 1), as
+    benchmarks/op_profile.py does."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{prog}: error: times CUDA kernels, and this machine has no CUDA device")
+    return torch.device("cuda")
+
+
+def _config(text: str) -> dict:
+    """One ``--configs`` entry, ``KEY=VALUE,...`` with integer values ('' = the defaults), as a dict."""
+    config = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        try:
+            number = int(value)
+        except ValueError:
+            number = None
+        if not key or number is None:
+            raise argparse.ArgumentTypeError(f"{item!r} of {text!r} is not KEY=VALUE with a whole number VALUE")
+        config[key] = number
+    return config
+
+
+def run(checks, timings, configs_help: str, argv=None):
     """Parse ``--configs KEY=VALUE,...`` (integer values; '' = the defaults) and ``--skip-checks``, print the GPU,
-    then call ``checks(device)`` (None: the script's accuracy lives in gpu_tests/) and ``timings(device, configs)``."""
+    then call ``checks(device)`` (None: the script's accuracy lives in gpu_tests/) and ``timings(device, configs)``.
+    A bad entry or a machine without CUDA ends the script with a one-line message."""
     p = argparse.ArgumentParser()
-    p.add_argument("--configs", nargs="*", default=[""], help=configs_help)
+    p.add_argument("--configs", nargs="*", type=_config, default=[{}], help=configs_help)
     p.add_argument("--skip-checks", action="store_true")
-    a = p.parse_args()
-    device = torch.device("cuda")
+    a = p.parse_args(argv)
+    device = cuda_device(p.prog)
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     if checks is not None and not a.skip_checks:
         checks(device)
-    timings(device, [{k: int(x) for k, x in (kv.split("=") for kv in c.split(",") if kv)} for c in a.configs])
+    timings(device, a.configs)
 
 
 def time_anchors(T, q, k, v, beta, do):

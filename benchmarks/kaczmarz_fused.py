@@ -7,6 +7,7 @@ trains), then timed next to fla's GDN and DeltaNet. From the repository root:
 import torch
 from triton.testing import do_bench
 
+from _gpu_script import cuda_device
 from kalmix import ops
 from kalmix.ops import SPECS
 from kalmix.ops.common.testing import outputs_and_grads, rel_err, run_case
@@ -76,7 +77,7 @@ def forced_kalmix(*xs):
 _engine = fused.engine
 
 if __name__ == "__main__":
-    device = torch.device("cuda")
+    device = cuda_device("kaczmarz_fused.py")
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     checks(device)
     timings(device)

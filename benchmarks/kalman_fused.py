@@ -11,6 +11,7 @@ import argparse
 import torch
 from triton.testing import do_bench
 
+from _gpu_script import cuda_device
 from kalmix import ops
 from kalmix.ops.common.testing import rel_err
 from kalmix.ops.kalman import fused
@@ -91,18 +92,27 @@ def timings(dev, configs):
                   f"fwd+bwd {tb:7.3f}  ratio to anchor {tb / t_fb:5.2f}  peak {peak:.1f} GiB")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", nargs="*", default=None, help="kernel configurations to time")
+def _config(text: str) -> tuple[int, ...]:
+    default = (fused.CHUNK, *fused.FWD_CONFIG, *fused.BWD_CONFIG)
+    values = text.split(",")
+    if len(values) != len(default) or not all(v.strip().isdigit() for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {len(default)} whole numbers separated by commas "
+                                         f"(e.g. {','.join(map(str, default))})")
+    return tuple(int(v) for v in values)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="kalman_fused.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", nargs="*", type=_config, default=None, help="kernel configurations to time")
     parser.add_argument("--no-checks", action="store_true", help="skip the accuracy checks")
-    args = parser.parse_args()
-    dev = torch.device("cuda")
+    args = parser.parse_args(argv)
+    dev = cuda_device(parser.prog)
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     if not args.no_checks:
         checks(dev)
     default = (fused.CHUNK, *fused.FWD_CONFIG, *fused.BWD_CONFIG)
-    configs = [tuple(int(v) for v in c.split(",")) for c in args.configs] if args.configs else [default]
-    timings(dev, configs)
+    timings(dev, args.configs or [default])
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
-"""benchmarks/op_profile.py and check_impls.py without a GPU: they import, name a bad argument, device, impl or
-target, and say in one line that they need CUDA."""
+"""benchmarks/op_profile.py, check_impls.py and the GPU check scripts (_gpu_script.py's and kalman_fused.py's
+--configs) without a GPU: they import, name a bad argument, device, impl or target, and say in one line that they
+need CUDA."""
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,3 +57,39 @@ def test_check_impls_names_a_device_or_impl_it_cannot_test(argv, message, monkey
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     code, err = _error(argv, capsys, check_impls)
     assert code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_gpu_scripts_name_a_bad_configs_entry_and_the_missing_gpu(monkeypatch, capsys):
+    """benchmarks/_gpu_script.py (delta_triton, gka_triton, vla_triton, short_conv) and kalman_fused /
+    kaczmarz_fused, which share its CUDA check: one line each, never a traceback."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    gpu_script = _load("_gpu_script")
+    called = []
+
+    def go(argv):
+        with pytest.raises(SystemExit) as e:
+            gpu_script.run(None, lambda dev, configs: called.append(configs), "help", argv)
+        return e.value.code, capsys.readouterr().err
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for bad, item in (("fwd=x", "'fwd=x'"), ("fwd=8,bwd", "'bwd'"), ("=8", "'=8'")):
+        code, err = go(["--configs", "", bad])
+        assert code == 2 and f"argument --configs: {item} of '{bad}' is not KEY=VALUE with a whole number VALUE" \
+            in err and "Traceback" not in err
+    assert gpu_script._config("fwd=16,bwd=8") == {"fwd": 16, "bwd": 8} and gpu_script._config("") == {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, err = go(["--configs", "fwd=16"])
+    assert code.endswith("error: times CUDA kernels, and this machine has no CUDA device") and err == ""
+    assert called == []
+    with pytest.raises(SystemExit) as e:
+        _load("kalman_fused").main(["--no-checks"])
+    assert e.value.code == "kalman_fused.py: error: times CUDA kernels, and this machine has no CUDA device"
+    with pytest.raises(SystemExit) as e:
+        _load("kalman_fused").main(["--configs", "4,16"])
+    assert e.value.code == 2 and "argument --configs: '4,16' is not 6 whole numbers" in capsys.readouterr().err
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "benchmarks/kaczmarz_fused.py"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 1 and r.stderr.splitlines()[-1] == ("kaczmarz_fused.py: error: times CUDA kernels, and this "
+                                                               "machine has no CUDA device"), r.stderr
+    assert "Traceback" not in r.stderr
