@@ -426,7 +426,8 @@ def load_config(path: str | None, overrides: dict[str, Any] | None = None) -> Tr
             raise ValueError(f"config file {path}: not UTF-8 text (byte {e.start})") from None
         tree = _parse_yaml(text, f"config file {path}")
         if tree is None:
-            tree = {}
+            raise ValueError(f"config file {path} is empty (or only comments); give its sections, or leave CONFIG "
+                             f"out to train on the defaults")
         if not isinstance(tree, dict):
             raise ValueError(f"config file {path} must hold a mapping of sections, got {type(tree).__name__}")
     fields = dict(_leaves(TrainConfig))

@@ -124,6 +124,13 @@ def test_a_yaml_file_that_does_not_parse_names_file_line_and_column(tmp_path, ca
     assert cli(["train", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"kalmix train: error: config file {bad}, line 4, column 1") and "Traceback" not in err
+    for text in ("", "# only a comment\n"):
+        (tmp_path / "empty.yaml").write_text(text)
+        with pytest.raises(ValueError, match=rf"config file {re.escape(str(tmp_path / 'empty.yaml'))} is empty \(or "
+                                             r"only comments\); give its sections, or leave CONFIG out"):
+            load_config(str(tmp_path / "empty.yaml"))
+    assert cli(["train", str(tmp_path / "empty.yaml"), "--print-config"]) == 2
+    assert capsys.readouterr().err.startswith(f"kalmix train: error: config file {tmp_path / 'empty.yaml'} is empty")
 
 
 @pytest.mark.parametrize("over, match", [
