@@ -261,7 +261,7 @@ def _add_recipe_parsers(tasks) -> None:
     _add_config_flags(r, RunOptions)
     rp = tasks.add_parser("report", help="markdown tables and PNG plots from `kalmix bench run` results",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter, parents=[_COMMON])
-    rp.add_argument("results", nargs="+", help="JSONL results files")
+    rp.add_argument("results", nargs="+", help="JSONL results files (each once)")
     rp.add_argument("--out", default="runs/bench/report", help="output folder (README.md and PNGs)")
 
 

@@ -208,6 +208,9 @@ CASES = [
     (RUN.replace("{tmp}/r.jsonl", "{cut}"), "output file '{cut}' ends in a cut-off line (no newline after it), which "
      "the rows appended would join; complete or remove that line"),
     # kalmix bench report
+    ("bench report {badspec} {good} {badspec} --out {tmp}/rep", "results file '{badspec}' is given twice: its runs "
+     "would count twice; give each file once"),
+    ("bench report {badspec} {tmp}/./badspec.jsonl --out {tmp}/rep", "is given twice (as '{badspec}')"),
     ("bench report {norecipe} --out {tmp}/rep", "{norecipe}:1: not a `kalmix bench run` result row (it lacks recipe"),
     ("bench report {list} --out {tmp}/rep", "{list}:1: not a `kalmix bench run` result row"),
     ("bench report {empty} --out {tmp}/rep", "{empty}: no result rows (an empty file)"),

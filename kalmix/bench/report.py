@@ -25,7 +25,16 @@ from kalmix.bench.synthetic import Recipe, load_recipe, read_rows, recipe_names,
 
 
 def load_rows(paths: list[str]) -> list[dict]:
-    """The rows of every results file; each must hold at least one."""
+    """The rows of every results file; each must hold at least one and be given once (its rows would count
+    twice)."""
+    seen = {}
+    for path in paths:
+        real = os.path.realpath(path)
+        if real in seen:
+            same = "" if seen[real] == path else f" (as {seen[real]!r})"
+            raise ValueError(f"results file {path!r} is given twice{same}: its runs would count twice; give each "
+                             f"file once")
+        seen[real] = path
     rows = []
     for path in paths:
         if os.path.isdir(path):
