@@ -82,22 +82,9 @@ ROW_KEYS = ("mixer", "size", "parallel", "gpus", "commit", "gpu")
 def read_rows(path) -> list[dict]:
     """The rows of a scaling.jsonl (blank lines skipped); a ValueError naming the file (and line) when it cannot be
     read or holds a line that is not a row of ``run``."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as e:
-        raise ValueError(f"{path}: {e.strerror}; give the scaling.jsonl that `run` wrote") from None
-    rows = []
-    for n, line in enumerate(lines, 1):
-        if line.strip():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e})") from None
-            missing = [k for k in ROW_KEYS if k not in row] if isinstance(row, dict) else list(ROW_KEYS)
-            if missing:
-                raise ValueError(f"{path}:{n}: not a row of `scaling.py run` (it lacks {', '.join(missing)})")
-            rows.append(row)
-    return rows
+    from kalmix.bench.checks import read_jsonl_rows
+    return read_jsonl_rows(path, ROW_KEYS, "not a row of `scaling.py run`",
+                           unreadable="give the scaling.jsonl that `run` wrote")
 
 
 def run(args) -> None:

@@ -27,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from kalmix.bench.checks import read_jsonl_rows
 from kalmix.bench.lm import PRESETS
 from kalmix.distributed import context_parallel_model
 from kalmix.models import KalmixConfig, KalmixForCausalLM
@@ -275,22 +276,8 @@ ROW_KEYS = ("model", "T", "gpus", "ms_1gpu", "ms_cp", "speedup", "mem_1gpu_gib",
 def read_rows(path: str) -> list[dict]:
     """``speed``'s rows in the JSONL file ``path`` (blank lines skipped); a ValueError naming the file (and line)
     when it cannot be read, is empty, or holds a line that is not one of those rows."""
-    try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except OSError as e:
-        raise ValueError(f"{path}: {e.strerror}; give the cp_speed.jsonl that `speed` wrote") from None
-    rows = []
-    for n, line in enumerate(lines, 1):
-        if line.strip():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e})") from None
-            missing = [k for k in ROW_KEYS if k not in row] if isinstance(row, dict) else list(ROW_KEYS)
-            if missing:
-                raise ValueError(f"{path}:{n}: not a row of `cp_nccl.py speed` (it lacks {', '.join(missing)})")
-            rows.append(row)
+    rows = read_jsonl_rows(path, ROW_KEYS, "not a row of `cp_nccl.py speed`",
+                           unreadable="give the cp_speed.jsonl that `speed` wrote")
     if not rows:
         raise ValueError(f"{path}: no rows (an empty file)")
     return rows

@@ -2,13 +2,39 @@
 that runs on it, models that build, an output that can be written; and pydantic errors as readable lines."""
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from pydantic import ValidationError
 
 from kalmix.ops.common.checks import device_refusal
+
+
+def read_jsonl_rows(path, keys: Sequence[str], what: str, unreadable: str | None = None) -> list[dict]:
+    """The rows of the JSONL file ``path`` (blank lines skipped): a ValueError naming the file and line for a line
+    that is not JSON or not an object with every key of ``keys`` ("PATH:N: {what} (it lacks ...)"). A file that
+    cannot be read raises its OSError, or with ``unreadable`` a ValueError "PATH: why; {unreadable}"."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        if unreadable is None:
+            raise
+        raise ValueError(f"{path}: {e.strerror}; {unreadable}") from None
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+            missing = [k for k in keys if k not in row] if isinstance(row, dict) else list(keys)
+            if missing:
+                raise ValueError(f"{path}:{n}: {what} (it lacks {', '.join(missing)})")
+            rows.append(row)
+    return rows
 
 
 def check_impl(impl: str | None, device: torch.device) -> None:

@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, c
 from tqdm.auto import tqdm
 
 from kalmix.ops.common.checks import check_device
-from kalmix.bench.checks import check_impl, check_model, check_out
+from kalmix.bench.checks import check_impl, check_model, check_out, read_jsonl_rows
 from kalmix.layers import ALL_MIXERS, BASELINES, MIXER_SPECS
 from kalmix.models import KalmixConfig, KalmixForCausalLM
 from kalmix.models.modeling import mc_marginal
@@ -794,20 +794,7 @@ ROW_KEYS = ("recipe", "spec", "key", "point", "mixer", "lr", "seed", "status", "
 def read_rows(path: str) -> list[dict]:
     """The result rows of a JSONL file (blank lines skipped); a line that is not JSON, or not a result row of
     ``kalmix bench run`` (an object with ``ROW_KEYS``), is an error naming the file and line."""
-    rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: not JSON ({e})") from None
-                missing = [k for k in ROW_KEYS if k not in row] if isinstance(row, dict) else list(ROW_KEYS)
-                if missing:
-                    raise ValueError(f"{path}:{n}: not a `kalmix bench run` result row (it lacks "
-                                     f"{', '.join(missing)})")
-                rows.append(row)
-    return rows
+    return read_jsonl_rows(path, ROW_KEYS, "not a `kalmix bench run` result row")
 
 
 def recorded(path: str) -> set[str]:
