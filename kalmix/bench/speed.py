@@ -226,8 +226,11 @@ def ceilings(device: torch.device, warmup: int, rep: int) -> dict:
     return {"copy_GBps": 2 * 4 * n / copy_ms / 1e6, "matmul_TFLOPs": 2 * m ** 3 / mm_ms / 1e9, "fp32_TFLOPs": fp32}
 
 
-def versions() -> dict:
-    info = {"torch": torch.__version__, "device_name": torch.cuda.get_device_name() if torch.cuda.is_available()
+def versions(device: torch.device | None = None) -> dict:
+    """torch/triton/fla versions, the git commit of this tree (``$KALMIX_COMMIT`` where the copy has no history) and
+    the name of ``device`` (default: the current CUDA device if there is one, else the CPU)."""
+    cuda = torch.cuda.is_available() if device is None else device.type == "cuda"
+    info = {"torch": torch.__version__, "device_name": torch.cuda.get_device_name(device) if cuda
             else platform.processor() or platform.machine()}
     try:
         import triton

@@ -13,7 +13,7 @@ would), and its standard output is the block's content.
     python -m kalmix.bench.tables update             # rewrite every block from its command
     python -m kalmix.bench.tables update --check     # exit 1 naming each block that differs from its command's output
     python -m kalmix.bench.tables speed CSV [--modes fwd fwdbwd] [--ratio-to OP]   # op timings of `kalmix speed`
-    python -m kalmix.bench.tables train RUN_DIR ... --commit C --gpu G             # `kalmix train` runs side by side
+    python -m kalmix.bench.tables train RUN_DIR ... [--commit C] [--gpu G]         # `kalmix train` runs side by side
     python -m kalmix.bench.tables recipe RESULTS.jsonl ...                         # `kalmix bench run` score tables
 """
 from __future__ import annotations
@@ -195,37 +195,72 @@ def _csv_rows(path: str) -> list[dict]:
     return rows
 
 
-def train_table(run_dirs: list[str], commit: str, gpu: str, throughput_only: bool = False) -> str:
-    """One row per ``kalmix train`` run (named by its folder): parameters, the last validation loss and perplexity,
-    tokens/s and MFU (the mean of the logged training windows after the first, which holds compilation and
-    warm-up) and the peak memory. ``commit`` and ``gpu`` stamp the table: metrics.jsonl records neither."""
-    head = ["run", "params"] + ([] if throughput_only else ["val loss", "val ppl"]) + ["tokens/s", "MFU",
-                                                                                        "peak GiB"]
+def _per_run(what: str, values: list[str], names: list[str]) -> dict[str, str]:
+    """``--commit``/``--gpu`` values -> {run name: value}: ``RUN=VALUE`` names one run, a bare ``VALUE`` every other."""
+    default, named = None, {}
+    for value in values:
+        run, eq, v = value.partition("=")
+        if not eq:
+            if default is not None:
+                raise ValueError(f"--{what}: two values for every run ({default!r}, {value!r}); name a run as RUN=VALUE")
+            default = value
+        elif run not in names:
+            raise ValueError(f"--{what} {value!r}: no run named {run!r} among {', '.join(names)}")
+        else:
+            named[run] = v
+    return {n: named.get(n, default) for n in names}
+
+
+def train_table(run_dirs: list[str], commit: list[str] | None = None, gpu: list[str] | None = None,
+                throughput_only: bool = False) -> str:
+    """One row per ``kalmix train`` run (named by its folder): parameters, the processes and GPU that ran it, the
+    last validation loss and perplexity, tokens/s and MFU (the mean of the logged training windows after the first,
+    which holds compilation and warm-up) and the peak memory. Each run's commit and GPU come from its metrics.jsonl
+    where its start rows record them (``versions``), else from ``commit``/``gpu``: values ``VALUE`` (every such run)
+    or ``RUN=VALUE`` (the run of that folder name)."""
+    head = ["run", "params", "GPUs"] + ([] if throughput_only else ["val loss", "val ppl"]) + [
+        "tokens/s", "MFU", "peak GiB"]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
-    steps = set()
-    for run_dir in run_dirs:
+    names = [os.path.basename(os.path.normpath(d)) for d in run_dirs]
+    given_commit, given_gpu = _per_run("commit", commit or [], names), _per_run("gpu", gpu or [], names)
+    steps, commits = set(), defaultdict(list)
+    for run_dir, name in zip(run_dirs, names):
         path = os.path.join(run_dir, "metrics.jsonl")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (give `kalmix train` run folders)")
         with open(path) as f:
             rows = [json.loads(line) for line in f if line.strip()]
-        start = next((r for r in rows if r.get("kind") == "start"), None)
+        starts = [r for r in rows if r.get("kind") == "start"]
         train = [r for r in rows if r.get("kind") == "train"]
         evals = [r for r in rows if r.get("kind") == "eval"]
-        if start is None or len(train) < 2 or (not evals and not throughput_only):
+        if not starts or len(train) < 2 or (not evals and not throughput_only):
             raise ValueError(f"{path}: needs a start row, two logged training windows and, for the validation "
                              f"columns, an evaluation (it has {len(train)} windows, {len(evals)} evaluations)")
+        recorded = [s["versions"] for s in starts if s.get("versions")]
+        devices = sorted({v["device_name"].removeprefix("NVIDIA ") for v in recorded}) or [given_gpu[name]]
+        shas = sorted({v["git"] for v in recorded if v.get("git")}) or [given_commit[name]]
+        if None in devices or None in shas:
+            missing = "--gpu" if None in devices else "--commit"
+            raise ValueError(f"{path}: its start rows record no {missing[2:]}; give {missing} VALUE or "
+                             f"{missing} {name}=VALUE")
+        for sha in shas:
+            commits[sha].append(name)
         timed = train[1:]
-        cells = [os.path.basename(os.path.normpath(run_dir)), f"{start['params'] / 1e6:.1f}M"]
+        worlds = sorted({s.get("world_size", "?") for s in starts}, key=str)
+        cells = [name, f"{starts[0]['params'] / 1e6:.1f}M", f"{'/'.join(map(str, worlds))} × {', '.join(devices)}"]
         if not throughput_only:
             cells += [f"{evals[-1]['val_loss']:.3f}", f"{evals[-1]['val_ppl']:.1f}"]
         cells += [f"{statistics.fmean(r['tok_s'] for r in timed):,.0f}",
                   f"{100 * statistics.fmean(r['mfu'] for r in timed):.1f}%", f"{max(r['mem_gib'] for r in train):.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
-        steps.add((train[-1]["step"], start["tokens_per_step"]))
+        steps.add((train[-1]["step"], starts[0]["tokens_per_step"]))
     runs = "; ".join(f"{s} steps of {t:,} tokens" for s, t in sorted(steps))
-    lines += ["", f"{runs}; tokens/s and MFU: the mean of the logged windows after the first. Commit {commit}, "
-              f"{gpu}: given on the command line, as metrics.jsonl records neither."]
+    if len(commits) == 1:
+        which = f"Commit {next(iter(commits))}"
+    else:
+        which = "Commits " + "; ".join(f"{sha} ({', '.join(ns)})" for sha, ns in commits.items())
+    lines += ["", f"{runs}; GPUs: processes × GPU; tokens/s (of all processes) and MFU: the mean of the logged "
+              f"windows after the first. {which}."]
     return "\n".join(lines)
 
 
@@ -269,9 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--ratio-to", default=None, metavar="OP", help="add the last mode's time over this op's")
     t = sub.add_parser("train", help="`kalmix train` runs side by side")
     t.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    t.add_argument("--commit", required=True, help="the commit that ran the runs or, where that is unknown, the one "
-                   "that added their rows (metrics.jsonl records neither)")
-    t.add_argument("--gpu", required=True, help="the GPU they ran on (metrics.jsonl does not record it)")
+    t.add_argument("--commit", nargs="+", metavar="[RUN=]COMMIT", help="for runs whose metrics.jsonl records none: "
+                   "the commit that ran them or, where that is unknown, the one that added their rows")
+    t.add_argument("--gpu", nargs="+", metavar="[RUN=]GPU", help="for runs whose metrics.jsonl records none: the GPU "
+                   "they ran on")
     t.add_argument("--throughput-only", action="store_true", help="leave out the validation columns")
     r = sub.add_parser("recipe", help="the score tables of `kalmix bench run` results")
     r.add_argument("results", nargs="+", metavar="RESULTS.jsonl")

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from kalmix.bench.models import lm_flops_per_token
+from kalmix.bench.speed import versions
 from kalmix.distributed import context_parallel_model
 from kalmix.layers.common import upcast
 from kalmix.models import KalmixForCausalLM
@@ -662,7 +663,7 @@ class Trainer:
                    "context_parallel": cfg.train.context_parallel,
                    "flops_per_token": self.flops_per_token, "device": str(env.device), "threads": self.threads,
                    "tokens_per_step": cfg.train.seq_len * cfg.train.global_batch_size,
-                   "mixers": self.raw.config.mixers})
+                   "mixers": self.raw.config.mixers, "versions": versions(env.device)})
         if env.main:
             cp = cfg.train.context_parallel
             groups = f" (rows split over groups of {cp}, {self.dp_world} data-parallel)" if cp > 1 else ""

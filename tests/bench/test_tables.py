@@ -71,9 +71,11 @@ def test_speed_table_refuses_what_it_cannot_read(tmp_path):
         tables.speed_table(str(other), ["fwd"])
 
 
-def _run_dir(path, tok_s, val_loss=None):
+def _run_dir(path, tok_s, val_loss=None, versions=None, world_size=1):
     os.makedirs(path)
-    rows = [{"kind": "start", "step": 0, "params": 1_500_000, "tokens_per_step": 4096}]
+    rows = [{"kind": "start", "step": 0, "params": 1_500_000, "tokens_per_step": 4096, "world_size": world_size}]
+    if versions is not None:
+        rows[0]["versions"] = versions
     rows += [{"kind": "train", "step": 10 * (i + 1), "tok_s": t, "mfu": t / 1e6, "mem_gib": 1.0 + i}
              for i, t in enumerate(tok_s)]
     if val_loss is not None:
@@ -84,19 +86,38 @@ def _run_dir(path, tok_s, val_loss=None):
 
 def test_train_table_averages_the_windows_after_the_first(tmp_path):
     _run_dir(tmp_path / "gka", [10.0, 2000.0, 4000.0], val_loss=3.0)
-    lines = tables.train_table([str(tmp_path / "gka")], "abc1234", "GPU X").splitlines()
-    assert lines[2] == "| gka | 1.5M | 3.000 | 20.1 | 3,000 | 0.3% | 3.0 |"
-    assert lines[-1].startswith("30 steps of 4,096 tokens; ") and "Commit abc1234, GPU X" in lines[-1]
-    lines = tables.train_table([str(tmp_path / "gka")], "abc1234", "GPU X", throughput_only=True).splitlines()
-    assert lines[0] == "| run | params | tokens/s | MFU | peak GiB |"
+    lines = tables.train_table([str(tmp_path / "gka")], ["abc1234"], ["GPU X"]).splitlines()
+    assert lines[2] == "| gka | 1.5M | 1 × GPU X | 3.000 | 20.1 | 3,000 | 0.3% | 3.0 |"
+    assert lines[-1].startswith("30 steps of 4,096 tokens; ") and lines[-1].endswith("Commit abc1234.")
+    lines = tables.train_table([str(tmp_path / "gka")], ["abc1234"], ["GPU X"], throughput_only=True).splitlines()
+    assert lines[0] == "| run | params | GPUs | tokens/s | MFU | peak GiB |"
+
+
+def test_train_table_reads_each_runs_commit_and_gpu(tmp_path):
+    """Runs that record their commit and GPU need neither option; others take theirs from RUN=VALUE or VALUE."""
+    _run_dir(tmp_path / "new", [1.0, 2.0], 2.0, versions={"device_name": "NVIDIA H200", "git": "1234abc"})
+    _run_dir(tmp_path / "old", [1.0, 2.0], 2.0, world_size=4)
+    _run_dir(tmp_path / "older", [1.0, 2.0], 2.0)
+    runs = [str(tmp_path / n) for n in ("new", "old", "older")]
+    lines = tables.train_table(runs, ["old=0ldc0mm", "defa017"], ["old=H100", "A100"]).splitlines()
+    assert lines[2].startswith("| new | 1.5M | 1 × H200 |")
+    assert lines[3].startswith("| old | 1.5M | 4 × H100 |") and lines[4].startswith("| older | 1.5M | 1 × A100 |")
+    assert lines[-1].endswith("Commits 1234abc (new); 0ldc0mm (old); defa017 (older).")
+    assert tables.train_table(runs[:1]).splitlines()[-1].endswith("Commit 1234abc.")
+    with pytest.raises(ValueError, match="record no gpu; give --gpu VALUE or --gpu old=VALUE"):
+        tables.train_table(runs[1:], ["c"], ["older=H100"])
+    with pytest.raises(ValueError, match="--commit 'nope=1': no run named 'nope' among new, old, older"):
+        tables.train_table(runs, ["nope=1"], ["g"])
+    with pytest.raises(ValueError, match="--gpu: two values for every run"):
+        tables.train_table(runs, ["c"], ["g", "h"])
 
 
 def test_train_table_refuses_what_it_cannot_read(tmp_path):
     with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
-        tables.train_table([str(tmp_path)], "c", "g")
+        tables.train_table([str(tmp_path)], ["c"], ["g"])
     _run_dir(tmp_path / "short", [10.0, 20.0])
     with pytest.raises(ValueError, match="an evaluation .it has 2 windows, 0 evaluations"):
-        tables.train_table([str(tmp_path / "short")], "c", "g")
+        tables.train_table([str(tmp_path / "short")], ["c"], ["g"])
 
 
 def test_recipe_tables_are_stamped():
@@ -174,6 +195,7 @@ def test_command_line_errors_are_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("python -m kalmix.bench.tables: error: [Errno 2] No such file or directory") and \
         "Traceback" not in err
+    _run_dir(tmp_path / "run", [1.0, 2.0], 2.0)
     with pytest.raises(SystemExit) as e:
-        tables.main(["train", str(tmp_path)])
-    assert e.value.code == 2 and "--commit" in capsys.readouterr().err
+        tables.main(["train", str(tmp_path / "run"), "--gpu", "H100"])
+    assert e.value.code == 2 and "record no commit; give --commit VALUE" in capsys.readouterr().err

@@ -741,6 +741,7 @@ def test_cpu_threads_by_default_and_logged(corpus, tmp_path, monkeypatch):
         start = next(json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
                      if json.loads(line)["kind"] == "start")
         assert start["threads"] == 1                        # a small model on CPU: one thread
+        assert start["versions"]["torch"] == torch.__version__ and start["versions"]["device_name"]
         assert torch.get_num_threads() == 2                 # and the caller's setting back afterwards
         env = SimpleNamespace(device=torch.device("cpu"), local_world=2)
         big = _cfg(corpus, run, **{"train.threads": None})
