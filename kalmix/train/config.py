@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+import torch
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from kalmix.layers import ALL_MIXERS, MIXER_SPECS
@@ -58,6 +59,10 @@ class ModelSection(StrictConfig):
     hidden_size: int = Field(256, ge=8, description="model width")
     num_hidden_layers: int = Field(4, ge=1, description="number of blocks")
     intermediate_size: int | None = Field(None, ge=1, description="MLP hidden width (default 8/3 · hidden_size)")
+    match_params: str | None = Field(None, description="a mixer: the MLP width (a multiple of 64) that brings the "
+                                                       "parameter count nearest that of the same model with this "
+                                                       "mixer in every layer at the default width (instead of "
+                                                       "intermediate_size)")
     mlp_act: Literal[MLP_ACTS] = Field("swiglu", description="swiglu, or gelu: a 2-layer GELU MLP with biases "
                                                             "(GPT-2's)")
     norm: Literal[NORMS] = Field("rmsnorm", description="the pre-norms and final norm: rmsnorm or layernorm")
@@ -95,6 +100,13 @@ class ModelSection(StrictConfig):
             _known_mixer(name, f" (layer {i})")
         return v
 
+    @field_validator("match_params")
+    @classmethod
+    def _match_params(cls, v):
+        if v is not None:
+            _known_mixer(v, " (match_params)")
+        return v
+
     @field_validator("mixer_kwargs")
     @classmethod
     def _mixer_kwargs(cls, v):
@@ -106,11 +118,16 @@ class ModelSection(StrictConfig):
     def _builds(self):
         if self.mixers is not None and (self.attention_every is not None or self.attention_layers):
             raise ValueError("give either `mixers` or `mixer` with `attention_every` / `attention_layers`")
+        if self.match_params is not None and self.intermediate_size is not None:
+            raise ValueError(f"give either `intermediate_size` ({self.intermediate_size}) or `match_params` "
+                             f"({self.match_params!r}), not both")
         self.kalmix_config(self.vocab_size or 64)       # the models package's own checks, before any data
         return self
 
     def kalmix_config(self, vocab_size: int):
         """The ``KalmixConfig`` of this section with ``vocab_size`` embedding rows."""
+        if self.match_params is not None:
+            return self._matched(vocab_size)
         from kalmix.models import KalmixConfig
         kw = dict(vocab_size=vocab_size, hidden_size=self.hidden_size, num_hidden_layers=self.num_hidden_layers,
                   mixer_kwargs=self.mixer_kwargs, intermediate_size=self.intermediate_size,
@@ -123,6 +140,31 @@ class ModelSection(StrictConfig):
         else:
             kw.update(mixer=self.mixer, attention_every=self.attention_every, attention_layers=self.attention_layers)
         return KalmixConfig(**kw)
+
+
+    def _matched(self, vocab_size: int):
+        """``kalmix_config`` with the MLP width of ``match_params``: counted on the meta device, the width that
+        moves this model's count nearest the reference's (the same section with ``match_params`` in every
+        layer at the default width; the MLP's count is linear in its width)."""
+        from kalmix.models import KalmixForCausalLM
+
+        def count(section) -> int:
+            with torch.device("meta"):
+                return sum(p.numel() for p in KalmixForCausalLM(section.kalmix_config(vocab_size)).parameters())
+
+        plain = self.model_copy(update={"match_params": None})
+        reference = plain.model_copy(update={"mixer": self.match_params, "mixers": None, "attention_every": None,
+                                             "attention_layers": []})
+        width = plain.kalmix_config(vocab_size).intermediate_size
+        n0 = count(plain)
+        per_step = count(plain.model_copy(update={"intermediate_size": width + 64})) - n0
+        target = count(reference)
+        steps = round((target - n0) / per_step)
+        if width + 64 * steps < 64:
+            raise ValueError(f"match_params {self.match_params!r}: this model has {n0:,} parameters at MLP width "
+                             f"{width}, {n0 - target:,} more than the reference's {target:,}, and even width 64 "
+                             f"cannot make that up; make the mixer smaller (mixer_kwargs) or leave match_params out")
+        return plain.model_copy(update={"intermediate_size": width + 64 * steps}).kalmix_config(vocab_size)
 
 
 class TokenizerSection(StrictConfig):

@@ -156,6 +156,9 @@ def test_a_yaml_file_that_does_not_parse_names_file_line_and_column(tmp_path, ca
     ({"model.norm": "batchnorm"}, r"model\.norm: Input should be 'rmsnorm' or 'layernorm' \(got 'batchnorm'\)"),
     ({"model.mlp_act": "relu"}, r"model\.mlp_act: Input should be 'swiglu' or 'gelu' \(got 'relu'\)"),
     ({"model.position": "learned"}, r"model: KalmixConfig: position='learned' needs `max_position_embeddings`"),
+    ({"model.match_params": "gdnn"}, r"model\.match_params: unknown mixer 'gdnn' \(match_params\)"),
+    ({"model.match_params": "gdn", "model.intermediate_size": 128},
+     r"model: give either `intermediate_size` \(128\) or `match_params` \('gdn'\), not both"),
     ({"model.position": "learned", "model.max_position_embeddings": 100},
      r"model\.max_position_embeddings = 100 rows of learned positions cannot cover rows of train\.seq_len = 512 "
      r"tokens; give at least 512"),
@@ -165,6 +168,39 @@ def test_config_values_keep_their_types_and_names_are_checked_at_load(over, matc
         load_config(None, over)
     if "unknown mixer" in match:
         assert all(name in str(e.value) for name in ALL_MIXERS)      # the models package's registry
+
+
+@pytest.mark.parametrize("mixer, extra", [("attention", {}), ("gka", {"model.attention_every": 2}), ("gdn", {}),
+                                          ("kalman", {})])
+def test_match_params_sizes_the_mlp_to_the_reference_mixers_count(mixer, extra):
+    """match_params moves the MLP width (a multiple of 64) to bring the count within half a width step of the
+    reference model's; the reference itself keeps the default width."""
+    from kalmix.models import KalmixForCausalLM
+
+    def count(over):
+        cfg = load_config(None, {"model.hidden_size": 96, "model.num_hidden_layers": 4, "model.mixer": mixer,
+                                 "model.mixer_kwargs": {"attention": {"num_heads": 2}, "gka": {"num_heads": 2},
+                                                        "gdn": {"num_heads": 2}, "kalman": {"expand": 1}},
+                                 **extra, **over})
+        config = cfg.model.kalmix_config(256)
+        with torch.device("meta"):
+            return config.intermediate_size, sum(p.numel() for p in KalmixForCausalLM(config).parameters())
+
+    default, plain = count({})
+    _, gdn = count({"model.mixer": "gdn", "model.attention_every": None})
+    width, matched = count({"model.match_params": "gdn"})
+    step = 3 * 96 * 64 * 4                                 # SwiGLU's three matrices, 64 more channels, 4 blocks
+    assert width % 64 == 0 and abs(matched - gdn) <= step / 2
+    assert (width == default) == (abs(plain - gdn) <= step / 2)
+    if mixer == "gdn":
+        assert (width, matched) == (default, gdn)
+
+
+def test_match_params_refuses_a_model_the_mlp_cannot_shrink_to():
+    with pytest.raises(ValueError, match=r"match_params 'gdn': this model has [\d,]+ parameters at MLP width 256, "
+                                         r"[\d,]+ more than the reference's [\d,]+, and even width 64 cannot"):
+        load_config(None, {"model.hidden_size": 96, "model.mixer": "kalman", "model.match_params": "gdn",
+                           "model.mixer_kwargs": {"kalman": {"expand": 4}}})
 
 
 def test_backbone_options_reach_the_model(capsys):
