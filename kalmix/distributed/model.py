@@ -89,9 +89,9 @@ class ContextSplit:
         self.pieces: PieceDocuments | None = None      # the documents of the latest forward's piece
 
     def documents(self, shape: tuple[int, int], device: torch.device, position_ids: torch.Tensor | None,
-                  cu_seqlens: torch.Tensor | None, documents: Documents | None) -> PieceDocuments:
-        """The packed documents of this piece [B, T] (shape, on ``device``) from one of: ``cu_seqlens`` [N + 1],
-        the whole batch's offsets over its flattened B·S tokens; ``position_ids`` [B, T], this piece's positions
+                  cu_seqlens, documents: Documents | None) -> PieceDocuments:
+        """The packed documents of this piece [B, T] (shape, on ``device``) from one of: ``cu_seqlens`` [N + 1] (a
+        tensor or checked ``Offsets``), the whole batch's offsets over its flattened B·S tokens; ``position_ids`` [B, T], this piece's positions
         within their documents; ``documents``, a ``PieceDocuments`` of this piece. Collective (an all-gather of the
         pieces' lengths, or of the positions); the documents are checked once with one host read (besides the
         lengths'), and the result is what the mixers' ops run on, reading nothing back."""
@@ -111,7 +111,7 @@ class ContextSplit:
             rows, start = self.gather_plain(position_ids.long())
             whole = Documents.from_position_ids(name, rows)
         else:
-            lengths = self.lengths(T, cu_seqlens.device)
+            lengths = self.lengths(T, device)
             start = sum(lengths[:self.rank])
             whole = Documents(name, cu_seqlens, B, sum(lengths), device)
         self.pieces = PieceDocuments(whole, start, T)

@@ -33,6 +33,7 @@ from kalmix.bench.speed import versions
 from kalmix.distributed import context_parallel_model
 from kalmix.layers.common import upcast
 from kalmix.models import KalmixForCausalLM
+from kalmix.ops.common.varlen import offsets_from_host
 from kalmix.train import checkpoint as ckpt
 from kalmix.train.config import TrainConfig, describe_changes, resume_changes
 from kalmix.train.data import (DataConfig, atomic_write, files_fingerprint, is_saved_dataset,
@@ -138,6 +139,9 @@ class Dist:
             self.device = torch.device(device)
         if self.world > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        # host values (token counts, stop signals, evaluation sums) are summed over gloo on the CPU: no device copy,
+        # so the host never waits for the GPU's queue to drain
+        self.host_group = dist.new_group(backend="gloo") if self.world > 1 else None
 
     @property
     def main(self) -> bool:
@@ -148,12 +152,13 @@ class Dist:
             dist.barrier()
 
     def sum(self, *values: float | torch.Tensor) -> list[float]:
-        """Sum scalars over the processes (one collective)."""
-        t = torch.stack([torch.as_tensor(v, dtype=torch.float64).reshape(()).cpu() for v in values])
+        """Sum host scalars (numbers or CPU tensors) over the processes: one gloo collective on the CPU."""
+        t = torch.stack([torch.as_tensor(v, dtype=torch.float64).reshape(()) for v in values])
+        if t.device.type != "cpu":
+            raise ValueError(f"Dist.sum takes host values; got a tensor on {t.device} (all-reduce it on the device)")
         if self.world > 1:
-            t = t.to(self.device) if self.device.type == "cuda" else t
-            dist.all_reduce(t)
-        return t.cpu().tolist()
+            dist.all_reduce(t, group=self.host_group)
+        return t.tolist()
 
     def broadcast(self, obj):
         """Rank 0's ``obj`` (picklable) on every process."""
@@ -457,7 +462,15 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
 
     def _to_device(self, batch: dict) -> dict:
-        return {k: v.to(self.env.device, non_blocking=True) for k, v in batch.items()}
+        """A loader batch (CPU tensors, ``cu_seqlens`` over its [B, T] rows) on the device without the host waiting
+        for it: on CUDA the tensors go from pinned memory, and ``cu_seqlens`` becomes ``Offsets`` checked from the
+        host's copy, so the model reads nothing back."""
+        dev = self.env.device
+        out = {k: (v.pin_memory() if dev.type == "cuda" else v).to(dev, non_blocking=True)
+               for k, v in batch.items() if k != "cu_seqlens"}
+        B, T = batch["input_ids"].shape
+        out["cu_seqlens"] = offsets_from_host("kalmix train", batch["cu_seqlens"].tolist(), B * T, dev, row=T)
+        return out
 
     def _eval_plan(self) -> tuple[int, int]:
         """(rows, rows per forward) of an evaluation: ``eval.rows`` of the split (at most all of it) in forwards of
@@ -555,16 +568,17 @@ class Trainer:
                 loss = s * (env.world / total_count)
                 self.opt.backward(loss)
             loss_sum += s.detach().double()
-        (loss_total,) = env.sum(loss_sum)
+        if env.world > 1:
+            dist.all_reduce(loss_sum)                   # on the device, read only when logged
         gn = self.opt.clip(self.model.parameters())
-        grad_norm = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
+        grad_norm = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)   # the step's one host read
         if not self.opt.scaler and not math.isfinite(grad_norm):    # fp16's scaler skips such steps itself
             raise FloatingPointError(f"non-finite gradient norm at step {self.step + 1} (loss "
-                                     f"{loss_total / total_count:.4g}); the weights were not updated, and the "
+                                     f"{float(loss_sum) / total_count:.4g}); the weights were not updated, and the "
                                      f"newest checkpoint is the one to resume from")
         lr = self.opt.update(self.step)
         self.step += 1
-        return {"loss": loss_total / total_count, "lr": lr, "tokens": total_count, "grad_norm": grad_norm}
+        return {"loss": loss_sum / total_count, "lr": lr, "tokens": total_count, "grad_norm": grad_norm}
 
     def _sync(self, last: bool):
         """Gradient synchronisation only on the last micro-batch of a step."""
@@ -708,6 +722,7 @@ class Trainer:
                     self._log({"kind": "interrupt", "step": self.step, "signal": signal.Signals(signum).name})
                     raise TrainingInterrupted(signum, self.step, path)
                 last = self.train_step()
+                loss = last.pop("loss")
             if recording is not None and recording.done == recording.steps:
                 self._finish_profile(recording)
                 recording = None
@@ -715,6 +730,7 @@ class Trainer:
             tokens0 += last["tokens"]
             bar.update(1)
             if self.step % cfg.log.every == 0 or self.step == cfg.train.steps:
+                last["loss"] = float(loss)                  # the logged step's loss (a device read)
                 if env.device.type == "cuda":
                     torch.cuda.synchronize(env.device)
                 dt = time.perf_counter() - t0
