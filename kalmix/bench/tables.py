@@ -236,6 +236,10 @@ def train_table(run_dirs: list[str], commit: list[str] | None = None, gpu: list[
         if not starts or len(train) < 2 or (not evals and not throughput_only):
             raise ValueError(f"{path}: needs a start row, two logged training windows and, for the validation "
                              f"columns, an evaluation (it has {len(train)} windows, {len(evals)} evaluations)")
+        for key in ("mfu", "mem_gib"):
+            if any(r.get(key) is None for r in train):
+                why = "a CPU run, or a GPU of unknown peak without log.peak_tflops" if key == "mfu" else "a CPU run"
+                raise ValueError(f"{path}: its training windows record no {key} ({why}); the table is of GPU runs")
         recorded = [s["versions"] for s in starts if s.get("versions")]
         devices = sorted({v["device_name"].removeprefix("NVIDIA ") for v in recorded}) or [given_gpu[name]]
         shas = sorted({v["git"] for v in recorded if v.get("git")}) or [given_commit[name]]
