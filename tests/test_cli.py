@@ -227,6 +227,8 @@ CASES = [
     # kalmix tokenizer train
     ("tokenizer train --source {nope} --out {tmp}/tok", "data source not found: {nope}"),
     ("tokenizer train --vocab-size 10 --out {tmp}/tok", "a vocabulary of 10 is too small: a byte-level BPE needs at least 257"),
+    ("tokenizer train --vocab-size 99999999999 --out {tmp}/tok", "a vocabulary of 99,999,999,999 is too large: at most "
+     "4,294,967,296 entries (2**32: the token shards hold uint32 ids)"),
     ("tokenizer train --vocab-size x --out {tmp}/tok", "argument --vocab-size: invalid int value: 'x'"),
     ("tokenizer train --format xml --out {tmp}/tok", "argument --format: invalid choice: 'xml'"),
     ("tokenizer train --out {model}", "{model} already exists and is not an empty directory"),
