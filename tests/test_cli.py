@@ -235,6 +235,7 @@ CASES = [
     ("tokenizer train --source '' --out {tmp}/tok", "--source is empty"),
     ("tokenizer train --source stdlib --format text --out {tmp}/tok", "leave format 'auto'"),
     ("tokenizer train --out ''", "--out is empty; give the folder to write the tokenizer to"),
+    ("tokenizer train --out {good}/tok", "output folder '{good}/tok': {good} is a file, not a folder"),
     ("tokenizer train --source {good} --format parquet --out {tmp}/tok", "{good}: not a parquet file ("),
     # kalmix plot
     ("plot {run} --out {tmp}/p.png", "{run}: no metrics.jsonl"),
