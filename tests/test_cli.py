@@ -247,6 +247,8 @@ CASES = [
     ("plot {good} --out {tmp}", "output file '{tmp}' is a folder"),
     ("plot {good} --out {good}/loss.png", "output file '{good}/loss.png': {good} is a file, not a folder"),
     ("plot {good} --x epoch", "argument --x: invalid choice: 'epoch'"),
+    ("plot {good} --x tokens --out {tmp}/p.png", "{good}: --x tokens needs the tokens_per_step of the run's start "
+     "row, which its metrics.jsonl lacks; plot it with --x step"),
     # kalmix train (the common path: unknown flags name the subcommand)
     ("train --train.stepz 3 --print-config", "unrecognized arguments: --train.stepz"),
 ]
