@@ -18,7 +18,7 @@ source "$(dirname "$0")/spread.sh"
 out=${1:?output folder}; jobs=${2:?jobs}; shift 2
 per_gpu=$(whole PER_GPU "${PER_GPU:-2}" 1) || exit 1
 limit=$(whole LIMIT "${LIMIT:-480}" 0) || exit 1
-mkdir -p "$out"
+out_folder "$out" || exit 1
 if [[ -z ${GPUS+set} ]]; then
   GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | tr '\n' ' ')
 fi

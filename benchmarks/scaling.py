@@ -68,12 +68,21 @@ def _summary(run_dir: Path) -> dict:
 
 def prepare(out: Path) -> None:
     """The shared data cache OUT/data (tokenizer and shards), made once by a one-step CPU run of a tiny model."""
+    _check_out(out)
     if (out / "data" / "shards" / "meta.json").exists():
         return
-    subprocess.run(_cmd(out, "gdn", "125m", "ddp", 1, 1, out / "prepare") + [
+    code = subprocess.run(_cmd(out, "gdn", "125m", "ddp", 1, 1, out / "prepare") + [
         "--train.device", "cpu", "--model.hidden_size", "64", "--model.num_hidden_layers", "1",
         "--train.seq_len", "64", "--train.global_batch_size", "8", "--train.micro_batch_size", "8",
-        "--train.dtype", "fp32", "--model.mixer_kwargs", "{gdn: {num_heads: 1}}"], check=True)
+        "--train.dtype", "fp32", "--model.mixer_kwargs", "{gdn: {num_heads: 1}}"]).returncode
+    if code:
+        raise SystemExit(f"scaling.py: preparing {out / 'data'} failed: `kalmix train` exited with status {code} "
+                         "(its message is above)")
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"OUT {str(out)!r} is a file; give a folder")
 
 
 ROW_KEYS = ("mixer", "size", "parallel", "gpus", "commit", "gpu")
@@ -89,8 +98,7 @@ def read_rows(path) -> list[dict]:
 
 def run(args) -> None:
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"OUT {args.out!r} is a file; give a folder")
+    _check_out(out)
     results = out / "scaling.jsonl"
     done = set()
     if results.exists():

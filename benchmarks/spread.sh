@@ -1,5 +1,5 @@
 # Sourced by reproduce.sh and train_lm.sh: jobs spread over slots that run side by side, and a check of their
-# numeric environment variables.
+# numeric environment variables and output folder.
 
 # whole NAME VALUE MIN: print VALUE as a decimal number; fail (status 1) with a message naming NAME and VALUE
 #   unless VALUE is a whole number >= MIN. Use as `x=$(whole NAME "$value" MIN) || exit 1`.
@@ -8,6 +8,16 @@ whole() {
     echo "$(basename "$0"): $1 = '$2' must be a whole number >= $3" >&2; return 1
   fi
   echo $(( 10#$2 ))
+}
+
+# out_folder PATH: make the output folder PATH; fail (status 1) with a message naming it when it is a file or
+#   cannot be made (jobs would fail one by one, each pointing at a log under it that cannot exist).
+#   Use as `out_folder "$out" || exit 1`.
+out_folder() {
+  if [[ -e $1 && ! -d $1 ]]; then
+    echo "$(basename "$0"): OUT = '$1' is a file; give a folder for the runs" >&2; return 1
+  fi
+  mkdir -p -- "$1" || return 1
 }
 
 # spread N_JOBS N_SLOTS RUNNER [ARGS...]: slot s runs jobs s, s + N_SLOTS, ... one after another, each as

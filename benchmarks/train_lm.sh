@@ -26,7 +26,7 @@ if (( ${#gpus[@]} )); then per_run=$(whole PER_RUN "$per_run" 1) || exit 1; fi
 if (( ${#gpus[@]} )) && ! (( per_run >= 1 && ${#gpus[@]} % per_run == 0 )); then
   echo "PER_RUN = $per_run must be at least 1 and divide the ${#gpus[@]} GPUs of GPUS = '${GPUS}'" >&2; exit 1
 fi
-mkdir -p "$out"
+out_folder "$out" || exit 1
 groups=()
 if (( ${#gpus[@]} )); then
   for ((g = 0; g < ${#gpus[@]}; g += per_run)); do groups+=("$(IFS=,; echo "${gpus[*]:g:per_run}")"); done

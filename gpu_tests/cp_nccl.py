@@ -27,7 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from kalmix.bench.checks import read_jsonl_rows
+from kalmix.bench.checks import check_out, read_jsonl_rows
 from kalmix.bench.lm import PRESETS
 from kalmix.distributed import context_parallel_model
 from kalmix.models import KalmixConfig, KalmixForCausalLM
@@ -360,6 +360,15 @@ def main(argv=None):
         if uneven:
             sp.error(f"lengths {uneven} do not divide by the {world} ranks (equal pieces)")
         models = speed_models(args.preset, args.models.split(",") if args.models else None)
+        out = os.environ.get("OUT")
+        if out:                                     # rank 0 appends a row after each measurement: checked first
+            if not os.path.isdir(out):
+                sp.error(f"OUT = {out!r} {'is a file' if os.path.exists(out) else 'does not exist'}; speed appends "
+                         f"its rows to OUT/cp_speed.jsonl: give an existing folder")
+            try:
+                check_out(os.path.join(out, "cp_speed.jsonl"), append=True)
+            except ValueError as e:
+                sp.error(f"OUT = {out!r}: {e}")
     if not gloo and not torch.cuda.is_available():
         raise SystemExit(f"cp_nccl.py {args.what}: error: runs on CUDA GPUs over NCCL, and this machine has no CUDA "
                          f"device{' (speed --gloo runs on CPU processes)' if args.what == 'speed' else ''}")

@@ -464,6 +464,7 @@ def _run_tokenizer(args) -> int:
         raise ValueError("--source is empty; give 'stdlib', 'python' or a path")
     if not args.out:
         raise ValueError("--out is empty; give the folder to write the tokenizer to")
+    check_out(args.out, folder=True)
     data = _flag_config(DataConfig, {"source": args.source, "format": args.format, "text_field": args.text_field})
     tokenizer = train_tokenizer(iter_documents(data), args.vocab_size, args.out)
     print(f"tokenizer written to {args.out}")

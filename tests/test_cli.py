@@ -194,6 +194,9 @@ CASES = [
     (RUN + " --set train.steps=[", "override 'train.steps=[': VALUE is not valid YAML"),
     (RUN + " --set task.eval_lengths=[-3]", "task.eval_lengths[0]: Input should be greater than 0 (got -3)"),
     (RUN + " --set train.optimizer=sgd", "train.optimizer: Extra inputs are not permitted"),
+    (RUN + " --set train.seeds=[1,2,1]", "train.seeds: seeds [1, 2, 1] gives 1 more than once; give each value once"),
+    (RUN + " --set train.lrs=[1e-3,1e-3]", "train.lrs: lrs [0.001, 0.001] gives 0.001 more than once"),
+    (RUN + " --set grid.model.d_model=[16,16]", "grid['model.d_model'] gives 16 more than once; give each value once"),
     (RUN + " --set train.steps.x=1", "'train.steps.x': 'steps' holds a value, not fields"),
     (RUN + " --set task.params.num_kv_pairs=40", "need 4 * num_kv_pairs <= seq_len"),
     (RUN + " --set model.d_model=15 --set 'mixers.att={{mixer: attention, kwargs: {{num_heads: 2}}}}'",
@@ -224,12 +227,15 @@ CASES = [
     # kalmix tokenizer train
     ("tokenizer train --source {nope} --out {tmp}/tok", "data source not found: {nope}"),
     ("tokenizer train --vocab-size 10 --out {tmp}/tok", "a vocabulary of 10 is too small: a byte-level BPE needs at least 257"),
+    ("tokenizer train --vocab-size 99999999999 --out {tmp}/tok", "a vocabulary of 99,999,999,999 is too large: at most "
+     "4,294,967,296 entries (2**32: the token shards hold uint32 ids)"),
     ("tokenizer train --vocab-size x --out {tmp}/tok", "argument --vocab-size: invalid int value: 'x'"),
     ("tokenizer train --format xml --out {tmp}/tok", "argument --format: invalid choice: 'xml'"),
     ("tokenizer train --out {model}", "{model} already exists and is not an empty directory"),
     ("tokenizer train --source '' --out {tmp}/tok", "--source is empty"),
     ("tokenizer train --source stdlib --format text --out {tmp}/tok", "leave format 'auto'"),
     ("tokenizer train --out ''", "--out is empty; give the folder to write the tokenizer to"),
+    ("tokenizer train --out {good}/tok", "output folder '{good}/tok': {good} is a file, not a folder"),
     ("tokenizer train --source {good} --format parquet --out {tmp}/tok", "{good}: not a parquet file ("),
     # kalmix plot
     ("plot {run} --out {tmp}/p.png", "{run}: no metrics.jsonl"),
@@ -241,6 +247,8 @@ CASES = [
     ("plot {good} --out {tmp}", "output file '{tmp}' is a folder"),
     ("plot {good} --out {good}/loss.png", "output file '{good}/loss.png': {good} is a file, not a folder"),
     ("plot {good} --x epoch", "argument --x: invalid choice: 'epoch'"),
+    ("plot {good} --x tokens --out {tmp}/p.png", "{good}: --x tokens needs the tokens_per_step of the run's start "
+     "row, which its metrics.jsonl lacks; plot it with --x step"),
     # kalmix train (the common path: unknown flags name the subcommand)
     ("train --train.stepz 3 --print-config", "unrecognized arguments: --train.stepz"),
 ]

@@ -461,12 +461,20 @@ def write_csv(rows: list[dict], path: str) -> None:
 
 
 def read_csvs(paths, columns, command: str, kind: str) -> list[dict]:
-    """The rows of the result CSVs ``paths`` joined; a file without rows or lacking one of ``columns`` is a
-    ValueError naming ``command`` and the file (``kind``: what the file should be, e.g. "`kalmix bench lm` CSV")."""
+    """The rows of the result CSVs ``paths`` joined; a file without rows or lacking one of ``columns``, or a row of
+    more or fewer values than the header has columns (a file cut off mid-write), is a ValueError naming ``command``
+    and the file (``kind``: what the file should be, e.g. "`kalmix bench lm` CSV")."""
     rows = []
     for path in paths:
         with open(path, newline="") as f:
-            part = list(csv.DictReader(f))
+            reader = csv.DictReader(f)
+            part = []
+            for row in reader:
+                if None in row or None in row.values():      # DictReader's fill for a short or long row
+                    n = sum(v is not None for k, v in row.items() if k is not None) + len(row.get(None, ()))
+                    raise ValueError(f"{command}: {path}:{reader.line_num}: a row of {n} values where the header "
+                                     f"has {len(reader.fieldnames)} columns (a file cut off?); complete or remove it")
+                part.append(row)
         if not part:
             raise ValueError(f"{command}: {path} holds no rows")
         missing = [c for c in columns if c not in part[0]]

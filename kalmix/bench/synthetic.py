@@ -184,6 +184,15 @@ class TrainSpec(BaseModel):
         "or epochs of a fresh permutation each (a DataLoader's shuffle; an epoch's last partial batch dropped)")
     precision: Literal["fp32", "bf16"] = "fp32"
 
+    @field_validator("lrs", "seeds")
+    @classmethod
+    def _each_once(cls, v, info):
+        twice = sorted({x for x in v if v.count(x) > 1})
+        if twice:
+            raise ValueError(f"{info.field_name} {v} gives {', '.join(map(str, twice))} more than once; give each "
+                             f"value once (its runs would be counted twice)")
+        return v
+
     @field_validator("betas")
     @classmethod
     def _betas(cls, v):
@@ -337,6 +346,10 @@ class Recipe(BaseModel):
         for path, values in self.grid.items():
             if not values:
                 raise ValueError(f"grid[{path!r}] is empty")
+            twice = [v for i, v in enumerate(values) if v in values[:i]]
+            if twice:
+                raise ValueError(f"grid[{path!r}] gives {twice[0]!r} more than once; give each value once (its "
+                                 f"runs would be counted twice)")
             _get(self.model_dump(exclude={"grid"}), path)        # the path exists
         for o in self.where:                                  # (an entry whose values left the grid is idle)
             for path in o.at:

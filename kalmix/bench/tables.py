@@ -228,14 +228,17 @@ def train_table(run_dirs: list[str], commit: list[str] | None = None, gpu: list[
         path = os.path.join(run_dir, "metrics.jsonl")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (give `kalmix train` run folders)")
-        with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+        rows = _metrics_rows(path)
         starts = [r for r in rows if r.get("kind") == "start"]
         train = [r for r in rows if r.get("kind") == "train"]
         evals = [r for r in rows if r.get("kind") == "eval"]
         if not starts or len(train) < 2 or (not evals and not throughput_only):
             raise ValueError(f"{path}: needs a start row, two logged training windows and, for the validation "
                              f"columns, an evaluation (it has {len(train)} windows, {len(evals)} evaluations)")
+        for key in ("mfu", "mem_gib"):
+            if any(r.get(key) is None for r in train):
+                why = "a CPU run, or a GPU of unknown peak without log.peak_tflops" if key == "mfu" else "a CPU run"
+                raise ValueError(f"{path}: its training windows record no {key} ({why}); the table is of GPU runs")
         recorded = [s["versions"] for s in starts if s.get("versions")]
         devices = sorted({v["device_name"].removeprefix("NVIDIA ") for v in recorded}) or [given_gpu[name]]
         shas = sorted({v["git"] for v in recorded if v.get("git")}) or [given_commit[name]]
@@ -262,6 +265,22 @@ def train_table(run_dirs: list[str], commit: list[str] | None = None, gpu: list[
     lines += ["", f"{runs}; GPUs: processes × GPU; tokens/s (of all processes) and MFU: the mean of the logged "
               f"windows after the first. {which}."]
     return "\n".join(lines)
+
+
+def _metrics_rows(path: str) -> list[dict]:
+    """The rows of a metrics.jsonl; a ValueError naming the file and line of one that is not a JSON object."""
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not a JSON line ({e})") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path}:{n}: not a JSON object")
+                rows.append(row)
+    return rows
 
 
 def recipe_tables(paths: list[str]) -> str:

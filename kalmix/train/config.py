@@ -35,6 +35,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 from kalmix.layers import ALL_MIXERS, MIXER_SPECS
 from kalmix.models.configuration import MLP_ACTS, NORMS, POSITIONS
 from kalmix.train.data import DataConfig, Float, StrictConfig
+from kalmix.train.tokenizer import MAX_VOCAB_SIZE
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 # the keys (and sections) a resumed run must keep; every other key may change (module docstring)
@@ -170,7 +171,8 @@ class ModelSection(StrictConfig):
 class TokenizerSection(StrictConfig):
     path: str | None = Field(None, description="a local Hugging Face tokenizer directory; None: train a byte-level "
                                               "BPE on the training documents into the data cache")
-    vocab_size: int = Field(8192, ge=259, description="vocabulary of the BPE trained when path is None")
+    vocab_size: int = Field(8192, ge=259, le=MAX_VOCAB_SIZE, description="vocabulary of the BPE trained when path is "
+                                                                         "None")
 
 
 class OptimSection(StrictConfig):

@@ -60,6 +60,11 @@ def plot_runs(runs: list[str], out: str, x: str = "step", log_y: bool = False) -
     if Path(out).suffix[1:].lower() not in formats:
         raise ValueError(f"out {out!r}: the file's suffix names its format, one of {', '.join(sorted(formats))}")
     metrics = [read_metrics(run) for run in runs]        # every run checked before drawing
+    if x == "tokens":
+        for run, rows in zip(runs, metrics):
+            if not any(r.get("kind") == "start" and r.get("tokens_per_step") for r in rows):
+                raise ValueError(f"{run}: --x tokens needs the tokens_per_step of the run's start row, which its "
+                                 f"metrics.jsonl lacks; plot it with --x step")
     fig, (ax, axp) = plt.subplots(1, 2, figsize=(13, 4.8))
     for i, (run, rows) in enumerate(zip(runs, metrics)):
         color = f"C{i % 10}"

@@ -15,6 +15,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 EOS_TOKEN = "<|endoftext|>"
 _BYTES = 256  # a byte-level BPE starts from every byte, so any text encodes without an unknown token
+# the largest vocabulary trained: the token shards hold uint32 ids. (The BPE trainer reserves ~45 bytes per entry up
+# front: a mistyped 99999999999 aborted the process with Rust's out-of-memory trace.)
+MAX_VOCAB_SIZE = 1 << 32
 
 
 def train_tokenizer(documents: Iterable[str], vocab_size: int, out_dir: str | os.PathLike, *,
@@ -30,6 +33,9 @@ def train_tokenizer(documents: Iterable[str], vocab_size: int, out_dir: str | os
     if vocab_size < _BYTES + 1:
         raise ValueError(f"a vocabulary of {vocab_size} is too small: a byte-level BPE needs at least {_BYTES + 1} "
                          f"(256 bytes + {eos_token})")
+    if vocab_size > MAX_VOCAB_SIZE:
+        raise ValueError(f"a vocabulary of {vocab_size:,} is too large: at most {MAX_VOCAB_SIZE:,} entries (2**32: "
+                         f"the token shards hold uint32 ids)")
     out = Path(out_dir)
     _check_free(out)
     tok = Tokenizer(models.BPE())

@@ -153,6 +153,13 @@ def test_preset_models_are_bench_lms(monkeypatch):
                                     r"CUDA device \(speed --gloo runs on CPU processes\)"),
     (["speed", "64", "--gloo"], {}, r"cp_nccl.py speed: error: runs one process per GPU; start it with torchrun "
                                     r"--nproc-per-node N"),
+    (["speed", "64", "--gloo"], {"OUT": "{tmp}/nope"}, r"cp_nccl.py speed: error: OUT = '{tmp}/nope' does not exist; "
+                                                      r"speed appends its rows to OUT/cp_speed.jsonl: give an existing "
+                                                      r"folder"),
+    (["speed", "64", "--gloo"], {"OUT": "{tmp}/empty.jsonl"}, r"cp_nccl.py speed: error: OUT = '{tmp}/empty.jsonl' is "
+                                                             r"a file"),
+    (["speed", "64", "--gloo"], {"OUT": "{tmp}/cutout"}, r"cp_nccl.py speed: error: OUT = '{tmp}/cutout': output file "
+                                                        r"'{tmp}/cutout/cp_speed.jsonl' ends in a cut-off line"),
     (["table", "{tmp}/nope.jsonl"], {}, r"cp_nccl.py table: error: {tmp}/nope.jsonl: No such file or directory"),
     (["table", "{tmp}"], {}, r"cp_nccl.py table: error: {tmp}: Is a directory"),
     (["table", "{tmp}/empty.jsonl"], {}, r"cp_nccl.py table: error: {tmp}/empty.jsonl: no rows \(an empty file\)"),
@@ -170,11 +177,14 @@ def test_bad_arguments_are_named(argv, env, message, monkeypatch, capsys, tmp_pa
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "cut.jsonl").write_text(row + "\n" + row[:20])
     (tmp_path / "other.jsonl").write_text('{"model": "gdn"}\n')
+    (tmp_path / "cutout").mkdir()
+    (tmp_path / "cutout" / "cp_speed.jsonl").write_text(row[:20])
     monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("OUT", raising=False)
     if "CUDA" in env:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for k, v in env.items():
-        monkeypatch.setenv(k, v)
+        monkeypatch.setenv(k, v.format(tmp=tmp_path))
     with pytest.raises(SystemExit) as e:
         cp_nccl.main([a.format(tmp=tmp_path) for a in argv])
     said = capsys.readouterr().err + str(e.value.code)

@@ -147,6 +147,20 @@ def test_markdown_table_refuses_other_csvs(tmp_path):
     assert e.value.code == 2
 
 
+def test_a_csv_cut_off_mid_row_is_named(tmp_path, capsys):
+    """A CSV whose last row was cut off (the run rewrites lm.csv after every row): its file and line, exit 2 (it was a
+    TypeError from float(None), exit 1)."""
+    import os
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "results", "speed-lm", "lm_64k.csv")
+    text = open(src).read()
+    cut = tmp_path / "lm.csv"
+    cut.write_text(text[:text.index("\n", text.index("\n") + 1) + 40])     # the header, a row, 40 characters
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "lm", "--table", str(cut)])
+    assert e.value.code == 2
+    assert f"kalmix bench lm: error: bench lm --table: {cut}:3: a row of " in capsys.readouterr().err
+
+
 def test_default_shape_is_matched_and_kalman_sized():
     """At the issue's shape (on the meta device): Kalman's paper layer (expand 2) has 1.6× Llama's parameters; sized,
     it takes expand 1 and a narrower SwiGLU, within 5%, like every other model; the models already within 5% keep

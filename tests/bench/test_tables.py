@@ -120,6 +120,34 @@ def test_train_table_refuses_what_it_cannot_read(tmp_path):
         tables.train_table([str(tmp_path / "short")], ["c"], ["g"])
 
 
+def test_train_table_names_the_line_it_cannot_read(tmp_path):
+    """A metrics.jsonl cut off mid-line (a run killed while writing) or holding a line that is not an object: the
+    file and line, not json's bare message or an AttributeError traceback."""
+    _run_dir(tmp_path / "cut", [10.0, 20.0], 2.0)
+    with open(tmp_path / "cut" / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "st')
+    with pytest.raises(ValueError, match=r"cut.metrics.jsonl:5: not a JSON line \(Unterminated string"):
+        tables.train_table([str(tmp_path / "cut")], ["c"], ["g"])
+    os.makedirs(tmp_path / "list")
+    (tmp_path / "list" / "metrics.jsonl").write_text("[1, 2]\n")
+    with pytest.raises(ValueError, match=r"list.metrics.jsonl:1: not a JSON object"):
+        tables.train_table([str(tmp_path / "list")], ["c"], ["g"])
+
+
+def test_train_table_refuses_a_cpu_run(tmp_path):
+    """A CPU run logs mfu and mem_gib as null: one message naming the file, not fmean's TypeError."""
+    _run_dir(tmp_path / "cpu", [10.0, 20.0], 2.0)
+    path = tmp_path / "cpu" / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for r in rows:
+        if r["kind"] == "train":
+            r["mfu"] = r["mem_gib"] = None
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=r"metrics.jsonl: its training windows record no mfu \(a CPU run, or a GPU "
+                       r"of unknown peak without log.peak_tflops\); the table is of GPU runs"):
+        tables.train_table([str(tmp_path / "cpu")], ["c"], ["g"], throughput_only=True)
+
+
 def test_recipe_tables_are_stamped():
     text = tables.recipe_tables([os.path.join(ROOT, "docs", "results", "bench", "gka_mqar.jsonl")])
     assert "| gka | 2.8 | 80.1 |" in text.splitlines()

@@ -59,6 +59,7 @@ def test_rows_per_gpu_sets_the_micro_batch_and_the_global_batch_and_has_its_own_
     (["run", "{tmp}/out", "--profile", "x"], "argument --profile: must be a whole number >= 0; got 'x'"),
     (["run", "{tmp}/out", "--mixers", "mamba"], "argument --mixers: invalid choice: 'mamba' (choose from 'attention'"),
     (["run", "{tmp}/file"], "scaling.py run: error: OUT '{tmp}/file' is a file; give a folder"),
+    (["prepare", "{tmp}/file"], "scaling.py prepare: error: OUT '{tmp}/file' is a file; give a folder"),
     (["run", "{tmp}/cut", "--gpus", "1"], "scaling.py run: error: {tmp}/cut/scaling.jsonl:2: not JSON"),
     (["table", "{tmp}/nope.jsonl"], "scaling.py table: error: {tmp}/nope.jsonl: No such file or directory"),
     (["table", "{tmp}"], "scaling.py table: error: {tmp}: Is a directory"),
@@ -81,3 +82,12 @@ def test_bad_arguments_and_files_are_one_message(argv, message, tmp_path, capsys
     err = capsys.readouterr().err
     assert message.format(tmp=tmp_path) in err and "Traceback" not in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_failed_preparation_is_one_message(tmp_path):
+    """The data preparation's `kalmix train` failing (here: OUT under a file) ends the script with its status in one
+    line after train's own message, not a CalledProcessError traceback."""
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit, match=r"scaling.py: preparing .*file/x/data failed: `kalmix train` exited with "
+                                         r"status 2 \(its message is above\)"):
+        scaling.prepare(tmp_path / "file" / "x")

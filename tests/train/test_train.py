@@ -157,6 +157,8 @@ def test_a_yaml_file_that_does_not_parse_names_file_line_and_column(tmp_path, ca
     ({"model.mlp_act": "relu"}, r"model\.mlp_act: Input should be 'swiglu' or 'gelu' \(got 'relu'\)"),
     ({"model.position": "learned"}, r"model: KalmixConfig: position='learned' needs `max_position_embeddings`"),
     ({"model.match_params": "gdnn"}, r"model\.match_params: unknown mixer 'gdnn' \(match_params\)"),
+    ({"tokenizer.vocab_size": "99999999999"}, r"tokenizer\.vocab_size: Input should be less than or equal to "
+                                              r"4294967296 \(got 99999999999\)"),
     ({"model.match_params": "gdn", "model.intermediate_size": 128},
      r"model: give either `intermediate_size` \(128\) or `match_params` \('gdn'\), not both"),
     ({"model.position": "learned", "model.max_position_embeddings": 100},

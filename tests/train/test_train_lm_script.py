@@ -78,3 +78,16 @@ def test_a_bad_number_in_the_environment_is_refused(script, env, message, tmp_pa
                        env={**os.environ, "GPUS": "", **env}, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and r.stderr == message + "\n", r.stdout + r.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("script", ["train_lm.sh", "reproduce.sh"])
+def test_an_out_that_is_a_file_is_refused(script, tmp_path):
+    """OUT a file: one message before any job (mkdir's error was printed and every job then failed, pointing at a
+    log under the file)."""
+    out = tmp_path / "out"
+    out.write_text("")
+    r = subprocess.run(["bash", str(ROOT / "benchmarks" / script), str(out), "gdn"], cwd=ROOT,
+                       env={**os.environ, "GPUS": ""}, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and r.stderr == f"{script}: OUT = '{out}' is a file; give a folder for the runs\n", \
+        r.stdout + r.stderr
+    assert r.stdout == ""
