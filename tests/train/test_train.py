@@ -877,12 +877,15 @@ def test_non_finite_gradients_stop_the_run(corpus, tmp_path, monkeypatch, capsys
 
 
 def test_plot_draws_several_runs(corpus, tmp_path):
+    from kalmix.train.plot import plot_runs
     a, b = tmp_path / "a", tmp_path / "b"
     train(_cfg(corpus, a, **{"train.steps": 3}))
     train(_cfg(corpus, b, **{"train.steps": 3, "model.mixer": "attention"}))
     out = tmp_path / "loss.png"
     assert cli(["plot", str(a), str(b), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match=r"run '.*a/' is given twice \(as '.*a'\): its curves would be drawn twice"):
+        plot_runs([str(a), str(b), str(a) + "/"], str(tmp_path / "twice.png"))
 
 
 # ---------------------------------------------------------------- torchrun, gloo
