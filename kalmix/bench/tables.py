@@ -36,6 +36,8 @@ import sys
 import tempfile
 from collections import Counter, defaultdict
 
+from kalmix.train.plot import read_metrics
+
 BLOCK = re.compile(r"^<!-- table: (?P<command>.+?) -->\n(?P<body>.*?)^<!-- /table -->$", re.S | re.M)
 OPEN, CLOSE = "<!-- table:", "<!-- /table -->"        # markers count only at the start of a line
 DOCS = ("README.md", "docs/**/*.md")          # the files `update` reads, relative to the repository root
@@ -226,9 +228,7 @@ def train_table(run_dirs: list[str], commit: list[str] | None = None, gpu: list[
     steps, commits = set(), defaultdict(list)
     for run_dir, name in zip(run_dirs, names):
         path = os.path.join(run_dir, "metrics.jsonl")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (give `kalmix train` run folders)")
-        rows = _metrics_rows(path)
+        rows = read_metrics(run_dir)
         starts = [r for r in rows if r.get("kind") == "start"]
         train = [r for r in rows if r.get("kind") == "train"]
         evals = [r for r in rows if r.get("kind") == "eval"]
@@ -265,22 +265,6 @@ def train_table(run_dirs: list[str], commit: list[str] | None = None, gpu: list[
     lines += ["", f"{runs}; GPUs: processes × GPU; tokens/s (of all processes) and MFU: the mean of the logged "
               f"windows after the first. {which}."]
     return "\n".join(lines)
-
-
-def _metrics_rows(path: str) -> list[dict]:
-    """The rows of a metrics.jsonl; a ValueError naming the file and line of one that is not a JSON object."""
-    rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: not a JSON line ({e})") from None
-                if not isinstance(row, dict):
-                    raise ValueError(f"{path}:{n}: not a JSON object")
-                rows.append(row)
-    return rows
 
 
 def recipe_tables(paths: list[str]) -> str:

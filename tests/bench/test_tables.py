@@ -76,10 +76,11 @@ def _run_dir(path, tok_s, val_loss=None, versions=None, world_size=1):
     rows = [{"kind": "start", "step": 0, "params": 1_500_000, "tokens_per_step": 4096, "world_size": world_size}]
     if versions is not None:
         rows[0]["versions"] = versions
-    rows += [{"kind": "train", "step": 10 * (i + 1), "tok_s": t, "mfu": t / 1e6, "mem_gib": 1.0 + i}
+    rows += [{"kind": "train", "step": 10 * (i + 1), "loss": 5.0, "tok_s": t, "mfu": t / 1e6, "mem_gib": 1.0 + i}
              for i, t in enumerate(tok_s)]
     if val_loss is not None:
-        rows.append({"kind": "eval", "step": 10 * len(tok_s), "val_loss": val_loss, "val_ppl": 2.718 ** val_loss})
+        rows.append({"kind": "eval", "step": 10 * len(tok_s), "val_loss": val_loss, "val_ppl": 2.718 ** val_loss,
+                     "loss_by_position": []})
     with open(os.path.join(path, "metrics.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
 
