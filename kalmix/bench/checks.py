@@ -37,6 +37,18 @@ def read_jsonl_rows(path, keys: Sequence[str], what: str, unreadable: str | None
     return rows
 
 
+def check_given_once(paths: Sequence[str], what: str, why: str) -> None:
+    """A ValueError naming a path of ``paths`` given twice, under any spelling (``what``: what a path is, e.g.
+    "results file"; ``why``: what giving it twice would do)."""
+    seen = {}
+    for path in paths:
+        real = os.path.realpath(path)
+        if real in seen:
+            same = "" if seen[real] == path else f" (as {seen[real]!r})"
+            raise ValueError(f"{what} {path!r} is given twice{same}: {why}; give each {what.split()[-1]} once")
+        seen[real] = path
+
+
 def check_impl(impl: str | None, device: torch.device) -> None:
     """A ValueError when the kalmix op backend ``impl`` (None: triton on CUDA, torch otherwise) cannot run on
     ``device``, saying why."""

@@ -20,21 +20,14 @@ from collections import Counter, defaultdict
 
 from pydantic import ValidationError
 
-from kalmix.bench.checks import check_out, validation_lines
+from kalmix.bench.checks import check_given_once, check_out, validation_lines
 from kalmix.bench.synthetic import Recipe, load_recipe, read_rows, recipe_names, resolve_recipe, run_key
 
 
 def load_rows(paths: list[str]) -> list[dict]:
     """The rows of every results file; each must hold at least one and be given once (its rows would count
     twice)."""
-    seen = {}
-    for path in paths:
-        real = os.path.realpath(path)
-        if real in seen:
-            same = "" if seen[real] == path else f" (as {seen[real]!r})"
-            raise ValueError(f"results file {path!r} is given twice{same}: its runs would count twice; give each "
-                             f"file once")
-        seen[real] = path
+    check_given_once(paths, "results file", "its runs would count twice")
     rows = []
     for path in paths:
         if os.path.isdir(path):

@@ -91,8 +91,8 @@ class ContextSplit:
     def documents(self, shape: tuple[int, int], device: torch.device, position_ids: torch.Tensor | None,
                   cu_seqlens, documents: Documents | None) -> PieceDocuments:
         """The packed documents of this piece [B, T] (shape, on ``device``) from one of: ``cu_seqlens`` [N + 1] (a
-        tensor or checked ``Offsets``), the whole batch's offsets over its flattened B·S tokens; ``position_ids`` [B, T], this piece's positions
-        within their documents; ``documents``, a ``PieceDocuments`` of this piece. Collective (an all-gather of the
+        tensor or checked ``Offsets``), the whole batch's offsets over its flattened B·S tokens; ``position_ids``
+        [B, T], this piece's positions within their documents; ``documents``, a ``PieceDocuments`` of this piece. Collective (an all-gather of the
         pieces' lengths, or of the positions); the documents are checked once with one host read (besides the
         lengths'), and the result is what the mixers' ops run on, reading nothing back."""
         name = "context_parallel_model"

@@ -28,8 +28,8 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 import torch
+import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from kalmix.layers import ALL_MIXERS, MIXER_SPECS
@@ -141,7 +141,6 @@ class ModelSection(StrictConfig):
         else:
             kw.update(mixer=self.mixer, attention_every=self.attention_every, attention_layers=self.attention_layers)
         return KalmixConfig(**kw)
-
 
     def _matched(self, vocab_size: int):
         """``kalmix_config`` with the MLP width of ``match_params``: counted on the meta device, the width that

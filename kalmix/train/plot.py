@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-from kalmix.bench.checks import check_out
+from kalmix.bench.checks import check_given_once, check_out
 
 
 # the fields ``plot_runs`` reads from each kind of row
@@ -60,13 +59,7 @@ def plot_runs(runs: list[str], out: str, x: str = "step", log_y: bool = False) -
     formats = FigureCanvasBase.get_supported_filetypes()
     if Path(out).suffix[1:].lower() not in formats:
         raise ValueError(f"out {out!r}: the file's suffix names its format, one of {', '.join(sorted(formats))}")
-    seen = {}
-    for run in runs:
-        real = os.path.realpath(run)
-        if real in seen:
-            same = "" if seen[real] == run else f" (as {seen[real]!r})"
-            raise ValueError(f"run {run!r} is given twice{same}: its curves would be drawn twice; give each run once")
-        seen[real] = run
+    check_given_once(runs, "run", "its curves would be drawn twice")
     metrics = [read_metrics(run) for run in runs]        # every run checked before drawing
     if x == "tokens":
         for run, rows in zip(runs, metrics):
